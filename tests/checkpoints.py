@@ -1,0 +1,119 @@
+"""Tiny random Hugging Face checkpoints built at test time (no network).
+
+Every test that needs a model calls `make_checkpoint(tmp_dir, family)`: it writes
+`config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`
+and `tokenizer_config.json` (with a ChatML chat template) exactly as a real
+checkpoint on the Hub has them, so that both kvserve and `transformers` load it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
+# split characters across tokens (the detokenizer must cope).
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention stores keys and values in fixed-size blocks of tokens.",
+    "Continuous batching lets new requests join a running batch at every step.",
+    "Once upon a time there was a small server that streamed tokens to its users.",
+    "Café, naïve, jalapeño, Zürich, Łódź, 東京, 北京, こんにちは, 안녕하세요, Привет мир.",
+    "Emoji: 🚀🔥✨ and math: ∑ ∫ √ π ≈ 3.14159; arrows → ← ↑ ↓.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048 4096 and punctuation !?;:,.()[]{}",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+@functools.lru_cache(maxsize=4)
+def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    """A deterministic byte-level BPE tokenizer (GPT-2 style)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(path: Path, vocab_size: int = 384) -> transformers.PreTrainedTokenizerFast:
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size),
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(path)
+    return hf_tok
+
+
+def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.PretrainedConfig:
+    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    if family == "gpt2":
+        kw = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+        kw.update(overrides)
+        return transformers.GPT2Config(**kw)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **common,
+    )
+    if family == "mistral":
+        kw["sliding_window"] = 24
+    if family == "qwen2":
+        kw["use_sliding_window"] = False
+    if family == "qwen3":
+        kw["head_dim"] = 32  # explicit head_dim != hidden / heads
+    kw.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    return cls(**kw)
+
+
+def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_tok = save_tokenizer(path)
+    config = tiny_config(family, vocab_size=len(hf_tok), **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is near-uniform over the vocabulary; scale up the head so the
+    # distribution is peaked enough that greedy decoding is not decided by ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0 if p.dim() > 1 else 1.0)
+    model.generation_config.eos_token_id = [0, hf_tok.convert_tokens_to_ids("<|im_end|>")]
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
