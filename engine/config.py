@@ -1,0 +1,115 @@
+"""Engine configuration: user-facing `EngineArgs`, split into frozen, validated sub-configs.
+
+Values discovered at run time (the KV pool size, EOS ids, the model's context length)
+are not written back here: they live in `RuntimeInfo`, which the runner returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES_PREFIXES = ("auto", "cpu", "cuda")
+
+
+def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None  # local dir or hub id; None = the embedded default model
+    tokenizer: str | None
+    dtype: str
+    device: str
+    seed: int
+    max_model_len: int | None  # None = the model's own limit
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_positive("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int | None  # bytes for the whole pool (all layers, K and V)
+    num_kv_blocks: int | None  # overrides kv_cache_memory; includes the null block
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        _check_positive("block_size", self.block_size)
+        _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        _check_positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.kv_cache_memory, self.num_kv_blocks, self.enable_prefix_caching)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def validate(self) -> None:
+        """Raise ValueError for any bad value (each sub-config checks its own fields)."""
+        self.model_config()
+        self.cache_config()
+        self.scheduler_config()
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """Facts found while loading: what the engine actually runs with."""
+
+    model_path: str
+    architecture: str
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int  # including the null block
+    block_size: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return (self.num_kv_blocks - 1) * self.block_size

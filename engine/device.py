@@ -1,0 +1,57 @@
+"""Device and dtype choice, and how much memory the KV cache may take by default."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+_GPU_MEMORY_SHARE = 0.85  # of the free memory after the weights are loaded
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matrix products are fast on this CPU."""
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is None:
+        return False
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on CUDA; on CPU bf16 where the CPU has bf16 units (measured in
+    docs/benchmarks.md: it halves the weight traffic that bounds decode), else fp32."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def kv_cache_budget_bytes(device: torch.device) -> int:
+    """A sensible default pool size when the user gives none."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _GPU_MEMORY_SHARE)
+    return min(_cpu_available_bytes() // 4, _CPU_KV_CACHE_MAX_BYTES)

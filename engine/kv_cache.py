@@ -1,0 +1,205 @@
+"""Block manager for the paged KV cache: plain Python bookkeeping, no tensors.
+
+The pool holds `num_blocks` blocks of `block_size` token slots. Block 0 is the
+null block: it is never handed out, so padded block-table entries can point at it.
+
+Every block has a reference count. A block whose count drops to 0 goes to the
+tail of a free list (a doubly linked list threaded through the blocks, so removing
+a block from the middle is O(1)); allocation pops from the head, so the least
+recently freed block is reused first (LRU).
+
+Prefix caching: once a block is full, it is registered under a hash chained over
+its parent's hash and its own tokens. A freed block keeps its hash until it is
+reused, so a later request with the same prefix can pick it back up, and requests
+running at the same time (e.g. the n samples of one prompt) share blocks.
+
+Backpressure is `None`, never an exception: `allocate` returns None when the pool
+cannot hold the request, and the scheduler decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+NULL_BLOCK_ID = 0
+_ROOT_HASH = 0x6B76736572766531  # the parent hash of every request's first block
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Chained prefix hash (Python's int/tuple hash is stable across runs)."""
+    return hash((parent_hash, *token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked LRU list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._head = Block(-1)  # sentinels
+        self._tail = Block(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_blocks += 1
+
+    def remove(self, block: Block) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_blocks -= 1
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        assert block is not self._tail, "popleft from an empty free list"
+        self.remove(block)
+        return block
+
+    def block_ids(self) -> list[int]:
+        ids, block = [], self._head.next_free
+        while block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockManager:
+    """Owns which blocks each request holds; hands out block ids only."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._blocks[NULL_BLOCK_ID].ref_cnt = 1  # pinned forever
+        self._free = FreeBlockQueue(self._blocks[1:])
+        self._cached: dict[int, Block] = {}  # block hash -> block holding that prefix
+        self._req_blocks: dict[str, list[Block]] = {}
+        self._req_hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- capacity ----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self._free.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of usable blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    # ---- prefix cache ------------------------------------------------------
+    def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int) -> list[int]:
+        hashes = self._req_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of `token_ids` (not yet referenced).
+
+        At least one token is always left to compute, so the request has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self._extend_hashes(request_id, token_ids, max_blocks)
+        hit_ids = []
+        for h in hashes[:max_blocks]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hit_ids.append(block.block_id)
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(hit_ids) * self.block_size
+        return hit_ids
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full of computed tokens under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._req_blocks.get(request_id)
+        if not blocks:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        hashes = self._extend_hashes(request_id, token_ids, num_full)
+        for block, h in zip(blocks[:num_full], hashes):
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                self._cached[h] = block
+
+    # ---- allocation --------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> list[int] | None:
+        """Grow the request's blocks to hold `num_tokens` tokens; return the new block ids.
+
+        `cached_block_ids` (from `find_cached_prefix`, only when the request holds no
+        blocks yet) are shared rather than allocated. Returns None, changing nothing,
+        when the free list cannot supply what is needed.
+        """
+        held = self._req_blocks.setdefault(request_id, [])
+        cached = [self._blocks[i] for i in cached_block_ids]
+        num_new = self.num_blocks_for(num_tokens) - len(held) - len(cached)
+        # cached blocks nobody holds sit in the free list: taking them shrinks it too
+        num_revived = sum(1 for b in cached if b.ref_cnt == 0)
+        if num_new + num_revived > self.num_free_blocks:
+            if not held:
+                del self._req_blocks[request_id]
+            return None
+        for block in cached:
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+        held.extend(cached)
+        new_blocks = [self._take_free_block() for _ in range(max(num_new, 0))]
+        held.extend(new_blocks)
+        return [b.block_id for b in cached + new_blocks]
+
+    def _take_free_block(self) -> Block:
+        block = self._free.popleft()
+        if block.block_hash is not None:  # evict its stale prefix entry
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references; tail blocks go first into the free list,
+        so they are evicted before the shared prefix blocks."""
+        for block in reversed(self._req_blocks.pop(request_id, [])):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free.append(block)
+        self._req_hashes.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()

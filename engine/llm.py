@@ -1,0 +1,76 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+def _normalize_prompts(prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
+    return prompts
+
+
+class LLM:
+    """Batch generation in-process. Keyword arguments are those of `EngineArgs`."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt leaves no partial batch
+        processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        request_ids = [f"offline-{next(self._ids)}" for _ in processed]
+        for rid, item in zip(request_ids, processed):
+            self.engine.add_processed(rid, item)
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        try:
+            while len(results) < len(wanted):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in wanted - results.keys():
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in request_ids]

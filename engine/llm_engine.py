@@ -1,0 +1,185 @@
+"""LLMEngine: the synchronous core. add_request / step / abort.
+
+One step = schedule (plain Python) -> run the model and sample (one sync) ->
+update the scheduler -> detokenize and check stop strings -> outputs.
+Not thread-safe: `AsyncLLM` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineArgs, RuntimeInfo
+from engine.kv_cache import BlockManager
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_model_files
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = 2**63 - 1
+
+
+class StepFailed(RuntimeError):
+    """A step raised; its requests were aborted. The cause is chained."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"step failed for requests {request_ids}")
+        self.request_ids = request_ids
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A validated request, ready to be queued (made outside the engine thread)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        model_config = args.model_config()
+        files = load_model_files(model_config)
+        self.tokenizer = files.tokenizer
+        self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
+        cache_config = args.cache_config()
+        scheduler_config = args.scheduler_config()
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
+                                  files.hf_config, files.max_model_len)
+        self.info = RuntimeInfo(
+            model_path=files.model_path,
+            architecture=files.hf_config.architectures[0],
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            vocab_size=files.hf_config.vocab_size,
+            max_model_len=files.max_model_len,
+            eos_token_ids=files.eos_token_ids,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            block_size=cache_config.block_size,
+        )
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready: %s (%s) on %s, dtype %s, max_model_len %d, KV cache %d tokens",
+                    files.model_path, self.info.architecture, self.info.device, self.info.dtype,
+                    self.info.max_model_len, self.info.kv_capacity_tokens)
+
+    # ---- requests ----------------------------------------------------------
+    def process_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {self.info.vocab_size}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        num_prompt, limit = len(token_ids), self.info.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt + max_tokens} exceeds the model's context length {limit}")
+        if max_tokens < 1:
+            raise ValueError(f"prompt ({num_prompt} tokens) leaves no room to generate within "
+                             f"the context length {limit}")
+        capacity = self.info.kv_capacity_tokens
+        if num_prompt + max_tokens > capacity:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
+                             f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
+        return ProcessedPrompt(text, token_ids, params, max_tokens)
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        params = processed.params
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [
+            Request(
+                request_id=f"{request_id}#{i}", prompt_token_ids=processed.prompt_token_ids,
+                params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
+                parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
+                arrival_time=arrival)
+            for i in range(params.n)
+        ]
+        self.output_processor.add(request_id, processed.prompt, children)
+        for child in children:
+            self.scheduler.add(child)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        self.add_processed(request_id, self.process_prompt(prompt, params))
+
+    @staticmethod
+    def _child_seed(seed: int | None, index: int) -> int | None:
+        if seed is None:
+            return None
+        return seed & _SEED_MASK if index == 0 else hash((seed, index)) & _SEED_MASK
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any time and free its blocks; returns its final output (or None)."""
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        now = time.monotonic()
+        for item in plan.scheduled:
+            req = item.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self.output_processor.mark_scheduled(req, now)
+            self.prompt_tokens_total += max(0, min(item.start_pos + item.num_new_tokens,
+                                                   req.num_prompt_tokens) - item.start_pos)
+        try:
+            result = self.runner.execute(plan)
+            finished = self.scheduler.update(plan, result.sampled_token_ids)
+            self.generation_tokens_total += sum(t is not None for t in result.sampled_token_ids)
+            outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())
+        except Exception as e:
+            # fail only the requests of this step (freeing their blocks); the engine goes on
+            parent_ids = list(dict.fromkeys(item.request.parent_id for item in plan.scheduled))
+            for rid in parent_ids:
+                self.abort(rid)
+            raise StepFailed(parent_ids) from e
+        for child_id in stopped:
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage,
+            num_kv_blocks_total=bm.num_blocks - 1,
+            num_kv_blocks_free=bm.num_free_blocks,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries_total=bm.prefix_cache_queries,
+            prefix_cache_hits_total=bm.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions,
+        )

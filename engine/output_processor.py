@@ -1,0 +1,194 @@
+"""Turns each step's sampled tokens into RequestOutputs: detokenize, stop strings, n>1 fan-in.
+
+A user request with n samples is n scheduler `Request`s ("children"); this module
+keeps one `_ParentState` per user request and emits one `RequestOutput` carrying
+all n `CompletionOutput`s whenever any child produced something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import RunnerOutput, TokenLogprobs
+from engine.scheduler import FinishedRequest, StepPlan
+
+
+@dataclass(slots=True)
+class _ChildState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[LogprobsEntry] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0
+    pending_text: str = ""  # detokenized since the last emitted output
+
+
+@dataclass(slots=True)
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_ChildState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[LogprobsEntry | None] | None
+    num_cached_tokens: int = 0
+    touched: set[int] = field(default_factory=set)  # children with news this step
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _ParentState] = {}
+        self._token_texts: dict[int, str] = {}  # logprob entries' decoded tokens
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        params = children[0].params
+        states = [
+            _ChildState(
+                request=c,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, c.prompt_token_ids, params.skip_special_tokens, params.stop or []),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for c in children
+        ]
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        metrics = RequestMetrics(arrival_time=children[0].arrival_time)
+        self.parents[request_id] = _ParentState(
+            request_id, prompt, children[0].prompt_token_ids, states, metrics, prompt_logprobs)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = RequestStatus.FINISHED_ABORTED.value
+                parent.touched.add(child.request.sample_index)
+        return self._emit(parent)
+
+    # ---- per step ----------------------------------------------------------
+    def process(self, plan: StepPlan, out: RunnerOutput, finished: list[FinishedRequest],
+                now: float) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to deliver and the child ids that hit a stop string
+        (the caller finishes those in the scheduler)."""
+        finished_ids = {f.request.request_id for f in finished}
+        stopped_by_string: list[str] = []
+        touched: dict[str, _ParentState] = {}
+        for item, token_id in zip(plan.scheduled, out.sampled_token_ids):
+            req = item.request
+            parent = self.parents.get(req.parent_id)
+            if parent is None:
+                continue
+            if req.request_id in out.prompt_logprobs:
+                self._add_prompt_logprobs(parent, req, out.prompt_logprobs[req.request_id])
+                touched[parent.request_id] = parent
+            if token_id is None:
+                continue
+            child = parent.children[req.sample_index]
+            if child.finish_reason is not None:
+                continue
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            if child.logprobs is not None and req.request_id in out.logprobs:
+                self._add_logprobs(child, out.logprobs[req.request_id])
+            is_done = req.request_id in finished_ids
+            child.pending_text += child.detokenizer.update([token_id], finished=is_done)
+            if is_done:
+                child.finish_reason, child.stop_reason = req.status.value, req.stop_reason
+            elif child.detokenizer.stop_reason is not None:
+                stopped_by_string.append(req.request_id)
+                req.stop_reason = child.detokenizer.stop_reason
+                child.finish_reason, child.stop_reason = RequestStatus.FINISHED_STOPPED.value, req.stop_reason
+            parent.touched.add(req.sample_index)
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self._emit(parent))
+            if parent.finished:
+                parent.metrics.finished_time = now
+                del self.parents[parent.request_id]
+        return outputs, stopped_by_string
+
+    def mark_scheduled(self, request: Request, now: float) -> None:
+        parent = self.parents.get(request.parent_id)
+        if parent is not None and parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = now
+            parent.num_cached_tokens = request.num_computed_tokens
+
+    def _add_logprobs(self, child: _ChildState, lp: TokenLogprobs) -> None:
+        child.logprobs.append(self._entry(lp))
+        child.cumulative_logprob += lp[1]
+
+    def _add_prompt_logprobs(self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]) -> None:
+        for lp in entries:
+            entry = self._entry(lp)
+            req.prompt_logprobs.append(entry)  # the runner skips positions already scored
+            if req.sample_index == 0:
+                parent.prompt_logprobs.append(entry)
+
+    def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
+        token_id, logprob, rank, top_ids, top_lps = lp
+        entry = {tid: Logprob(l, r + 1, self._token_text(tid))
+                 for r, (tid, l) in enumerate(zip(top_ids, top_lps))}
+        if token_id not in entry:
+            entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
+        return entry
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _emit(self, parent: _ParentState) -> RequestOutput:
+        outputs = [self._snapshot(child, child.request.sample_index in parent.touched)
+                   for child in parent.children]
+        parent.touched.clear()
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=parent.finished,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__slots__}),
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _snapshot(child: _ChildState, is_touched: bool) -> CompletionOutput:
+        """A CompletionOutput that later steps never mutate (async consumers may read it late)."""
+        tokens = child.request.output_token_ids
+        start = child.num_tokens_sent if is_touched else len(tokens)
+        delta_text = child.pending_text if is_touched else ""
+        if is_touched:
+            child.num_tokens_sent, child.pending_text = len(tokens), ""
+        logprobs = child.logprobs
+        return CompletionOutput(
+            index=child.request.sample_index,
+            text=child.detokenizer.output_text,
+            token_ids=list(tokens),
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=tokens[start:],
+            delta_logprobs=logprobs[start:] if logprobs is not None else None,
+        )

@@ -1,0 +1,98 @@
+"""The scheduler's view of one sequence being generated (plain Python, no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    """One sequence: a prompt plus the tokens generated so far.
+
+    A user request with `n > 1` becomes n `Request`s that share the prompt (and,
+    through prefix caching, its KV blocks). Invariant: `num_computed_tokens` tokens
+    of `all_token_ids` have K/V in the cache; the scheduler catches it up to
+    `num_tokens` a chunk at a time, and a step that reaches the end samples a token.
+    """
+
+    __slots__ = (
+        "request_id", "parent_id", "sample_index", "params", "seed", "eos_token_ids",
+        "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
+        "num_computed_tokens", "status", "stop_reason", "num_preemptions",
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
+        "finished_time", "prompt_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        max_tokens: int,
+        parent_id: str | None = None,
+        sample_index: int = 0,
+        seed: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        # one entry per prompt position 1..n-1, filled as prefill chunks run
+        self.prompt_logprobs: list = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

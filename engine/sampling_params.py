@@ -1,0 +1,174 @@
+"""Per-request sampling parameters (vLLM-compatible surface), validated once.
+
+`SamplingParams` is a plain (mutable) dataclass because vLLM users commonly
+build one object and tweak fields (`params.max_tokens = 64`). Validation runs in
+`__post_init__`; code that mutates fields afterwards should call `validate()`
+again, or use `replace(**changes)` which returns a new, validated copy. The
+engine calls `validate()` once more when a request is added, so a mutated,
+invalid object is still rejected at the edge rather than deep in the sampler.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy (argmax), as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Largest number of top logprobs a request may ask for (OpenAI's top_logprobs cap).
+MAX_NUM_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each generated token and when to stop.
+
+    `temperature=0` means greedy; `top_k` 0 or -1 means no top-k; `max_tokens=None`
+    means "up to the context limit" (the engine fills in the real number).
+    `stop` may be given as a single string; it is stored as a list.
+    `min_tokens` forbids EOS and `stop_token_ids` until that many tokens exist
+    (stop *strings* are still honoured, as in vLLM).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field, normalizing types in place; raise ValueError naming the field and value."""
+        self.n = _int("n", self.n, lo=1)
+        self.temperature = _float("temperature", self.temperature, lo=0.0)
+        self.top_p = _float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
+        self.min_p = _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self.stop = _stop_list(self.stop)
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_NUM_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int(
+                "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_NUM_LOGPROBS
+            )
+        self.repetition_penalty = _float(
+            "repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True
+        )
+        self.presence_penalty = _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self.frequency_penalty = _float(
+            "frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0
+        )
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (lists are not shared)."""
+        return copy.deepcopy(self)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with `changes` applied (unknown field names raise TypeError)."""
+        return dataclasses.replace(self.clone(), **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return int(value)
+
+
+def _float(
+    name: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False
+) -> float:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if (value <= lo) if lo_open else (value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _stop_list(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+    return list(stop)
+
+
+def _token_id_list(name: str, ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of int, got {ids!r}")
+    for i in ids:
+        if not _is_int(i) or i < 0:
+            raise ValueError(f"{name} must contain only non-negative ints, got {i!r}")
+    return list(ids)

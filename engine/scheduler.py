@@ -1,0 +1,194 @@
+"""Continuous-batching scheduler: plain Python, no tensors (a test checks that torch is not imported).
+
+There are no prefill and decode phases. Each request has `num_computed_tokens`,
+and each step tries to catch it up to `num_tokens` within a token budget:
+running requests first (protecting inter-token latency), then waiting ones in
+the budget that is left. A prompt longer than the budget is prefilled in chunks,
+mixed with other requests' decodes in the same step.
+
+When the KV pool runs out, the newest running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed
+later (its generated tokens are kept; prefix caching usually gives most of the
+recompute back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request: Request
+    start_pos: int  # == num_computed_tokens before this step
+    num_new_tokens: int  # tokens to compute this step; 1 for a decode
+    block_ids: list[int]  # the request's whole block table
+    is_sampled: bool  # this step reaches the end of the sequence: sample the next token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    request: Request
+    new_token_id: int | None  # the token sampled this step, if any
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request (finished or aborted) and free its blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+        request.status = status
+        self.block_manager.free(request_id)
+        return request
+
+    # ---- one step ----------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # `request` itself was preempted; everything after it too
+            scheduled.append(self._plan(request, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        num_tokens = request.num_computed_tokens + num_new
+        while self.block_manager.allocate(request.request_id, num_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # prompt logprobs need logits at every prompt position: no cached prefix for them
+            cached_ids = [] if request.wants_prompt_logprobs else bm.find_cached_prefix(
+                request.request_id, request.all_token_ids)
+            num_computed = len(cached_ids) * bm.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._plan(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            start_pos=start,
+            num_new_tokens=num_new,
+            block_ids=self.block_manager.block_ids(request.request_id),
+            is_sampled=start + num_new == request.num_tokens,
+        )
+
+    # ---- after the model ran -------------------------------------------------
+    def update(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[FinishedRequest]:
+        """Advance each scheduled request; append sampled tokens; finish those that stop.
+
+        `sampled_token_ids` is aligned with `plan.scheduled` (None where nothing was sampled).
+        Stop strings are checked later by the detokenizer, which calls `finish`.
+        """
+        finished = []
+        for item, token_id in zip(plan.scheduled, sampled_token_ids):
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            # register full blocks before a finish frees them: a follow-up turn can reuse them
+            self.block_manager.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish(request.request_id, status)
+                finished.append(FinishedRequest(request, token_id))
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

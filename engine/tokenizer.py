@@ -1,0 +1,41 @@
+"""Find and read a checkpoint's files: config, tokenizer, context length, EOS ids."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import transformers
+
+from engine.config import ModelConfig
+from models import get_eos_token_ids, get_max_model_len, resolve_model_path
+from models.default_model import ensure_default_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    model_path: str
+    hf_config: transformers.PretrainedConfig
+    tokenizer: transformers.PreTrainedTokenizerBase
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model_files(config: ModelConfig) -> ModelFiles:
+    if config.model is None:
+        model_path = ensure_default_model()
+        logger.info("no model given: serving the embedded default model at %s", model_path)
+    else:
+        model_path = resolve_model_path(config.model)
+    hf_config = transformers.AutoConfig.from_pretrained(model_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+    model_limit = get_max_model_len(hf_config)
+    max_model_len = config.max_model_len or model_limit
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
+    eos = list(get_eos_token_ids(model_path, hf_config))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return ModelFiles(model_path, hf_config, tokenizer, max_model_len, tuple(eos))
