@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import transformers
 
 from engine.config import ModelConfig
-from models import get_eos_token_ids, get_max_model_len, resolve_model_path
-from models.default_model import ensure_default_model
+from models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
