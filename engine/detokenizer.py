@@ -17,6 +17,11 @@ tokens as context, so the text is the continuation of the prompt (" world",
 not "world", after "Hello" with a SentencePiece tokenizer). With an empty
 prompt, or a byte-level BPE tokenizer, the final text equals
 `tokenizer.decode(output_ids, skip_special_tokens=...)` (before stop truncation).
+
+Known limit: SentencePiece `ByteFallback` decoders turn *every* byte of an
+invalid run of <0xNN> tokens into U+FFFD, so an invalid byte can change text
+that was valid (and already streamed) a moment earlier. Streamed text can then
+differ from a full decode, but only for invalid UTF-8, which models rarely emit.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ class OutputProcessor:
             _ChildState(
                 request=c,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, c.prompt_token_ids, params.skip_special_tokens, params.stop or []),
+                    self.tokenizer, c.prompt_token_ids, params.skip_special_tokens, params.stop or [],
+                    include_stop_str=params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
@@ -108,7 +109,10 @@ class OutputProcessor:
             if child.logprobs is not None and req.request_id in out.logprobs:
                 self._add_logprobs(child, out.logprobs[req.request_id])
             is_done = req.request_id in finished_ids
-            child.pending_text += child.detokenizer.update([token_id], finished=is_done)
+            # like a stop string, the EOS / stop token that ended the request adds no text
+            hide = (is_done and req.status == RequestStatus.FINISHED_STOPPED
+                    and not req.params.include_stop_str_in_output)
+            child.pending_text += child.detokenizer.update([] if hide else [token_id], finished=is_done)
             if is_done:
                 child.finish_reason, child.stop_reason = req.status.value, req.stop_reason
             elif child.detokenizer.stop_reason is not None:

@@ -323,7 +323,7 @@ def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int) -> Sample
     ranks = (raw > sampled_logits).sum(dim=-1) + 1
     topk_ids = topk_logprobs = None
     if num_logprobs > 0:
-        values, topk_ids = raw.topk(num_logprobs, dim=-1)
+        values, topk_ids = raw.topk(min(num_logprobs, raw.shape[1]), dim=-1)
         topk_logprobs = values - log_norm
     return SamplerOutput(
         sampled_token_ids=token_ids,
