@@ -7,6 +7,7 @@ all n `CompletionOutput`s whenever any child produced something.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -80,6 +81,7 @@ class OutputProcessor:
             if child.finish_reason is None:
                 child.finish_reason = RequestStatus.FINISHED_ABORTED.value
                 parent.touched.add(child.request.sample_index)
+        parent.metrics.finished_time = time.monotonic()
         return self._emit(parent)
 
     # ---- per step ----------------------------------------------------------
@@ -123,10 +125,10 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            outputs.append(self._emit(parent))
             if parent.finished:
                 parent.metrics.finished_time = now
                 del self.parents[parent.request_id]
+            outputs.append(self._emit(parent))
         return outputs, stopped_by_string
 
     def mark_scheduled(self, request: Request, now: float) -> None:
