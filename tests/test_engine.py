@@ -274,3 +274,17 @@ def test_request_that_can_never_fit_the_kv_cache(llama_dir):
 def test_bad_engine_args(llama_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(llama_dir, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gpt2"])
+def test_cuda_greedy_matches_transformers(checkpoint_dirs, family):
+    """On a CUDA machine (`pytest -m gpu`): the same checks as on CPU, in fp32 on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = checkpoint_dirs[family]
+    llm = LLM(path, dtype="float32", device="cuda", block_size=4, max_num_batched_tokens=16)
+    prompts = make_prompts(llm.engine.info.vocab_size)
+    outs = llm.generate(prompts, greedy(logprobs=3, n=2), use_tqdm=False)
+    assert_greedy_matches(path, prompts, outs, check_logprobs=True)
+    assert_no_leaks(llm)
