@@ -1,0 +1,246 @@
+"""The FastAPI application: routes, middlewares and the engine's lifetime.
+
+A handler does four things: parse the body (Pydantic), validate it into a
+`ValidatedRequest` (`server.validation`), start it on the engine (`server.serving`),
+and return JSON or an SSE stream, watching for the client to leave all along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server import package_version
+from server.chat import load_chat_template, render_chat
+from server.config import ServerConfig
+from server.errors import APIError, bad_request, install_error_handlers, internal_error
+from server.logprobs import TokenText
+from server.metrics import ServerMetrics
+from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.serving import Admission, Serving
+from server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
+from server.validation import (
+    ModelLimits,
+    ValidatedRequest,
+    check_model,
+    max_tokens_zero_supported,
+    validate_chat,
+    validate_completion,
+)
+
+logger = logging.getLogger("kvserve.server")
+DEFAULT_MODEL_NAME = "kvserve-default"
+
+
+def model_path(model_config: Any) -> str | None:
+    """The checkpoint path (`model` in the documented contract, `model_path` in RuntimeInfo)."""
+    return getattr(model_config, "model", None) or getattr(model_config, "model_path", None)
+
+
+@dataclass
+class AppState:
+    """What the handlers share; built once the engine is up."""
+
+    config: ServerConfig
+    engine: Any
+    limits: ModelLimits
+    metrics: ServerMetrics
+    serving: Serving
+    admission: Admission
+    created: int
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+
+def build_state(config: ServerConfig, engine: Any, chat_template: str | None) -> AppState:
+    model_config = engine.model_config
+    names = list(config.served_model_name) or [
+        getattr(model_config, "served_model_name", None) or config.model or DEFAULT_MODEL_NAME]
+    limits = ModelLimits(
+        served_model_names=names, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
+        chat_template=chat_template or engine.chat_template, max_tokens_zero_ok=max_tokens_zero_supported(),
+        kv_capacity_tokens=engine.stats().num_kv_blocks_total * getattr(model_config, "block_size", config.block_size),
+    )
+    metrics = ServerMetrics(engine, names[0])
+    return AppState(
+        config=config, engine=engine, limits=limits, metrics=metrics,
+        serving=Serving(engine, metrics, TokenText(engine.tokenizer)),
+        admission=Admission(engine, config.max_queue, config.max_num_seqs), created=int(time.time()),
+    )
+
+
+def log_startup(state: AppState) -> None:
+    mc, stats = state.engine.model_config, state.engine.stats()
+    logger.info("model %s served as %s: dtype=%s device=%s max_model_len=%d", model_path(mc),
+                ", ".join(state.limits.served_model_names), mc.dtype, mc.device, mc.max_model_len)
+    logger.info("KV cache: %d blocks, capacity %d tokens; max_num_seqs=%d", stats.num_kv_blocks_total,
+                state.limits.kv_capacity_tokens, state.config.max_num_seqs)
+    logger.info("serving on http://%s:%d (OpenAI base URL http://%s:%d/v1)", state.config.host, state.config.port,
+                state.config.host, state.config.port)
+
+
+def create_app(config: ServerConfig, engine: Any | None = None) -> FastAPI:
+    """The ASGI app. Without `engine`, an `AsyncLLM` is built from `config` at start-up and shut down at exit."""
+    chat_template = load_chat_template(config.chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = engine is None
+        if owned:
+            from engine import AsyncLLM, EngineArgs
+
+            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()))
+        else:
+            the_engine = engine
+        state = build_state(config, the_engine, chat_template)
+        app.state.kv = state
+        log_startup(state)
+        stats_task = asyncio.create_task(state.metrics.run_stats_logger(config.stats_log_interval))
+        try:
+            yield
+        finally:
+            stats_task.cancel()
+            if owned:
+                await the_engine.shutdown()
+
+    app = FastAPI(title="kvserve", version=package_version(), lifespan=lifespan)
+    install_error_handlers(app)
+    _add_routes(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.cors_origin:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origin, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.cors_origin)
+    return app
+
+
+async def run_request(state: AppState, vreq: ValidatedRequest, request: Request) -> Response:
+    """Admit, start on the engine, and answer as JSON or SSE; abort if the client leaves."""
+    num_seqs = state.admission.reserve(vreq)
+    outputs = state.serving.outputs(vreq)
+    is_handed_over = False
+    try:
+        if not vreq.is_stream:
+            body = await run_until_disconnect(request.receive, state.serving.complete(vreq, outputs))
+            return JSONResponse(body)
+
+        async def first_output() -> Any:
+            return await anext(outputs, None)
+
+        first = await run_until_disconnect(request.receive, first_output())   # engine refusals are still a 400
+        events = state.serving.events(vreq, first, outputs)
+
+        async def release_after() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+                await outputs.aclose()
+                state.admission.release(num_seqs)
+
+        is_handed_over = True
+        return SSEResponse(release_after())
+    except ClientDisconnected:
+        logger.info("client left before %s finished; aborted", vreq.request_id)
+        return Response(status_code=499)
+    except APIError:
+        raise
+    except Exception as exc:   # fail this request only; the server goes on
+        logger.exception("request %s failed", vreq.request_id)
+        return internal_error(exc).response()
+    finally:
+        if not is_handed_over:
+            await outputs.aclose()
+            state.admission.release(num_seqs)
+
+
+def _add_routes(app: FastAPI) -> None:
+    def kv(request: Request) -> AppState:
+        return request.app.state.kv
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state = kv(request)
+        return await run_request(state, validate_completion(body, state.limits, state.tokenizer), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state = kv(request)
+        return await run_request(state, validate_chat(body, state.limits, state.tokenizer), request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state = kv(request)
+        return ModelList(data=[_model_card(state, name) for name in state.limits.served_model_names])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> ModelCard:
+        state = kv(request)
+        check_model(model, state.limits)
+        return _model_card(state, model)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if kv(request).engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        raise APIError(503, "the engine loop has stopped", code="engine_dead")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(kv(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        state = kv(request)
+        check_model(body.model, state.limits)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        else:
+            text = render_chat(state.tokenizer, state.limits.chat_template, body.messages or [])
+            tokens = state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return TokenizeResponse(tokens=list(tokens), count=len(tokens), max_model_len=state.limits.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        state = kv(request)
+        check_model(body.model, state.limits)
+        for token_id in body.tokens:
+            if not 0 <= token_id < state.limits.vocab_size:
+                raise bad_request(f"token id {token_id} is outside the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+
+def _model_card(state: AppState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, root=model_path(state.engine.model_config),
+                     max_model_len=state.limits.max_model_len)

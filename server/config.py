@@ -1,0 +1,122 @@
+"""Server configuration: one frozen settings object, read from CLI flags and `KVSERVE_*` env vars.
+
+Every field is a flag (`--max-num-seqs`) and an environment variable
+(`KVSERVE_MAX_NUM_SEQS`); a flag given on the command line wins over the
+environment, which wins over the default. List fields (`served_model_name`,
+`cors_origin`) take comma-separated values in the environment. Empty variables are ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "KVSERVE_"
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse a byte count such as `4GiB`, `512MB`, `1e9` or `1048576` (SI units are powers of 1000)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, (int, float)):
+        num, unit = float(value), ""
+    else:
+        match = _SIZE_RE.match(value)
+        if match is None or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"invalid size {value!r}: expected a number with an optional unit like 4GiB or 512MB")
+        num, unit = float(match.group(1)), match.group(2).lower()
+    size = int(num * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def _split_csv(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class ServerConfig(BaseSettings):
+    """Everything `kvserve serve` can be told. Engine fields are passed through to `EngineArgs`."""
+
+    # An empty variable (e.g. `KVSERVE_MAX_QUEUE=` from a compose file) counts as unset.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", env_ignore_empty=True)
+
+    # --- model and engine (passed to engine.EngineArgs) ---
+    model: str | None = Field(
+        None, description="Checkpoint directory or Hub id; unset serves the embedded default model.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory or Hub id (default: the model's).")
+    served_model_name: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Name(s) clients must send as `model` (default: the --model value, or kvserve-default). "
+        "The first one is used in responses.",
+    )
+    dtype: str = Field("auto", description="Weight/activation dtype: auto, float32, float16, bfloat16.")
+    device: str = Field("auto", description="Device: auto, cpu, cuda, cuda:N.")
+    block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(256, gt=0, description="Most sequences in one running batch.")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
+    kv_cache_memory: int | None = Field(None, description="Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.")
+    num_kv_blocks: int | None = Field(
+        None, gt=0, description="Exact number of KV blocks (overrides --kv-cache-memory).")
+    max_model_len: int | None = Field(None, gt=0, description="Context length limit (default: the model's).")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    seed: int = Field(0, description="Engine random seed.")
+
+    # --- HTTP server ---
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    max_queue: int | None = Field(
+        None, ge=0, description="Refuse new requests with 503 when more than this many would wait (unset: no limit)."
+    )
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY` on API routes.")
+    cors_origin: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Allowed CORS origin(s); `*` allows any."
+    )
+    chat_template: str | None = Field(
+        None, description="Chat template file or inline Jinja string (overrides the model's).")
+    max_body_bytes: int = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+    stats_log_interval: float = Field(
+        5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")
+
+    @field_validator("served_model_name", "cors_origin", mode="before")
+    @classmethod
+    def _split_lists(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [item for part in value for item in _split_csv(part)]
+        return _split_csv(value)
+
+    @field_validator("kv_cache_memory", "max_body_bytes", mode="before")
+    @classmethod
+    def _parse_sizes(cls, value: Any) -> Any:
+        return None if value is None or value == "" else parse_size(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("api_key", "model", "tokenizer", "chat_template", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `engine.EngineArgs`."""
+        names = ("model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len")
+        return {name: getattr(self, name) for name in names}

@@ -1,0 +1,129 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError`; the exception handlers installed by `install_error_handlers`
+turn it, FastAPI's validation errors, Starlette's 404/405 and any unexpected exception
+into that shape, so no client ever sees a bare traceback or a non-JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("kvserve.server")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error to report to the client with a given HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status_code, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def error_bytes(status_code: int, message: str, code: str | None = None) -> bytes:
+    """A ready-to-send JSON error body (for the raw ASGI middlewares)."""
+    body = error_body(message, _TYPE_BY_STATUS.get(status_code, "server_error"), None, code)
+    return json.dumps(body).encode()
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    # Pydantic names union members in `loc` (e.g. `prompt.str`, `list[int]`); keep the user's field path.
+    fields = [p for p in parts
+              if not any(c in p for c in "[]") and p not in {"str", "int", "bool", "float"} and not p[:1].isupper()]
+    return ".".join(fields) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = _validation_param(tuple(first.get("loc", ())))
+    if first.get("type") == "missing" and param is None:
+        return "request body is missing or not a JSON object", None
+    parts = []
+    for err in errors[:3]:
+        where = _validation_param(tuple(err.get("loc", ()))) or "body"
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every failure to an OpenAI-shaped JSON error."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+            code = "not_found"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} not allowed for {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return internal_error(exc).response()

@@ -1,0 +1,102 @@
+"""Raw ASGI middlewares: API-key check and request-body size limit.
+
+They are plain ASGI (not Starlette's BaseHTTPMiddleware) so that the handlers' `receive`
+channel stays intact: the disconnect watch in `server.streaming` relies on it.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_bytes
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = error_bytes(status, message, code)
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers + (headers or [])})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches; /health, /metrics and CORS preflights stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        provided = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                provided = value
+                break
+        if not hmac.compare_digest(provided, self.expected):
+            await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
+                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes` (by Content-Length, and by counting what actually arrives).
+
+    The body is read here in full and replayed to the app, after which `receive` passes
+    through (so the app still sees `http.disconnect`).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    await send_error(send, 400, "invalid Content-Length header")
+                    return
+                if length > self.max_bytes:
+                    await self._too_large(send)
+                    return
+        chunks: list[bytes] = []
+        num_bytes = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            num_bytes += len(chunk)
+            if num_bytes > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        is_replayed = False
+
+        async def replay() -> Message:
+            nonlocal is_replayed
+            if not is_replayed:
+                is_replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(send, 413, f"request body is larger than {self.max_bytes} bytes",
+                         code="request_too_large")

@@ -1,0 +1,300 @@
+"""Run validated requests on the engine and shape the results as OpenAI responses.
+
+Each prompt of a request is one engine request (`{request_id}-{prompt_idx}`); the engine
+fans out `n`. `Serving.outputs` yields `(prompt_idx, RequestOutput)` from all of them,
+interleaved, and aborts every unfinished engine request when it is closed or cancelled
+(client gone, error), which is what returns their KV blocks to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from server.errors import APIError, bad_request, internal_error
+from server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from server.metrics import ServerMetrics
+from server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+)
+from server.streaming import DONE_EVENT, sse_event
+from server.validation import ValidatedRequest, param_for_message
+
+try:
+    from engine import EngineDeadError
+except ImportError:  # not part of the documented contract; only used to answer 503 instead of 500
+    class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
+        pass
+
+logger = logging.getLogger("kvserve.server")
+_END = object()
+
+
+class Admission:
+    """`--max-queue`: refuse a request (503) when more than `max_queue` sequences would be waiting.
+
+    Counts the sequences (prompts x n) of HTTP requests in flight; those beyond `max_num_seqs`
+    must queue. The engine's own `num_waiting` also counts (e.g. when KV blocks, not seats, run out).
+    """
+
+    def __init__(self, engine: Any, max_queue: int | None, max_num_seqs: int) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.max_num_seqs = max_num_seqs
+        self.num_in_flight = 0
+
+    def reserve(self, vreq: ValidatedRequest) -> int:
+        num_seqs = len(vreq.prompts) * vreq.num_choices
+        if self.max_queue is not None:
+            num_queued = max(self.num_in_flight + num_seqs - self.max_num_seqs, 0)
+            num_waiting = self.engine.stats().num_waiting
+            if num_waiting > 0:
+                num_queued = max(num_queued, num_waiting + num_seqs)
+            if num_queued > self.max_queue:
+                raise APIError(503, f"the server is overloaded ({num_queued} requests would wait, "
+                               f"--max-queue is {self.max_queue}); retry later",
+                               code="server_overloaded", headers={"Retry-After": "1"})
+        self.num_in_flight += num_seqs
+        return num_seqs
+
+    def release(self, num_seqs: int) -> None:
+        self.num_in_flight -= num_seqs
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+def _finish_reason(choice: Any) -> str | None:
+    reason = choice.finish_reason
+    if reason == "abort":
+        raise APIError(500, "the engine aborted this request", code="aborted")
+    return reason
+
+
+class Serving:
+    """Turns `ValidatedRequest`s into engine requests and OpenAI-shaped results."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, token_text: TokenText) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.token_text = token_text
+
+    # ------------------------------------------------------------------ engine side
+
+    async def outputs(self, vreq: ValidatedRequest) -> AsyncIterator[tuple[int, Any]]:
+        """`(prompt_idx, RequestOutput)` from every prompt's engine request, as they come."""
+        streams = [self._generate(vreq, i) for i in range(len(vreq.prompts))]
+        if len(streams) == 1:
+            async with aclosing(streams[0]) as stream:
+                async for out in stream:
+                    yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+            try:
+                async with aclosing(stream):
+                    async for out in stream:
+                        queue.put_nowait((i, out))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, _END))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            num_open = len(tasks)
+            while num_open:
+                i, item = await queue.get()
+                if item is _END:
+                    num_open -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate(self, vreq: ValidatedRequest, prompt_idx: int) -> AsyncIterator[Any]:
+        request_id = f"{vreq.request_id}-{prompt_idx}"
+        tracker = self.metrics.tracker()
+        is_finished = False
+        stream = self.engine.generate(vreq.prompts[prompt_idx].token_ids, vreq.params, request_id)
+        try:
+            async for out in stream:
+                tracker.observe(out)
+                is_finished = out.finished
+                yield out
+        except ValueError as exc:   # the engine refused the request
+            raise bad_request(str(exc), param=param_for_message(str(exc))) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from None
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+            if not is_finished:
+                await self._abort(request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await asyncio.shield(self.engine.abort(request_id))   # runs to the end even if we are cancelled
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.warning("abort(%s) failed", request_id, exc_info=True)
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def complete(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+        """Run to the end and build the whole response body."""
+        choices: dict[tuple[int, int], Any] = {}
+        prompt_logprobs: dict[int, Any] = {}
+        async for i, out in outputs:
+            for choice in out.outputs:
+                choices[(i, choice.index)] = choice
+            if getattr(out, "prompt_logprobs", None) is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
+        usage = self._usage(vreq, choices.values())
+        created = int(time.time())
+        if vreq.kind == "chat":
+            return ChatCompletionResponse(
+                id=vreq.request_id, created=created, model=vreq.model_name, usage=usage,
+                choices=[self._chat_choice(vreq, choices[key]) for key in sorted(choices)],
+            ).model_dump(mode="json")
+        return CompletionResponse(
+            id=vreq.request_id, created=created, model=vreq.model_name, usage=usage,
+            choices=[self._completion_choice(vreq, i, c, prompt_logprobs.get(i), first=True, whole=True)
+                     for (i, _), c in sorted(choices.items())],
+        ).model_dump(mode="json")
+
+    def _usage(self, vreq: ValidatedRequest, choices: Any) -> UsageInfo:
+        num_prompt = sum(len(p.token_ids) for p in vreq.prompts)
+        num_completion = 0 if vreq.is_scoring_only else sum(len(c.token_ids) for c in choices)
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion)
+
+    def _chat_choice(self, vreq: ValidatedRequest, choice: Any) -> ChatChoice:
+        logprobs = None
+        if vreq.num_logprobs is not None:
+            logprobs = ChatLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs or [],
+                                                          vreq.num_logprobs, self.token_text))
+        return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
+                          finish_reason=_finish_reason(choice))
+
+    def _completion_choice(self, vreq: ValidatedRequest, prompt_idx: int, choice: Any, prompt_logprobs: Any,
+                           first: bool, whole: bool, text_offset: int = 0) -> CompletionChoice:
+        """A choice from the whole output (`whole`) or from its delta; `first` adds the echoed prompt."""
+        prompt = vreq.prompts[prompt_idx]
+        text, token_ids, logprobs = "", [], []
+        if not vreq.is_scoring_only:
+            text = choice.text if whole else choice.delta_text
+            token_ids = choice.token_ids if whole else choice.delta_token_ids
+            logprobs = (choice.logprobs if whole else choice.delta_logprobs) or []
+        echo = vreq.is_echo and first
+        result = None
+        if vreq.num_logprobs is not None:
+            result = CompletionLogprobs()
+            if echo:
+                result = completion_logprobs(prompt.token_ids, prompt_logprobs or [None] * len(prompt.token_ids),
+                                             vreq.num_logprobs, self.token_text, 0)
+                text_offset = len(prompt.text)
+            generated = completion_logprobs(token_ids, logprobs, vreq.num_logprobs, self.token_text, text_offset)
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(result, field).extend(getattr(generated, field))
+        return CompletionChoice(index=prompt_idx * vreq.num_choices + choice.index,
+                                text=(prompt.text if echo else "") + text, logprobs=result,
+                                finish_reason=_finish_reason(choice))
+
+    # ------------------------------------------------------------------ streaming
+
+    async def events(self, vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]
+                     ) -> AsyncIterator[str]:
+        """SSE events for a streaming request; errors after the start become an error event."""
+        chunks = self._chat_chunks if vreq.kind == "chat" else self._completion_chunks
+        exclude = None if vreq.include_usage else {"usage"}
+        try:
+            async with aclosing(outputs):
+                async for chunk in chunks(vreq, _prepend(first, outputs)):
+                    yield sse_event(chunk.model_dump_json(exclude=exclude))
+        except APIError as exc:
+            yield sse_event(exc.body())
+        except Exception as exc:
+            logger.exception("request %s failed mid-stream", vreq.request_id)
+            yield sse_event(internal_error(exc).body())
+        yield DONE_EVENT
+
+    async def _completion_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
+                                 ) -> AsyncIterator[Any]:
+        created = int(time.time())
+        started: set[tuple[int, int]] = set()
+        finals: dict[tuple[int, int], Any] = {}
+        text_offsets: dict[tuple[int, int], int] = {}
+        prompt_logprobs: dict[int, Any] = {}
+        async for i, out in outputs:
+            if getattr(out, "prompt_logprobs", None) is not None:
+                prompt_logprobs.setdefault(i, out.prompt_logprobs)
+            for choice in out.outputs:
+                key = (i, choice.index)
+                if key in finals:
+                    continue
+                is_first = key not in started
+                started.add(key)
+                c = self._completion_choice(vreq, i, choice, prompt_logprobs.get(i), first=is_first, whole=False,
+                                            text_offset=text_offsets.get(key, 0))
+                text_offsets[key] = text_offsets.get(key, 0) + len(c.text)
+                if choice.finish_reason is not None:
+                    finals[key] = choice
+                if c.text or c.finish_reason or (c.logprobs and c.logprobs.tokens):
+                    yield CompletionResponse(id=vreq.request_id, created=created, model=vreq.model_name,
+                                             choices=[c])
+        if vreq.include_usage:
+            yield CompletionResponse(id=vreq.request_id, created=created, model=vreq.model_name, choices=[],
+                                     usage=self._usage(vreq, finals.values()))
+
+    async def _chat_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
+                           ) -> AsyncIterator[Any]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=vreq.request_id, created=created, model=vreq.model_name,
+                                       choices=choices, usage=usage)
+
+        for index in range(vreq.num_choices):
+            yield chunk([ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})])
+        finals: dict[int, Any] = {}
+        async for _, out in outputs:
+            for choice in out.outputs:
+                if choice.index in finals:
+                    continue
+                logprobs = None
+                if vreq.num_logprobs is not None and choice.delta_token_ids:
+                    logprobs = ChatLogprobs(content=chat_logprobs(choice.delta_token_ids, choice.delta_logprobs or [],
+                                                                  vreq.num_logprobs, self.token_text))
+                if choice.delta_text or logprobs is not None:
+                    yield chunk([ChatStreamChoice(index=choice.index, delta={"content": choice.delta_text},
+                                                  logprobs=logprobs)])
+                if choice.finish_reason is not None:
+                    finals[choice.index] = choice
+                    yield chunk([ChatStreamChoice(index=choice.index, delta={},
+                                                  finish_reason=_finish_reason(choice))])
+        if vreq.include_usage:
+            yield chunk([], usage=self._usage(vreq, finals.values()))

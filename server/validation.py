@@ -1,0 +1,231 @@
+"""Validate at the edge: a parsed HTTP request becomes a `ValidatedRequest` the engine can run.
+
+Everything that can be wrong with a request is found here (ranges, unsupported
+fields, prompt tokenization, prompt + max_tokens against the context length,
+`SamplingParams`' own checks) and reported as a 400 before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine import SamplingParams
+
+from server.chat import render_chat
+from server.errors import APIError, bad_request
+from server.protocol import MAX_SEQS_PER_REQUEST, MAX_STOP, ChatCompletionRequest, CompletionRequest, SamplingFields
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "seed", "logprobs", "prompt_logprobs", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "skip_special_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePrompt:
+    """One engine request's prompt: its token ids (what the engine runs) and its text (for echo)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """A request that passed every check; `prompts[i]` becomes engine request `f"{request_id}-{i}"`."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    model_name: str
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    num_choices: int            # n: choices per prompt
+    num_logprobs: int | None    # top-logprobs to report per token (None: no logprobs)
+    is_echo: bool
+    is_scoring_only: bool       # echo with max_tokens=0: report the prompt only, drop generated tokens
+    is_stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    served_model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    chat_template: str | None
+    max_tokens_zero_ok: bool   # whether SamplingParams accepts max_tokens=0 (prompt scoring)
+    kv_capacity_tokens: int    # a request longer than the whole KV cache can never run
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(name: str | None, limits: ModelLimits) -> str:
+    """The served name to report; 404 unless `name` is one of the served names (or omitted)."""
+    if name is None or name in limits.served_model_names:
+        return limits.served_model_names[0]
+    raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(limits.served_model_names)}",
+                   param="model", code="model_not_found")
+
+
+def _check_common(req: SamplingFields, limits: ModelLimits) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"stop accepts at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop sequences must not be empty", param="stop")
+    for token_id in req.stop_token_ids or []:
+        if not 0 <= token_id < limits.vocab_size:
+            raise bad_request(f"stop_token_ids: {token_id} is outside the vocabulary [0, {limits.vocab_size})",
+                              param="stop_token_ids")
+
+
+def _check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < limits.vocab_size:
+            raise bad_request(f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})", param=param)
+
+
+def _check_length(num_prompt_tokens: int, max_tokens: int, limits: ModelLimits, param: str) -> None:
+    if num_prompt_tokens == 0:
+        raise bad_request("the prompt is empty", param=param)
+    if num_prompt_tokens + max_tokens > limits.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or completion.",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def _sampling_params(req: SamplingFields, param_names: dict[str, str], **kwargs: Any) -> SamplingParams:
+    """Build SamplingParams from the request's set fields; its ValueError becomes a 400 naming the field."""
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs["n"] = req.n or 1
+    if req.stop:
+        kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc), param=param_for_message(str(exc), param_names)) from None
+
+
+def param_for_message(message: str, param_names: dict[str, str] | None = None) -> str | None:
+    """Best-effort: the request field an engine error message is about (it names the field)."""
+    found = [(match.start(), name) for name in _SAMPLING_FIELDS
+             if (match := re.search(rf"\b{name}\b", message)) is not None]
+    if not found:
+        return None
+    name = min(found)[1]   # the engine's messages start with the field's name
+    return (param_names or {}).get(name, name)
+
+
+def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: Any) -> ValidatedRequest:
+    """Check a /v1/completions request and tokenize its prompt(s)."""
+    model_name = check_model(req.model, limits)
+    _check_common(req, limits)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of is not supported (it must equal n)", param="best_of")
+    is_echo = bool(req.echo)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not is_echo:
+        raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+    is_scoring_only = max_tokens == 0
+    engine_max_tokens = 1 if is_scoring_only and not limits.max_tokens_zero_ok else max_tokens
+
+    prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer)
+    for prompt in prompts:
+        _check_length(len(prompt.token_ids), engine_max_tokens, limits, "prompt")
+    params = _sampling_params(
+        req, {"prompt_logprobs": "logprobs"},
+        max_tokens=engine_max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if is_echo and req.logprobs is not None else None,
+    )
+    return ValidatedRequest(
+        kind="completion", request_id=new_request_id("cmpl"), model_name=model_name, prompts=prompts,
+        params=params, num_choices=req.n or 1, num_logprobs=req.logprobs, is_echo=is_echo,
+        is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+
+
+def _completion_prompts(prompt: Any, n: int, limits: ModelLimits, tokenizer: Any) -> list[EnginePrompt]:
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be an empty list", param="prompt")
+    if len(items) * n > MAX_SEQS_PER_REQUEST:
+        raise bad_request(f"{len(items)} prompts x n={n} is more than {MAX_SEQS_PER_REQUEST} sequences "
+                          "in one request", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if item == "":
+                raise bad_request("the prompt is empty", param="prompt")
+            prompts.append(EnginePrompt(list(tokenizer.encode(item)), item))
+        else:
+            _check_token_ids(item, limits, "prompt")
+            prompts.append(EnginePrompt(list(item), tokenizer.decode(item) if item else ""))
+    return prompts
+
+
+def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: Any) -> ValidatedRequest:
+    """Check a /v1/chat/completions request, render its messages and tokenize them."""
+    model_name = check_model(req.model, limits)
+    _check_common(req, limits)
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    text = render_chat(tokenizer, limits.chat_template, req.messages, bool(req.add_generation_prompt),
+                       req.chat_template_kwargs)
+    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:   # the rest of the context (or of the KV cache, if that is smaller)
+        if len(token_ids) >= limits.max_model_len:
+            _check_length(len(token_ids), 1, limits, "messages")
+        max_tokens = max(min(limits.max_model_len, limits.kv_capacity_tokens) - len(token_ids), 1)
+    _check_length(len(token_ids), max_tokens, limits, "messages")
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(
+        req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
+        max_tokens=max_tokens, logprobs=num_logprobs,
+    )
+    return ValidatedRequest(
+        kind="chat", request_id=new_request_id("chatcmpl"), model_name=model_name,
+        prompts=[EnginePrompt(token_ids, text)], params=params, num_choices=req.n or 1,
+        num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+
+
+def max_tokens_zero_supported() -> bool:
+    """Whether the engine's SamplingParams accepts max_tokens=0 (scoring a prompt without generating)."""
+    try:
+        SamplingParams(max_tokens=0)
+    except (ValueError, TypeError):
+        return False
+    return True
