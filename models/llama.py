@@ -1,0 +1,176 @@
+"""Llama-family decoder (Llama 1/2/3, Mistral) with HF parameter names.
+
+Packed weights: q/k/v live in one `qkv_proj` and gate/up in one `gate_up_proj`
+(see `packed_modules_mapping`). Qwen2/Qwen3 reuse this file's blocks (`qwen.py`).
+
+Shapes: T = tokens in the flat batch, H/KvH = query/KV heads, D = head_dim.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import Attention
+from models.layers import (
+    Linear,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary,
+    get_activation,
+    rope_parameters,
+    silu_and_mul,
+)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_for_layer(config, layer_idx: int) -> int | None:
+    """The layer's sliding window as HF applies it, or None for full attention.
+
+    transformers >= 5 marks layers in `config.layer_types`; older Qwen2 configs use
+    `use_sliding_window` + `max_window_layers`; Mistral applies `sliding_window` everywhere.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return None
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if hasattr(config, "use_sliding_window"):
+        use = config.use_sliding_window and layer_idx >= getattr(config, "max_window_layers", 0)
+        return window if use else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        default_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = default_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = default_bias if self.o_bias is None else self.o_bias
+        self.qkv_proj = PackedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], ["q", "k", "v"], qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=sliding_window_for_layer(config, layer_idx),
+        )
+
+    def rotate_qk(self, qkv: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        """qkv [T, (H + 2 KvH) * D] -> rotated q [T, H*D], k [T, KvH*D] (views of one new tensor)."""
+        num_tokens = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, cos_sin)  # [T, H + KvH, D], q and k rotated in one pass
+        return qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1)
+
+    def forward(self, x: Tensor, cos_sin: Tensor) -> Tensor:  # [T, hidden], [T, 2, D] -> [T, hidden]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KvH) * D]
+        q, k = self.rotate_qk(qkv, cos_sin)
+        v = qkv[:, self.q_size + self.kv_size :]  # [T, KvH * D]
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = PackedLinear(hidden, [inter, inter], [0, 1], bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        self.act = None if act == "silu" else get_activation(act)
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.act is None:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, attention_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos_sin: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, attention_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)  # [T, 2, D], gathered once for all layers
+        for layer in self.layers:
+            x = layer(x, cos_sin)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder + LM head; `lm_head` is the embedding matrix when `tie_word_embeddings`."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    attention_cls: type[nn.Module] = LlamaAttention
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]
+        if self.tie_word_embeddings:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name -> this module's name (before packing); None skips the tensor."""
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer that old checkpoints saved
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # some tied checkpoints store a copy of the embedding
+        return name
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window on every layer (`config.sliding_window`, may be null)."""

@@ -1,0 +1,206 @@
+"""Build a model without random init and stream its safetensors weights in; checkpoint facts.
+
+Loading fails loudly: a missing, unexpected or mis-shaped weight raises `ValueError`
+naming it. Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling can run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from models.layers import default_weight_loader
+from models.registry import get_model_class
+
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files to read: those of `model.safetensors.index.json`, else `*.safetensors`."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that are not in {root}: {absent}")
+        return files
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth") for p in root.glob(ext))
+    if pickles:
+        raise ValueError(
+            f"{root} has only pickle checkpoints ({', '.join(pickles)}); kvserve loads safetensors only "
+            "because unpickling can execute code. Convert them first, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True)`."
+        )
+    raise ValueError(f"no *.safetensors weights in {root}")
+
+
+def iter_checkpoint(model_dir: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) for every checkpoint tensor, one at a time (memory-mapped, on the CPU)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> set[str]:
+    """Copy every checkpoint tensor through its parameter's `weight_loader`; return the loaded names.
+
+    Names go through `model.map_weight_name` (None = skip, e.g. rotary buffers) and
+    `model.packed_modules_mapping` (e.g. `.q_proj.` -> `.qkv_proj.` shard "q"). A
+    packed parameter counts as loaded once all of its shards are.
+    """
+    params = dict(model.named_parameters())
+    mapping: dict = getattr(model, "packed_modules_mapping", {})
+    map_name = getattr(model, "map_weight_name", lambda name: name)
+    loaded: set[str] = set()
+    shards_loaded: dict[str, set] = defaultdict(set)
+    unexpected: list[str] = []
+    for ckpt_name, tensor in iter_checkpoint(model_dir):
+        name = map_name(ckpt_name)
+        if name is None:
+            continue
+        shard_id = None
+        for src, (dst, sid) in mapping.items():
+            if f".{src}." in name:
+                name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                weight_loader(param, tensor)
+            else:
+                weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint weight {ckpt_name!r} into {name!r}: {e}") from None
+        if shard_id is None:
+            loaded.add(name)
+        else:
+            shards_loaded[name].add(shard_id)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} weights the model does not expect "
+            f"(config and checkpoint disagree?): {unexpected[:10]}"
+        )
+    loaded |= {n for n, got in shards_loaded.items() if set(params[n].shard_ids) <= got}
+    missing = _describe_missing(params, loaded, shards_loaded, mapping)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} is missing {len(missing)} weights: {missing[:10]}")
+    return loaded
+
+
+def _describe_missing(params: dict, loaded: set[str], shards_loaded: dict, mapping: dict) -> list[str]:
+    """Missing names as the checkpoint would spell them (`k_proj`, not `qkv_proj`)."""
+    missing = []
+    for name in sorted(set(params) - loaded):
+        shard_ids = getattr(params[name], "shard_ids", None)
+        if not shard_ids:
+            missing.append(name)
+            continue
+        for sid in shard_ids:
+            if sid in shards_loaded.get(name, ()):
+                continue
+            src = next((s for s, (d, i) in mapping.items() if i == sid and f".{d}." in name), None)
+            missing.append(name.replace(f".{mapping[src][0]}.", f".{src}.") if src else f"{name}[{sid}]")
+    return missing
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta parameters/buffers by uninitialized tensors, keeping parameter attributes
+    (`weight_loader`, `shard_ids`); `nn.Module.to_empty` would drop them."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in done:
+                new = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                done[id(param)] = new
+            module._parameters[name] = done[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                buf_dtype = dtype if buf.is_floating_point() else buf.dtype
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf_dtype, device=device)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+
+
+def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`."""
+    cls = get_model_class(hf_config)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    _materialize(model, dtype, device)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def get_max_model_len(hf_config) -> int:
+    """Longest sequence the model supports (`max_position_embeddings`, GPT-2's `n_positions`)."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError("cannot tell the model's maximum length: config has no max_position_embeddings")
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def get_eos_token_ids(model_dir: str, hf_config) -> list[int]:
+    """EOS ids from generation_config.json (an int or a list), else from the model config."""
+    ids: list[int] = []
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        ids = _as_id_list(json.loads(gen_path.read_text()).get("eos_token_id"))
+    if not ids:
+        ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
+    return list(dict.fromkeys(ids))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local checkpoint directory as-is; otherwise a Hugging Face Hub id, downloaded (or found in
+    the local Hub cache) with only the files kvserve reads."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise ValueError(f"model path {name_or_path!r} is not a directory")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        raise ValueError(f"{name_or_path!r} is not a local directory and huggingface_hub is missing") from e
+    try:
+        return snapshot_download(repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as online_error:  # offline, unknown repo, gated, ...
+        try:
+            return snapshot_download(repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True)
+        except Exception:
+            pass
+        raise ValueError(
+            f"{name_or_path!r} is not a local directory and could not be fetched from the Hugging Face Hub "
+            f"({type(online_error).__name__}: {online_error}). Pass a local checkpoint directory, "
+            "or check the network / HF_TOKEN."
+        ) from None

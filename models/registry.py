@@ -1,0 +1,36 @@
+"""Maps `config.architectures[0]` to the model class, so the runner never names a model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from models.gpt2 import GPT2LMHeadModel
+from models.llama import LlamaForCausalLM, MistralForCausalLM
+from models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def get_model_class(hf_config) -> type[nn.Module]:
+    """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(
+            "the model config has no 'architectures' entry; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    arch = architectures[0]
+    if arch not in _MODELS:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return _MODELS[arch]
