@@ -1,0 +1,1 @@
+"""kvserve's serving benchmark and load generator (see docs/loadtest.md)."""

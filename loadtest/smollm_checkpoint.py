@@ -1,0 +1,104 @@
+"""A random-weight checkpoint shaped like SmolLM-135M, built offline for benchmarks.
+
+Architecture: Llama, hidden 576, 30 layers, 9 heads, 3 KV heads, MLP 1536,
+vocab 49152, tied embeddings, 2048 positions (the real SmolLM-135M shapes), so
+compute and KV-cache sizes match the real model; only the weights are random.
+
+Tokenizer: a byte-level BPE built programmatically with exactly 49152 tokens
+(ids 0-2 specials, then the 256 byte symbols, then every pair of printable
+ASCII symbols and as many triples as fit). Unlike a small trained tokenizer
+with a 49152-row model, almost every id the random model samples decodes to
+1-3 printable characters (all but the 128 lone bytes >= 0x80, kept so that any
+text still encodes: 0.3% of ids), so servers stream one visible chunk per token
+and chunks rarely wait on half a UTF-8 character; that keeps TTFT/ITL clean.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SMOLLM_135M_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
+
+def ascii_bpe_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab, merges) of a byte-level BPE whose multi-byte tokens are printable ASCII."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    # Printable ASCII maps to itself in the byte-level alphabet, except space -> "Ġ".
+    symbols = [chr(c) for c in range(0x21, 0x7F)] + ["\u0120"]
+    merges: list[tuple[str, str]] = []
+    pairs = itertools.product(symbols, repeat=2)
+    triples = ((a + b, c) for a, b, c in itertools.product(symbols, repeat=3))
+    for left, right in itertools.chain(pairs, triples):
+        if len(vocab) == vocab_size:
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    if len(vocab) != vocab_size:
+        raise ValueError(f"cannot build {vocab_size} tokens from printable ASCII")
+    return vocab, merges
+
+
+def save_tokenizer(path: Path, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = ascii_bpe_vocab(vocab_size)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[0],
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(path)
+    return hf_tok
+
+
+def build_smollm_like(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:
+    """Write the checkpoint to `path` unless a complete one is already there."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    shape = {**SMOLLM_135M_SHAPE, **overrides}
+    save_tokenizer(path, shape["vocab_size"])
+    config = transformers.LlamaConfig(**shape)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = [0, SPECIAL_TOKENS.index("<|im_end|>")]
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "loadtest_checkpoint.json").write_text(json.dumps({"seed": seed, "shape": shape}) + "\n")
+    return path
