@@ -20,12 +20,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matrix products are fast on this CPU."""
-    cpu = getattr(torch._C, "_cpu", None)
-    if cpu is None:
-        return False
+    """AMX or AVX512-BF16: the CPU has bf16 dot-product instructions."""
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
