@@ -139,46 +139,6 @@ class SamplingTensors:
             max_top_k=max(top_k) if any(top_k) else None,
         )
 
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
-        *,
-        eos_token_ids: Sequence[int],
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-    ) -> SamplingTensors:
-        """Build from each request's SamplingParams and its prompt / generated-so-far ids.
-
-        While a request has fewer than `min_tokens` outputs, its `stop_token_ids`
-        and (unless `ignore_eos`) the EOS ids are suppressed.
-        """
-        suppressed = [
-            list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            if len(out) < p.min_tokens
-            else []
-            for p, out in zip(params, output_token_ids)
-        ]
-        return cls.from_lists(
-            vocab_size=vocab_size,
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            repetition_penalty=[p.repetition_penalty for p in params],
-            presence_penalty=[p.presence_penalty for p in params],
-            frequency_penalty=[p.frequency_penalty for p in params],
-            seeds=[p.seed for p in params],
-            steps=[len(out) for out in output_token_ids],
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-            suppressed_token_ids=suppressed,
-            max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            device=device,
-        )
-
 
 @dataclass
 class SamplerOutput:

@@ -12,6 +12,8 @@ from engine.sampler import (
     mix64,
 )
 from engine.sampling_params import SamplingParams
+from engine.request import Request
+from engine.sampling_inputs import build_sampling_tensors
 
 sampler = Sampler()
 NUM_DRAWS = 6000
@@ -350,14 +352,19 @@ def test_suppressed_tokens_never_sampled():
     assert (ids[0::3] == 2).all()  # greedy picks the best remaining (first of the ties)
 
 
-def test_from_params_min_tokens_and_flags():
+def test_engine_builder_min_tokens_and_flags():
     params = [
         SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
         SamplingParams(min_tokens=3, ignore_eos=True, seed=5, logprobs=4, top_k=50),
         SamplingParams(min_tokens=1, top_p=0.9, repetition_penalty=1.2),
     ]
-    t = SamplingTensors.from_params(
-        params, [[1, 2], [3], [4, 5, 6]], [[], [9], [8]], eos_token_ids=[0, 2], vocab_size=10)
+    requests = []
+    for i, (p, prompt, out) in enumerate(zip(params, [[1, 2], [3], [4, 5, 6]], [[], [9], [8]])):
+        req = Request(str(i), prompt, p, eos_token_ids=(0, 2), max_tokens=16, seed=p.seed)
+        for tok in out:
+            req.append_output_token(tok)
+        requests.append(req)
+    t = build_sampling_tensors(requests, vocab_size=10, device=torch.device("cpu"))
     assert t.suppressed_token_ids.tolist() == [[7, 0, 2], [10, 10, 10], [10, 10, 10]]
     assert t.steps.tolist() == [0, 1, 1]
     assert t.seeded_rows.tolist() == [1]
