@@ -19,13 +19,8 @@ import itertools
 import json
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from models.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # the same ChatML set-up
+
 SMOLLM_135M_SHAPE = dict(
     vocab_size=49152,
     hidden_size=576,

@@ -122,18 +122,24 @@ def build_default_model(out_dir: str | os.PathLike) -> None:
 
 
 def _train_tokenizer(text: str):
+    return train_bytelevel_bpe(_paragraphs(text), VOCAB_SIZE)
+
+
+def train_bytelevel_bpe(texts: list[str], vocab_size: int):
+    """A GPT-2-style byte-level BPE `tokenizers.Tokenizer` trained on `texts`, with
+    `SPECIAL_TOKENS` first (ids 0, 1, 2). Deterministic; also used by the tests."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_paragraphs(text), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 

@@ -13,15 +13,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from models.default_model import CHAT_TEMPLATE, train_bytelevel_bpe
 
 # A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
 # split characters across tokens (the detokenizer must cope).
@@ -41,18 +35,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 @functools.lru_cache(maxsize=4)
 def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
-    """A deterministic byte-level BPE tokenizer (GPT-2 style)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    return tok
+    """A deterministic byte-level BPE tokenizer (GPT-2 style), the default model's recipe."""
+    return train_bytelevel_bpe(CORPUS * 4, vocab_size)
 
 
 def save_tokenizer(path: Path, vocab_size: int = 384) -> transformers.PreTrainedTokenizerFast:
