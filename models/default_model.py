@@ -205,7 +205,7 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
     def rand(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    residual_rms = radius / hidden**0.5
+    out_scale = LAYER_OUT_SCALE * (radius / hidden**0.5)  # target rms of a layer's output
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     inter = config["intermediate_size"]
     state = {
@@ -223,10 +223,10 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
             p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden, std=hidden**-0.5),
             # Small outputs: the layers nudge the residual stream (so attention affects the
             # logits a little) without drowning the bigram signal.
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim, std=LAYER_OUT_SCALE * residual_rms / hidden**0.5),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim, std=out_scale / (heads * head_dim) ** 0.5),
             p + "mlp.gate_proj.weight": rand(inter, hidden, std=hidden**-0.5),
             p + "mlp.up_proj.weight": rand(inter, hidden, std=hidden**-0.5),
-            p + "mlp.down_proj.weight": rand(hidden, inter, std=LAYER_OUT_SCALE * residual_rms / inter**0.5),
+            p + "mlp.down_proj.weight": rand(hidden, inter, std=out_scale / inter**0.5),
         }
     return state
 

@@ -13,12 +13,17 @@ Shapes: T = tokens in the flat batch, n = n_embd.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import Attention
 from models.layers import Linear, VocabEmbedding, check_shape, default_weight_loader, get_activation
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @torch.no_grad()
@@ -45,7 +50,7 @@ class LayerNorm(nn.LayerNorm):
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         n, num_heads = config.n_embd, config.n_head
         head_dim = n // num_heads
@@ -63,7 +68,7 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
         self.c_fc = Conv1DLinear(config.n_embd, inner)
@@ -75,7 +80,7 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = GPT2Attention(config, layer_idx)
@@ -88,7 +93,7 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.wte = VocabEmbedding(config.vocab_size, config.n_embd)
         self.wpe = VocabEmbedding(config.n_positions, config.n_embd)
@@ -105,7 +110,7 @@ class GPT2Model(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     packed_modules_mapping: dict = {}  # c_attn is already packed in the checkpoint
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.transformer = GPT2Model(config)

@@ -8,11 +8,15 @@ Loaders check shapes and raise `ValueError` quoting both shapes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_shape(param: Tensor, loaded: Tensor, what: str = "") -> None:
@@ -30,11 +34,12 @@ def default_weight_loader(param: Tensor, loaded: Tensor) -> None:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with Hugging Face numerics: normalize in fp32, cast back, then scale.
+    """RMSNorm with Hugging Face numerics: normalize in fp32, round to the model dtype, then scale.
 
-    HF rounds the normalized activations to the model dtype *before* multiplying
-    by the weight; `F.rms_norm` with a weight rounds once at the end, which differs
-    by one ulp in bf16. In fp32 both are the same single fused op.
+    `F.rms_norm` on a bf16/fp16 input normalizes in fp32 and rounds once, exactly like
+    HF's `.to(input_dtype)`; HF then multiplies by the weight in the model dtype, so the
+    weight stays outside the fused op (passing it in would round only once: 1 ulp off
+    HF). In fp32 both are the same single fused op.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -46,10 +51,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden] -> [..., hidden]
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(x, self.shape, None, self.eps)
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config: PretrainedConfig) -> dict:
     """The rope settings of an HF config as one dict with `rope_type` and `rope_theta`.
 
     transformers >= 5 stores them in `config.rope_parameters`; 4.x in
@@ -152,7 +157,7 @@ ACTIVATIONS = {
 }
 
 
-def get_activation(name: str):
+def get_activation(name: str) -> Callable[[Tensor], Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r} (supported: {sorted(ACTIVATIONS)})")
     return ACTIVATIONS[name]

@@ -8,6 +8,8 @@ Shapes: T = tokens in the flat batch, H/KvH = query/KV heads, D = head_dim.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -24,12 +26,15 @@ from models.layers import (
     silu_and_mul,
 )
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def head_dim_of(config) -> int:
+
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window_for_layer(config, layer_idx: int) -> int | None:
+def sliding_window_for_layer(config: PretrainedConfig, layer_idx: int) -> int | None:
     """The layer's sliding window as HF applies it, or None for full attention.
 
     transformers >= 5 marks layers in `config.layer_types`; older Qwen2 configs use
@@ -51,7 +56,7 @@ class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -87,7 +92,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
@@ -105,7 +110,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, attention_cls: type[nn.Module]) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, attention_cls: type[nn.Module]) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx)
         self.mlp = LlamaMLP(config)
@@ -118,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, attention_cls: type[nn.Module]) -> None:
+    def __init__(self, config: PretrainedConfig, attention_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
@@ -147,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     }
     attention_cls: type[nn.Module] = LlamaAttention
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)

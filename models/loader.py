@@ -11,6 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -18,6 +19,9 @@ from torch import Tensor, nn
 
 from models.layers import default_weight_loader
 from models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
@@ -143,7 +147,9 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             module.reset_buffers()
 
 
-def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(
+    model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str
+) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
@@ -154,7 +160,7 @@ def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.devi
     return model.eval()
 
 
-def get_max_model_len(hf_config) -> int:
+def get_max_model_len(hf_config: PretrainedConfig) -> int:
     """Longest sequence the model supports (`max_position_embeddings`, GPT-2's `n_positions`)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(hf_config, key, None)
@@ -169,7 +175,7 @@ def _as_id_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def get_eos_token_ids(model_dir: str, hf_config) -> list[int]:
+def get_eos_token_ids(model_dir: str, hf_config: PretrainedConfig) -> list[int]:
     """EOS ids from generation_config.json (an int or a list), else from the model config."""
     ids: list[int] = []
     gen_path = Path(model_dir) / "generation_config.json"

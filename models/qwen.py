@@ -8,11 +8,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from models.layers import RMSNorm, apply_rotary
 from models.llama import LlamaAttention, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen2Attention(LlamaAttention):
@@ -25,7 +30,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # shared by all query heads
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

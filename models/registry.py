@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from models.gpt2 import GPT2LMHeadModel
 from models.llama import LlamaForCausalLM, MistralForCausalLM
 from models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,7 +24,7 @@ _MODELS: dict[str, type[nn.Module]] = {
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
 
-def get_model_class(hf_config) -> type[nn.Module]:
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:

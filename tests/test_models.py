@@ -18,6 +18,7 @@ import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
 
+import models.attention
 from models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
 from models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
 from models.loader import resolve_model_path
@@ -101,8 +102,11 @@ def load_pair(path: Path, family: str, **overrides):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_models(request, tmp_path_factory):
-    model, hf_model, config = load_pair(tmp_path_factory.mktemp(request.param), request.param)
+def family_models(request, checkpoint_dirs):
+    model_dir = checkpoint_dirs[request.param]  # conftest.py: one tiny checkpoint per family
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    model = load_model(model_dir, config, torch.float32, "cpu")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(config.vocab_size)
     return request.param, model, config, prompts, hf_logits(hf_model, prompts)
 
@@ -130,8 +134,14 @@ def test_prefill_after_cached_prefix(family_models):
     assert_close(got, want)
 
 
-def test_mixed_decode_and_chunked_prefill(family_models):
-    """Every step mixes 1-token rows with 5-token prefill chunks; requests drop out as they finish."""
+@pytest.mark.parametrize("cpu_chunk_bytes", [None, 1, 3000], ids=["one-sdpa", "row-per-chunk", "few-rows-per-chunk"])
+def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkeypatch):
+    """Every step mixes 1-token rows with 5-token prefill chunks; requests drop out as they finish.
+
+    `cpu_chunk_bytes` shrinks the CPU decode chunking (normally 8 MiB) so that the
+    decode rows are also attended in several SDPA calls."""
+    if cpu_chunk_bytes is not None:
+        monkeypatch.setattr(models.attention, "CPU_DECODE_CHUNK_BYTES", cpu_chunk_bytes)
     _, model, _, prompts, want = family_models
     runner = PagedRunner(model, block_size=4, seed=2)
     chunk_sizes = [5 if i % 3 == 0 else 1 for i in range(len(prompts))]
@@ -197,11 +207,6 @@ def test_unsupported_architecture_lists_supported():
         assert arch in str(err.value)
     assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                               "Qwen3ForCausalLM", "GPT2LMHeadModel"}
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return make_checkpoint(tmp_path_factory.mktemp("llama_ckpt"), "llama")
 
 
 def _rewrite_weights(src: str, dst: Path, edit) -> str:
@@ -337,3 +342,39 @@ def test_default_model_is_deterministic_cached_and_loads(tmp_path):
     # A bigram model of the corpus: after "The" it should continue with a word from it.
     logits = PagedRunner(model, 16).step([(0, tokenizer.encode("Once upon a time the"), 0)])[0][-1]
     assert tokenizer.decode(int(logits.argmax())).strip().isalpha()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_matches_hf_bitwise(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 96, generator=g) * 5).to(dtype)
+    hf, ours = LlamaRMSNorm(96, eps=1e-6), RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96, generator=g) * 0.5 + 1)
+        ours.weight.copy_(hf.weight)
+    hf, ours = hf.to(dtype), ours.to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf(x))
+
+
+def test_prefill_before_kv_cache_is_assigned(llama_dir):
+    """A memory-profiling pass may run prefills before the runner assigns `kv_cache`."""
+    config = transformers.AutoConfig.from_pretrained(llama_dir)
+    model = load_model(llama_dir, config, torch.float32, "cpu")
+    prompts = make_prompts(config.vocab_size, [5, 9])
+    want = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32), prompts)
+
+    def meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(torch.zeros(sum(query_lens), dtype=torch.long),
+                                 torch.tensor([0] + query_lens).cumsum(0), torch.tensor(seq_lens),
+                                 torch.zeros(len(seq_lens), 4, dtype=torch.long), query_lens, seq_lens, 4)
+
+    with torch.inference_mode(), forward_context(meta([5, 9], [5, 9])):
+        hidden = model(torch.tensor(prompts[0] + prompts[1]), torch.tensor([*range(5), *range(9)]))
+        assert_close(list(model.compute_logits(hidden).split([5, 9])), want)
+    with torch.inference_mode(), forward_context(meta([1], [6])), pytest.raises(RuntimeError, match="kv_cache"):
+        model(torch.tensor([1]), torch.tensor([5]))
