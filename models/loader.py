@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from models.layers import default_weight_loader
+from models.layers import default_weight_loader, pack_for_cpu
 from models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -157,6 +157,8 @@ def load_model(
         model = cls(hf_config)
     _materialize(model, dtype, device)
     load_weights(model, model_dir)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pack_for_cpu(model)
     return model.eval()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
@@ -378,3 +379,21 @@ def test_prefill_before_kv_cache_is_assigned(llama_dir):
         assert_close(list(model.compute_logits(hidden).split([5, 9])), want)
     with torch.inference_mode(), forward_context(meta([1], [6])), pytest.raises(RuntimeError, match="kv_cache"):
         model(torch.tensor([1]), torch.tensor([5]))
+
+
+def test_cpu_packed_linear_matches_f_linear():
+    from models.layers import Linear, pack_for_cpu
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    if pack_for_cpu(layer) == 0:
+        pytest.skip("this torch build has no oneDNN linear packing")
+    assert layer.cpu_packed_weight is not None and layer.weight.numel() == 0
+    for rows in (x, x[:1]):  # any batch size works with one packing
+        got = layer(rows).float()
+        torch.testing.assert_close(got, ref[: len(rows)], atol=0.1, rtol=0.02)
