@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random",
                    help="checkpoint folder; built there if missing")
     p.add_argument("--out", help="output folder (default loadtest_out/suite-<timestamp>)")
-    p.add_argument("--dtype", default="float32", help="passed to both servers")
+    p.add_argument("--dtype", default="bfloat16", help="passed to both servers")
     p.add_argument("--skip-kvserve", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--kvserve-cmd", help="command that starts kvserve (default: python -m server.cli serve)")
