@@ -159,3 +159,21 @@ def test_fcfs_waiting_request_not_overtaken():
     sched.add(make_request("small", 2, max_tokens=1))
     plan, _ = run_step(sched)
     assert [i.request.request_id for i in plan.scheduled] == ["big"]
+
+
+def test_engine_and_models_import_without_the_web_stack():
+    """The GPU image has torch and transformers but no fastapi/pydantic (layering: server -> engine -> models)."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'pydantic', 'starlette', 'uvicorn', 'server', 'loadtest'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import engine, models\n"
+        "from engine import LLM, AsyncLLM, SamplingParams, EngineArgs\n"
+        "import engine.runner, engine.llm_engine, engine.async_llm, models.loader, models.default_model\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
