@@ -191,7 +191,11 @@ def test_max_queue_refuses_with_503(guarded_server):
         for _ in range(3):
             with client.stream("POST", url + "/v1/completions", json=body, headers=auth) as running:
                 assert running.status_code == 200
-                next(running.iter_lines())   # it has started
+                # Keep the line iterator alive until the block ends: a discarded `iter_lines()` generator is
+                # closed at once, and httpcore then closes the connection mid-response, so the server
+                # (rightly) aborts the long request and frees its seat before the second one arrives.
+                lines = running.iter_lines()
+                next(lines)   # it has started
                 refused = client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
             statuses.append(refused.status_code)
             if refused.status_code == 503:
