@@ -81,10 +81,12 @@ def run_server_suite(name: str, cmd: list[str], port: int, size: SuiteSize, mode
     print(f"\n### {name}: {shlex.join(cmd)}", flush=True)
     results: dict[str, list[dict]] = {}
     with running_server(cmd, port, out / name / "server.log", startup_timeout_s) as base_url:
-        for sweep, options in sweeps(size).items():
+        # one server serves every sweep: a seed per sweep keeps a later sweep's prompts from
+        # hitting the prefix cache that an earlier sweep's identical prompts filled
+        for sweep_idx, (sweep, options) in enumerate(sweeps(size).items()):
             sweep_out = out / name / sweep
             argv = ["serve", "--base-url", base_url, "--tokenizer", str(model_dir), "--out", str(sweep_out),
-                    "--seed", "0", *options]
+                    "--seed", str(1000 * sweep_idx), *options]
             print(f"--- {name} / {sweep}: loadtest {shlex.join(argv)}", flush=True)
             if cli.main(argv) != 0:
                 print(f"warning: {name} / {sweep} did not complete cleanly", file=sys.stderr)
