@@ -19,7 +19,7 @@ from engine.device import kv_cache_budget_bytes, resolve_device, resolve_dtype
 from engine.sampler import Sampler
 from engine.sampling_inputs import build_sampling_tensors
 from engine.scheduler import ScheduledRequest, StepPlan
-from models import load_model
+from models import hugepages, load_model
 from models.attention import Attention, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,11 @@ class ModelRunner:
                              f"raise kv_cache_memory (got {cache.kv_cache_memory})")
         for layer in self.attn_layers:
             # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block
-            layer.kv_cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                         layer.head_dim, dtype=self.dtype, device=self.device)
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            if self.device.type == "cpu":  # scattered block reads: huge pages spare TLB misses
+                layer.kv_cache = hugepages.empty(shape, self.dtype).zero_()
+            else:
+                layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks - 1,
                     self.block_size, (num_blocks - 1) * self.block_size,
                     num_blocks * bytes_per_block / 2**20)

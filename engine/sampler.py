@@ -62,6 +62,7 @@ class SamplingTensors:
     no_min_p: bool
     no_penalties: bool
     max_top_k: int | None = None  # largest active top_k (host); None = unknown, use V
+    needs_logprobs: bool = True  # False: no row asked for logprobs, skip computing them
 
     @classmethod
     def from_lists(
@@ -81,6 +82,7 @@ class SamplingTensors:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         suppressed_token_ids: Sequence[Sequence[int]] | None = None,
         max_num_logprobs: int = 0,
+        needs_logprobs: bool = True,
         device: torch.device | str = "cpu",
     ) -> SamplingTensors:
         """Build from per-request Python values (None = the neutral default for every row).
@@ -137,6 +139,7 @@ class SamplingTensors:
             no_min_p=not any(min_p),
             no_penalties=no_penalties,
             max_top_k=max(top_k) if any(top_k) else None,
+            needs_logprobs=needs_logprobs or max_num_logprobs > 0,
         )
 
 
@@ -145,8 +148,9 @@ class SamplerOutput:
     """Sampled tokens plus their logprobs under the model's raw distribution."""
 
     sampled_token_ids: Tensor  # [B] int64
-    sampled_logprobs: Tensor  # [B] float32, log_softmax(raw logits) at the sampled token
-    sampled_ranks: Tensor  # [B] int64, 1 + number of tokens strictly more likely
+    sampled_logprobs: Tensor | None  # [B] float32, log_softmax(raw logits) at the sampled token
+    sampled_ranks: Tensor | None  # [B] int64, 1 + number of tokens strictly more likely
+    # (the two above and the top-k are None when `SamplingTensors.needs_logprobs` is False)
     topk_token_ids: Tensor | None  # [B, K] int64, K = max_num_logprobs, best first
     topk_logprobs: Tensor | None  # [B, K] float32
 
@@ -156,6 +160,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
+        plain = t.suppressed_token_ids is None and t.no_penalties
+        if t.all_greedy and plain and not t.needs_logprobs:
+            # argmax needs no float copy: bf16 -> fp32 is exact and order-preserving
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:
@@ -178,6 +186,8 @@ class Sampler:
             if not t.all_random:
                 is_greedy = t.temperature < GREEDY_TEMPERATURE_EPS
                 token_ids = torch.where(is_greedy, x.argmax(dim=-1), token_ids)
+        if not t.needs_logprobs:
+            return SamplerOutput(token_ids, None, None, None, None)
         return _logprob_output(raw, token_ids, t.max_num_logprobs)
 
 

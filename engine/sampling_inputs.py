@@ -41,5 +41,6 @@ def build_sampling_tensors(requests: list[Request], vocab_size: int, device: tor
         output_token_ids=[r.output_token_ids for r in requests] if has_penalties else None,
         suppressed_token_ids=[_suppressed_ids(r) for r in requests],
         max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        needs_logprobs=any(p.logprobs is not None for p in params),
         device=device,
     )

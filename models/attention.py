@@ -5,7 +5,9 @@ The runner builds one `AttentionMetadata` per step and runs the model inside
 
 1. writes the step's new keys/values into its `kv_cache` at `slot_mapping`, and
 2. attends over the cache:
-   * rows with query_len == 1 ("decode rows") together: their blocks are gathered
+   * rows with query_len == 1 ("decode rows") together. On the CPU, one call of
+     models.cpu_ops' paged decode kernel reads K/V in place. Elsewhere (and when the
+     kernels cannot be built) their blocks are gathered
      through the block table into [B_dec, n * block_size] keys, masked by
      `seq_lens` (and the sliding window), and attended in one SDPA call (on the
      CPU, in chunks of a few MiB so the gathered keys are still in cache). The
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models import cpu_ops
 
 
 @dataclass
@@ -248,8 +252,13 @@ class Attention(nn.Module):
 
     def _decode(self, plan: _StepPlan, q: Tensor) -> Tensor:
         """q [B_dec, H, D] (one token per request) -> [B_dec, H*D]."""
-        if self._kv_cache is None:
+        cache = self._kv_cache
+        if cache is None:
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
+        if cache.device.type == "cpu" and cache.dtype in (torch.bfloat16, torch.float32) and cpu_ops.load():
+            # reads K/V in place through the block table: no gather copy
+            return cpu_ops.paged_decode_attention(q, cache[0], cache[1], plan.decode_block_table,
+                                                  plan.decode_seq_lens, self.scale, self.sliding_window)
         kv_bytes_per_token = 2 * self.num_kv_heads * self.head_dim * self._kv_cache.element_size()
         chunks = plan.decode_chunks(self.sliding_window, kv_bytes_per_token)
         if len(chunks) == 1:

@@ -122,8 +122,9 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, n] -> [N, vocab]
-        weight = self.transformer.wte.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.tie_word_embeddings:
+            return self.transformer.wte.lm_head(hidden)
+        return self.lm_head(hidden)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name -> module name; None skips mask buffers and a tied head's copy."""

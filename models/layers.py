@@ -8,12 +8,15 @@ Loaders check shapes and raise `ValueError` quoting both shapes.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from models import cpu_ops, hugepages
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -177,36 +180,79 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    # set by `pack_for_cpu`: the weight reordered once into oneDNN's blocked layout
+    # Set by `pack_for_cpu` (CPU, bf16): the weight in models.cpu_ops' layout (small
+    # batches) and/or oneDNN's blocked layout (large batches); the plain weight is then freed.
+    cpu_small_batch_weight: Tensor | None = None
+    cpu_small_batch_bias: Tensor | None = None  # float32
     cpu_packed_weight: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
+        if self.cpu_small_batch_weight is not None and (
+            x.shape[0] <= CPU_SMALL_BATCH or self.cpu_packed_weight is None
+        ):
+            return cpu_ops.linear_bf16(x, self.cpu_small_batch_weight, self.cpu_small_batch_bias, self.out_features)
         if self.cpu_packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.cpu_packed_weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_for_cpu(model: nn.Module) -> int:
-    """Reorder every `Linear` weight once into oneDNN's blocked layout (CPU, bf16).
+# Up to this many rows, models.cpu_ops' kernel beats oneDNN (it streams the weights at
+# close to DRAM bandwidth); beyond, oneDNN's larger tiles win by 10-25% (docs/benchmarks.md).
+CPU_SMALL_BATCH = 32
+# Keep both CPU layouts only while the linear weights are at most this share of RAM.
+CPU_DUAL_LAYOUT_RAM_SHARE = 1 / 8
 
-    F.linear re-reads the [out, in] weight in a layout that is slow for the small
-    batches of decode; the packed weight streams faster (measured in
-    docs/benchmarks.md). The original weight's storage is released. Uses a private
-    op, so anything unexpected (an older torch, no oneDNN) keeps F.linear.
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
+
+    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout,
+    used for small batches (decode), plus oneDNN's blocked layout for large batches
+    (prefill) when both fit in `CPU_DUAL_LAYOUT_RAM_SHARE` of RAM. Without them,
+    oneDNN's layout alone (it streams faster than F.linear's). Uses a private oneDNN
+    op, so anything unexpected keeps F.linear. The plain weight's storage is released.
     Returns the number of layers packed.
     """
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None or not torch.backends.mkldnn.is_available():
-        return 0
     linears = [m for m in model.modules() if isinstance(m, Linear)
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16]
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
+    fast = cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears)
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    use_onednn = reorder is not None and torch.backends.mkldnn.is_available()
+    if fast and use_onednn:
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        use_onednn = weight_bytes <= CPU_DUAL_LAYOUT_RAM_SHARE * _ram_bytes()
+    if not (fast or use_onednn):
+        return 0
     try:
         for m in linears:
-            m.cpu_packed_weight = reorder(m.weight.detach(), None)
+            if use_onednn:
+                m.cpu_packed_weight = reorder(m.weight.detach(), None)
+            if fast:
+                m.cpu_small_batch_weight = cpu_ops.pack_linear_weight(m.weight.detach())
+                m.cpu_small_batch_bias = None if m.bias is None else m.bias.detach().float()
             m.weight.data = m.weight.data.new_empty(0)
     except RuntimeError:  # pragma: no cover - depends on the torch build
         return 0
+    if not fast:
+        return len(linears)
+    streamed = linears[:]  # decode reads these every step: put them on huge pages
+    if getattr(model, "tie_word_embeddings", False):
+        for emb in model.modules():
+            if isinstance(emb, VocabEmbedding) and emb.weight.dtype == torch.bfloat16:
+                emb.cpu_lm_head_weight = cpu_ops.pack_linear_weight(emb.weight.detach())
+                streamed.append(emb)
+    names = ["cpu_lm_head_weight" if isinstance(m, VocabEmbedding) else "cpu_small_batch_weight" for m in streamed]
+    copies = hugepages.copy_into_huge_pages([getattr(m, name) for m, name in zip(streamed, names)])
+    for m, name, copy in zip(streamed, names, copies):
+        setattr(m, name, copy)
     return len(linears)
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30
 
 
 class PackedLinear(Linear):
@@ -243,7 +289,9 @@ class PackedLinear(Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding [vocab, hidden]; also serves as the tied LM head."""
+    """Token embedding [vocab, hidden]; also serves as the tied LM head (`lm_head`)."""
+
+    cpu_lm_head_weight: Tensor | None = None  # set by `pack_for_cpu` for a tied head
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -252,3 +300,8 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, hidden]
         return F.embedding(ids, self.weight)
+
+    def lm_head(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]
+        if self.cpu_lm_head_weight is not None:
+            return cpu_ops.linear_bf16(hidden, self.cpu_lm_head_weight, None, self.weight.shape[0])
+        return F.linear(hidden, self.weight)

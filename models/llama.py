@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]
         if self.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+            return self.model.embed_tokens.lm_head(hidden)
         return self.lm_head(hidden)
 
     def map_weight_name(self, name: str) -> str | None:

@@ -1,0 +1,89 @@
+"""kvserve's CPU kernels (models/csrc/cpu_ops.cpp), built on first use with the local compiler.
+
+`load()` compiles the C++ file once per source/torch version into a cache directory
+(`$KVSERVE_CACHE_DIR/cpu_ops`, default `~/.cache/kvserve/cpu_ops`; about 15 s on two
+cores) and registers `torch.ops.kvserve.*`. Anything that goes wrong (no compiler,
+not x86-64, `KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps its portable
+PyTorch path, so the kernels are an optimization, never a requirement.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return root / "cpu_ops" / digest
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or reuse) and register the kernels; True when `torch.ops.kvserve` is usable."""
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="kvserve_cpu_ops",
+            sources=[str(SOURCE)],
+            build_directory=str(build_dir),
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, headers or ninja: keep the PyTorch path
+        logger.warning("CPU kernels unavailable, using the PyTorch path (%s)", str(exc).splitlines()[0][:200])
+        return False
+    return True
+
+
+@functools.cache
+def has_fast_bf16() -> bool:
+    """True when the kernels loaded and the CPU has AVX512-BF16 (the fast linear needs it)."""
+    return load() and bool(torch.ops.kvserve.has_avx512_bf16())
+
+
+def pack_linear_weight(weight: Tensor) -> Tensor:
+    """[N, K] bf16 -> [ceil(N/64), K/2, 64, 2]: 64-column blocks, input features in pairs (K even)."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"pack_linear_weight needs an even number of input features, got {k}")
+    padded = F.pad(weight, (0, 0, 0, -n % 64))  # [N64, K]
+    return padded.view(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """x [..., K] bf16 @ W.T (+ bias, float32) with W packed by `pack_linear_weight` -> [..., N]."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    y = torch.ops.kvserve.linear_bf16(flat, packed, bias, out_features)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                           seq_lens: Tensor, scale: float, window: int | None) -> Tensor:
+    """q [B, H, D] (one token per request) over the paged cache [blocks, block_size, KvH, D] -> [B, H*D]."""
+    return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens,
+                                                    scale, window or 0)

@@ -1,0 +1,388 @@
+// CPU kernels for the two places where PyTorch's generic CPU ops leave most of the
+// machine idle during decode (measured in docs/benchmarks.md):
+//
+//  * kvserve::linear_bf16    y = x @ W.T + b for bf16, with W pre-packed once into
+//    16-column VNNI blocks. At small batch the step is bound by streaming weights;
+//    this reads them at close to DRAM bandwidth (oneDNN's packed GEMV reaches about a
+//    third of it here). Larger batches use a 6x64 register tile.
+//  * kvserve::paged_decode_attention  one query token per request attending over its
+//    keys/values *in place* in the paged cache (no gather copy), GQA-aware: the query
+//    heads that share a KV head are scored together from one read of each key.
+//
+// Both accumulate in fp32. The AVX512-BF16 paths are compiled with target attributes
+// and chosen at run time, so the library loads on any x86-64 CPU; the Python side
+// (models/cpu_ops.py) only calls linear_bf16 when `has_avx512_bf16()` is true.
+// Threads come from ATen's pool (at::parallel_for), the same one torch's ops use.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define KV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+bool has_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// ---- linear: y[M, N] = x[M, K] @ W[N, K].T (+ bias) ------------------------------
+// Packed layout (built by models/cpu_ops.py): wp[N / 64][K / 2][64][2], i.e. for each
+// block of 64 output columns, each pair of input features holds the 64 columns' two
+// weights side by side: a 64-byte load feeds one vdpbf16ps (16 columns) with a
+// broadcast x pair, and a tile reads its weights as one sequential stream.
+
+constexpr int kTileM = 6;       // rows of x per register tile
+constexpr int kTileN = 4;       // 16-column groups per register tile = one 64-column block
+constexpr int64_t kBlockK = 64;   // input-feature pairs per pass: a 16 KiB weight slice stays in L1
+constexpr int64_t kBlockM = 96;   // rows per work item: their slice of x stays in L2
+
+// One MR x 64 tile over input-feature pairs [k0, k1). Partial sums live in `partial`
+// ([MR][64] fp32) between passes; the last pass adds the bias and writes bf16 to y.
+template <int MR>
+KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1,
+                                float* partial, bool first, bool last, const float* bias, uint16_t* y,
+                                int64_t ldy, int64_t col0, int64_t n) {
+  constexpr int NR = kTileN;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + i * 64 + 16 * j);
+  for (int64_t kh = k0; kh < k1; ++kh) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * kh, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (!last) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(partial + i * 64 + 16 * j, acc[i][j]);
+    return;
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = col0 + 16 * j;
+    const int64_t width = std::min<int64_t>(16, n - col);
+    if (width <= 0) break;
+    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+      _mm256_mask_storeu_epi16(y + i * ldy + col, mask, out);
+    }
+  }
+}
+
+using TileFn = decltype(&linear_tile<1>);
+
+TileFn tile_fn(int mr) {
+  switch (mr) {
+    case 1: return linear_tile<1>;
+    case 2: return linear_tile<2>;
+    case 3: return linear_tile<3>;
+    case 4: return linear_tile<4>;
+    case 5: return linear_tile<5>;
+    default: return linear_tile<6>;
+  }
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n) {
+  TORCH_CHECK(has_avx512_bf16(), "linear_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 64 && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "packed weight must be bf16 [N/64, K/2, 64, 2]");
+  const int64_t m = x.size(0), half_k = packed.size(1), col_blocks = packed.size(0);
+  TORCH_CHECK(x.size(1) == 2 * half_k, "x has ", x.size(1), " features, the weight ", 2 * half_k);
+  TORCH_CHECK(n <= 64 * col_blocks && n > 64 * (col_blocks - 1), "n=", n, " does not match the packed weight");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= n,
+                "bias must be float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  // Work items: (block of rows, 64-column block); consecutive items share the rows.
+  // With few column blocks, smaller row blocks keep every thread busy.
+  const int64_t want_items = 8 * at::get_num_threads();
+  int64_t rows_per_item = kBlockM;
+  if (col_blocks < want_items) {
+    const int64_t parts = (want_items + col_blocks - 1) / col_blocks;
+    rows_per_item = std::clamp<int64_t>((m / parts + kTileM - 1) / kTileM * kTileM, kTileM, kBlockM);
+  }
+  const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    float partial[kBlockM * 64];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item / col_blocks) * rows_per_item, cb = item % col_blocks;
+      const int64_t r1 = std::min(m, r0 + rows_per_item);
+      const uint16_t* w = wp + cb * half_k * 128;
+      for (int64_t k0 = 0; k0 < half_k; k0 += kBlockK) {
+        const int64_t k1 = std::min(half_k, k0 + kBlockK);
+        for (int64_t r = r0; r < r1; r += kTileM) {
+          const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
+          tile_fn(mr)(xp + r * ldx, ldx, w, k0, k1, partial + (r - r0) * 64, k0 == 0, k1 == half_k, bias_ptr,
+                      yp + r * n, n, cb * 64, n);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// ---- paged decode attention --------------------------------------------------------
+// For request b and KV head h: the G = H / KvH query heads h*G .. h*G+G-1 attend over
+// keys [start, seq_len) (start = seq_len - window with a sliding window, else 0), read
+// through the block table. Two passes over the keys: scores (kept in a scratch row per
+// query head), then softmax and the weighted sum of values.
+
+struct DecodeArgs {
+  int64_t num_kv_heads, group, head_dim, block_size;
+  int64_t q_stride_req, q_stride_head;     // q[b, head, d] strides (d contiguous)
+  int64_t cache_stride_block, cache_stride_token;  // within one K or V cache
+  int64_t table_stride, window;
+  float scale;
+};
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+// Generic (any head_dim, fp32 or bf16) path.
+template <typename T>
+void attend_generic(const DecodeArgs& a, const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
+                    int64_t end, float* scores, float* acc, T* out) {
+  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim;
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t block = table[t / a.block_size], off = t % a.block_size;
+    const T* k = kc + block * a.cache_stride_block + off * a.cache_stride_token;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const T* qg = q + g * a.q_stride_head;
+      float s = 0.f;
+      for (int64_t d = 0; d < d_n; ++d) s += to_float(qg[d]) * to_float(k[d]);
+      scores[g * len + (t - start)] = s * a.scale;
+    }
+  }
+  std::fill(acc, acc + g_n * d_n, 0.f);
+  std::vector<float> denom(g_n);
+  for (int64_t g = 0; g < g_n; ++g) {
+    float* row = scores + g * len;
+    const float mx = *std::max_element(row, row + len);
+    float sum = 0.f;
+    for (int64_t i = 0; i < len; ++i) sum += (row[i] = std::exp(row[i] - mx));
+    denom[g] = sum;
+  }
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t block = table[t / a.block_size], off = t % a.block_size;
+    const T* v = vc + block * a.cache_stride_block + off * a.cache_stride_token;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const float p = scores[g * len + (t - start)];
+      for (int64_t d = 0; d < d_n; ++d) acc[g * d_n + d] += p * to_float(v[d]);
+    }
+  }
+  for (int64_t g = 0; g < g_n; ++g)
+    for (int64_t d = 0; d < d_n; ++d) out[g * d_n + d] = static_cast<T>(acc[g * d_n + d] / denom[g]);
+}
+
+// exp for x <= 0 (scores minus their max): Cephes' degree-6 polynomial after reducing by
+// ln 2, scaled back with vscalefps; about 1 ulp, like the vectorized exp SDPA uses.
+KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp underflows to 0 well before this
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+KV_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Rows [h0, h1) of the KV heads in one cache block: the next block's are prefetched while
+// this one is used (blocks are scattered, so the hardware prefetcher cannot guess them).
+KV_AVX512_BF16 inline void prefetch_block(const DecodeArgs& a, const uint16_t* block, int64_t h0, int64_t h1) {
+  for (int64_t off = 0; off < a.block_size; ++off) {
+    const char* row = reinterpret_cast<const char*>(block + off * a.cache_stride_token);
+    for (int64_t byte = h0 * a.head_dim * 2; byte < h1 * a.head_dim * 2; byte += 64)
+      _mm_prefetch(row + byte, _MM_HINT_T0);
+  }
+}
+
+// bf16, head_dim a multiple of 32 (<= 256): KV heads [h0, h1) of one request, block by
+// block, so each block's rows for these heads are read while they are contiguous.
+// scores: [(h1 - h0) * G][len], acc: [(h1 - h0) * G][D]; q/out point at the request.
+KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                const int64_t* table, int64_t start, int64_t end, int64_t h0, int64_t h1,
+                                float* scores, float* acc, uint16_t* out) {
+  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim, chunks = d_n / 32, bs = a.block_size;
+  const int64_t rows = (h1 - h0) * g_n;
+  const int64_t first_block = start / bs, last_block = (end - 1) / bs;
+  for (int64_t jb = first_block; jb <= last_block; ++jb) {
+    const uint16_t* kb = kc + table[jb] * a.cache_stride_block;
+    if (jb < last_block) prefetch_block(a, kc + table[jb + 1] * a.cache_stride_block, h0, h1);
+    for (int64_t t = std::max(start, jb * bs); t < std::min(end, jb * bs + bs); ++t) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const uint16_t* k = kb + (t - jb * bs) * a.cache_stride_token + h * d_n;
+        for (int64_t g = 0; g < g_n; ++g) {
+          const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
+          __m512 s = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c)
+            s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qg + 32 * c),
+                                 (__m512bh)_mm512_loadu_si512(k + 32 * c));
+          scores[((h - h0) * g_n + g) * len + (t - start)] = _mm512_reduce_add_ps(s) * a.scale;
+        }
+      }
+    }
+  }
+  std::vector<float> denom(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * len;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, row + i));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), row_max));
+      _mm512_mask_storeu_ps(row + i, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    denom[r] = _mm512_reduce_add_ps(sum);
+  }
+  std::fill(acc, acc + rows * d_n, 0.f);
+  for (int64_t jb = first_block; jb <= last_block; ++jb) {
+    const uint16_t* vb = vc + table[jb] * a.cache_stride_block;
+    if (jb < last_block) prefetch_block(a, vc + table[jb + 1] * a.cache_stride_block, h0, h1);
+    for (int64_t t = std::max(start, jb * bs); t < std::min(end, jb * bs + bs); ++t) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const uint16_t* v = vb + (t - jb * bs) * a.cache_stride_token + h * d_n;
+        for (int64_t c = 0; c < 2 * chunks; ++c) {
+          const __m512 vv = load_bf16_as_float(v + 16 * c);
+          for (int64_t g = 0; g < g_n; ++g) {
+            const int64_t r = (h - h0) * g_n + g;
+            float* dst = acc + r * d_n + 16 * c;
+            const __m512 p = _mm512_set1_ps(scores[r * len + (t - start)]);
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(p, vv, _mm512_loadu_ps(dst)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t c = 0; c < 2 * chunks; ++c) {
+      const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * d_n + 16 * c), inv));
+      _mm256_storeu_si256((__m256i*)(out + (h0 * g_n + r) * d_n + 16 * c), o);
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T* vc, const int64_t* table,
+                           const int64_t* seq_lens, int64_t num_reqs, T* out, bool use_avx512) {
+  // Enough requests to share out: one work item per request (all its KV heads, reading
+  // each cached token's heads together); otherwise one per (request, KV head).
+  const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
+  const int64_t items_per_req = a.num_kv_heads / heads_per_item;
+  at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(heads_per_item * a.group * a.head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
+      const int64_t seq_len = seq_lens[b];
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+      scores.resize(std::max<int64_t>(1, heads_per_item * a.group * (seq_len - start)));
+      const T* qb = q + b * a.q_stride_req;
+      T* ob = out + b * a.num_kv_heads * a.group * a.head_dim;
+      const int64_t* row = table + b * a.table_stride;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (use_avx512) {
+          attend_bf16(a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
+                      reinterpret_cast<const uint16_t*>(vc), row, start, seq_len, h0, h0 + heads_per_item,
+                      scores.data(), acc.data(), reinterpret_cast<uint16_t*>(ob));
+          continue;
+        }
+      }
+      for (int64_t h = h0; h < h0 + heads_per_item; ++h)
+        attend_generic(a, qb + h * a.group * a.q_stride_head, kc + h * a.head_dim, vc + h * a.head_dim, row, start,
+                       seq_len, scores.data(), acc.data(), ob + h * a.group * a.head_dim);
+    }
+  });
+}
+
+// q [B, H, D] (d contiguous), k_cache/v_cache [num_blocks, block_size, KvH, D],
+// block_table [B, max_blocks] int64, seq_lens [B] int64 (>= 1) -> out [B, H * D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, KvH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.stride(1) == 1 &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "block_table and seq_lens must be int64");
+  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(block_table.size(0) >= num_reqs && seq_lens.numel() >= num_reqs, "one table row per request");
+  DecodeArgs a{num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.size(1),
+               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+               block_table.stride(0), window, static_cast<float>(scale)};
+  at::Tensor out = at::empty({num_reqs, num_heads * head_dim}, q.options());
+  const bool avx = has_avx512_bf16() && head_dim % 32 == 0 && head_dim <= 256;
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl(a, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                          v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
+                          seq_lens.data_ptr<int64_t>(), num_reqs, out.data_ptr<at::BFloat16>(), avx);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention supports float32 and bfloat16");
+    decode_attention_impl(a, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                          block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_reqs,
+                          out.data_ptr<float>(), false);
+  }
+  return out;
+}
+
+bool has_avx512_bf16_op() { return has_avx512_bf16(); }
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("has_avx512_bf16() -> bool", &has_avx512_bf16_op);
+  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "float scale, int window) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}

@@ -1,0 +1,104 @@
+"""models.cpu_ops: the C++ CPU kernels against plain PyTorch references.
+
+The kernels are built on first use (skipped where no compiler is available; CI has one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kvserve CPU kernels could not be built here")
+
+needs_bf16 = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_fast_bf16(), reason="needs AVX512-BF16")
+
+
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window):
+    """Gather each request's keys, mask, softmax in float64. q [B, H, D] -> [B, H*D]."""
+    num_reqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    outs = []
+    for b in range(num_reqs):
+        n = int(seq_lens[b])
+        first = max(0, n - window) if window else 0
+        pos = torch.arange(first, n)
+        slots = block_table[b, pos // block_size] * block_size + pos % block_size
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, H, D]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten())
+    return torch.stack(outs)
+
+
+def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, 200, (num_reqs,), generator=g)
+    seq_lens[0] = 1  # a fresh request
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    num_blocks = num_reqs * max_blocks + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=g)[: num_reqs * max_blocks] + 1  # never block 0
+    block_table = perm.view(num_reqs, max_blocks)
+    # q as the model makes it: a strided view of a [T, H + KvH, D] tensor
+    qk = torch.randn(num_reqs, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)
+    return qk[:, :num_heads], k_cache, v_cache, block_table, seq_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("head_dim", [16, 64])  # 16: the generic path; 64: AVX512 for bf16
+@pytest.mark.parametrize("window", [None, 37])
+def test_paged_decode_attention_matches_reference(dtype, heads, head_dim, window):
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(dtype, 7, *heads, head_dim)
+    scale = head_dim**-0.5
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window)
+    ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
+    assert got.shape == (7, heads[0] * head_dim) and got.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), ref, **tol)
+
+
+def test_paged_decode_attention_rejects_mismatched_shapes():
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.float32, 2, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        cpu_ops.paged_decode_attention(q[:, :3], k_cache, v_cache, table, seq_lens, 1.0, None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 33, 100])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (64, 50), (130, 17), (1536, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_matches_float_reference(rows, in_features, out_features, bias):
+    torch.manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    w = torch.randn(out_features, in_features).bfloat16()
+    b = torch.randn(out_features) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = cpu_ops.linear_bf16(x, cpu_ops.pack_linear_weight(w), b, out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    # fp32 accumulation, one rounding to bf16 at the end
+    torch.testing.assert_close(got.double(), ref, atol=0.05, rtol=1 / 128)
+
+
+@needs_bf16
+def test_linear_bf16_strided_input_and_no_rows():
+    w = torch.randn(40, 64).bfloat16()
+    packed = cpu_ops.pack_linear_weight(w)
+    x = torch.randn(3, 128).bfloat16()[:, :64]  # row stride 128
+    torch.testing.assert_close(cpu_ops.linear_bf16(x, packed, None, 40).float(),
+                               F.linear(x.float(), w.float()), atol=0.05, rtol=1 / 128)
+    assert cpu_ops.linear_bf16(x[:0], packed, None, 40).shape == (0, 40)
+
+
+def test_pack_linear_weight_layout():
+    w = torch.arange(70 * 4, dtype=torch.float32).view(70, 4).bfloat16()
+    packed = cpu_ops.pack_linear_weight(w)
+    assert packed.shape == (2, 2, 64, 2)  # 70 columns -> two 64-column blocks, K=4 -> two pairs
+    assert packed[1, 1, 5].tolist() == w[64 + 5, 2:4].tolist()
+    assert packed[1, 0, 6:].abs().sum() == 0  # padding columns are zero
+    with pytest.raises(ValueError, match="even"):
+        cpu_ops.pack_linear_weight(torch.zeros(4, 3).bfloat16())
