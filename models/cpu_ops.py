@@ -1,10 +1,12 @@
 """kvserve's CPU kernels (models/csrc/cpu_ops.cpp), built on first use with the local compiler.
 
 `load()` compiles the C++ file once per source/torch version into a cache directory
-(`$KVSERVE_CACHE_DIR/cpu_ops`, default `~/.cache/kvserve/cpu_ops`; about 15 s on two
-cores) and registers `torch.ops.kvserve.*`. Anything that goes wrong (no compiler,
-not x86-64, `KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps its portable
-PyTorch path, so the kernels are an optimization, never a requirement.
+(`$KVSERVE_CPU_OPS_DIR`, else `$KVSERVE_CACHE_DIR/cpu_ops`, else
+`~/.cache/kvserve/cpu_ops`; about 15 s on two cores; a library already built there is
+loaded without a compiler, which is how the CPU Docker image ships it) and registers
+`torch.ops.kvserve.*`. Anything that goes wrong (no compiler, not x86-64,
+`KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps its portable PyTorch
+path, so the kernels are an optimization, never a requirement.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,12 +26,26 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_NAME = "kvserve_cpu_ops"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs `ninja`; the pip package's binary may not be on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _build_dir() -> Path:
-    root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    root = os.environ.get("KVSERVE_CPU_OPS_DIR")
+    if not root:
+        root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve") / "cpu_ops"
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return root / "cpu_ops" / digest
+    return Path(root) / digest
 
 
 @functools.cache
@@ -38,13 +55,18 @@ def load() -> bool:
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
+    build_dir = _build_dir()
+    library = build_dir / f"{_NAME}.so"
     try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+            return True
         from torch.utils import cpp_extension
 
-        build_dir = _build_dir()
+        _put_ninja_on_path()
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="kvserve_cpu_ops",
+            name=_NAME,
             sources=[str(SOURCE)],
             build_directory=str(build_dir),
             extra_cflags=["-O3", "-fopenmp"],
