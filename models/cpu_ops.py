@@ -80,6 +80,19 @@ def load() -> bool:
     return True
 
 
+# The fused small ops (rms_norm, rotary_) are scalar C++: they win where PyTorch's
+# per-op dispatch dominates (decode-sized batches) and are left to PyTorch above this.
+FUSED_MAX_ROWS = 64
+
+
+def use_fused(x: Tensor) -> bool:
+    """Whether the fused CPU ops should handle x [T, ...] (CPU, fp32/bf16, few rows, kernels built)."""
+    return x.shape[0] <= FUSED_MAX_ROWS and x.is_cpu and x.dtype in _FUSED_DTYPES and load()
+
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @functools.cache
 def has_fast_bf16() -> bool:
     """True when the kernels loaded and the CPU has AVX512-BF16 (the fast linear needs it)."""
@@ -97,6 +110,8 @@ def pack_linear_weight(weight: Tensor) -> Tensor:
 
 def linear_bf16(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """x [..., K] bf16 @ W.T (+ bias, float32) with W packed by `pack_linear_weight` -> [..., N]."""
+    if x.dim() == 2 and x.stride(1) == 1:  # the model's case: no reshapes (they cost at batch 1)
+        return torch.ops.kvserve.linear_bf16(x, packed, bias, out_features)
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()

@@ -52,6 +52,9 @@ class RMSNorm(nn.Module):
         self.shape = (hidden_size,)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden] -> [..., hidden]
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and cpu_ops.use_fused(x):
+            # one op, same roundings (in fp32 its sum order differs from HF's: keep PyTorch's)
+            return torch.ops.kvserve.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x, self.shape, None, self.eps)
@@ -130,6 +133,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor) -> Tensor:  # [T] -> [T, 2, head_dim]
         return self.cos_sin_cache.index_select(0, positions)
+
+
+def apply_rotary_inplace(x: Tensor, cos_sin: Tensor, num_heads: int, head_dim: int) -> bool:
+    """Rotate the first `num_heads` heads of each row of x [T, >= num_heads * D] in place with
+    the fused CPU op (same numerics as `apply_rotary`); False (x untouched) where it does not apply."""
+    if x.stride(1) != 1 or not cpu_ops.use_fused(x) or not cos_sin.is_contiguous():
+        return False
+    torch.ops.kvserve.rotary_(x, cos_sin, num_heads, head_dim)
+    return True
 
 
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:

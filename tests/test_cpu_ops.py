@@ -102,3 +102,36 @@ def test_pack_linear_weight_layout():
     assert packed[1, 0, 6:].abs().sum() == 0  # padding columns are zero
     with pytest.raises(ValueError, match="even"):
         cpu_ops.pack_linear_weight(torch.zeros(4, 3).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_the_pytorch_path(dtype):
+    from models.layers import RMSNorm
+
+    norm = RMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(9, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
+    got = torch.ops.kvserve.rms_norm(x, norm.weight, norm.eps)
+    ref = F.rms_norm(x, (576,), norm.weight, norm.eps) if dtype == torch.float32 else (
+        norm.weight * F.rms_norm(x, (576,), None, norm.eps))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=1 / 128)
+    torch.testing.assert_close(got, ref, **tol)
+    if dtype == torch.bfloat16:  # the module takes the fused op for few bf16 rows
+        torch.testing.assert_close(norm(x), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_matches_apply_rotary(dtype):
+    from models.layers import RotaryEmbedding, apply_rotary, apply_rotary_inplace
+
+    heads, kv_heads, head_dim = 9, 3, 64
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(dtype)
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    cos_sin = rope(positions)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    ref = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(5, heads + kv_heads, head_dim), cos_sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    assert apply_rotary_inplace(qkv, cos_sin, heads + kv_heads, head_dim)
+    torch.testing.assert_close(qkv[:, : (heads + kv_heads) * head_dim], ref.flatten(1), atol=0, rtol=0)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # values untouched

@@ -8,6 +8,7 @@
 //  * kvserve::paged_decode_attention  one query token per request attending over its
 //    keys/values *in place* in the paged cache (no gather copy), GQA-aware: the query
 //    heads that share a KV head are scored together from one read of each key.
+//  * kvserve::rms_norm, kvserve::rotary_  fused per-layer ops with PyTorch's roundings.
 //
 // Both accumulate in fp32. The AVX512-BF16 paths are compiled with target attributes
 // and chosen at run time, so the library loads on any x86-64 CPU; the Python side
@@ -235,6 +236,24 @@ KV_AVX512_BF16 inline void prefetch_block(const DecodeArgs& a, const uint16_t* b
   }
 }
 
+// v[i] summed across its 16 lanes, for i = 0..15, as one vector (lane i = sum of v[i]):
+// a transpose-and-add tree, 45 shuffles/adds instead of 16 horizontal reductions.
+KV_AVX512_BF16 inline __m512 sum_each16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of 4 vectors
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // bf16, head_dim a multiple of 32 (<= 256): KV heads [h0, h1) of one request, block by
 // block, so each block's rows for these heads are read while they are contiguous.
 // scores: [(h1 - h0) * G][len], acc: [(h1 - h0) * G][D]; q/out point at the request.
@@ -247,16 +266,26 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
   for (int64_t jb = first_block; jb <= last_block; ++jb) {
     const uint16_t* kb = kc + table[jb] * a.cache_stride_block;
     if (jb < last_block) prefetch_block(a, kc + table[jb + 1] * a.cache_stride_block, h0, h1);
-    for (int64_t t = std::max(start, jb * bs); t < std::min(end, jb * bs + bs); ++t) {
+    // this block's live tokens [t0, t1), scored 16 at a time: 16 partial dot products,
+    // then one transposed reduction instead of 16 horizontal ones
+    const int64_t t_first = std::max(start, jb * bs), t_last = std::min(end, jb * bs + bs);
+    for (int64_t t0 = t_first; t0 < t_last; t0 += 16) {
+      const int n_tok = (int)std::min<int64_t>(16, t_last - t0);
       for (int64_t h = h0; h < h1; ++h) {
-        const uint16_t* k = kb + (t - jb * bs) * a.cache_stride_token + h * d_n;
+        const uint16_t* k0 = kb + (t0 - jb * bs) * a.cache_stride_token + h * d_n;
         for (int64_t g = 0; g < g_n; ++g) {
           const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
-          __m512 s = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c)
-            s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qg + 32 * c),
-                                 (__m512bh)_mm512_loadu_si512(k + 32 * c));
-          scores[((h - h0) * g_n + g) * len + (t - start)] = _mm512_reduce_add_ps(s) * a.scale;
+          __m512 part[16];
+          for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+            for (int i = 0; i < n_tok; ++i)
+              part[i] = _mm512_dpbf16_ps(part[i], qv,
+                                         (__m512bh)_mm512_loadu_si512(k0 + i * a.cache_stride_token + 32 * c));
+          }
+          const __mmask16 m = n_tok == 16 ? 0xFFFF : (__mmask16)((1u << n_tok) - 1);
+          float* dst = scores + ((h - h0) * g_n + g) * len + (t0 - start);
+          _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(a.scale)));
         }
       }
     }
@@ -374,6 +403,91 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- small per-layer ops, fused ----------------------------------------------------
+// Each replaces several PyTorch ops (and their dispatch) per layer; at batch 1 the
+// dispatch costs more than the arithmetic. Both keep the model-dtype rounding steps
+// of the PyTorch code they replace (see models/layers.py).
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// RMSNorm as Hugging Face computes it: normalize in fp32, round to the model dtype,
+// then multiply by the weight in the model dtype. x [T, N] rows (N contiguous).
+template <typename T>
+void rms_norm_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * ldx;
+      T* o = out + r * n;
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i)
+        o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  x.scalar_type() == weight.scalar_type(), "rms_norm: x [T, N] rows and weight [N] of one dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), x.stride(0), weight.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm supports float32 and bfloat16");
+    rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+                  x.size(1), static_cast<float>(eps));
+  }
+  return out;
+}
+
+// Neox rotary in place on the first `num_heads` heads of each row of x [T, heads * D]
+// (any row stride): x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin, with the
+// cache layout of models/layers.py: cos_sin[t] = [cos, cos], [-sin, sin]. Each product
+// and the sum are rounded to the model dtype, as `x * cos + swapped * sin` does.
+template <typename T>
+void rotary_rows(T* x, int64_t ldx, const T* cos_sin, int64_t rows, int64_t num_heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* cos = cos_sin + t * 2 * d;
+      const T* sin = cos + d;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = x + t * ldx + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+          const float lo = static_cast<float>(round_to<T>(x1 * static_cast<float>(cos[i]))) +
+                           static_cast<float>(round_to<T>(x2 * static_cast<float>(sin[i])));
+          const float hi = static_cast<float>(round_to<T>(x2 * static_cast<float>(cos[i + half]))) +
+                           static_cast<float>(round_to<T>(x1 * static_cast<float>(sin[i + half])));
+          v[i] = round_to<T>(lo);
+          v[i + half] = round_to<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+void rotary_(const at::Tensor& x, const at::Tensor& cos_sin, int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= num_heads * head_dim && head_dim % 2 == 0,
+              "rotary_: x must be [T, >= heads * D] rows");
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.dim() == 3 && cos_sin.size(0) == x.size(0) &&
+                  cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim && cos_sin.scalar_type() == x.scalar_type(),
+              "rotary_: cos_sin must be [T, 2, D] in x's dtype");
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_rows(x.data_ptr<at::BFloat16>(), x.stride(0), cos_sin.data_ptr<at::BFloat16>(), x.size(0), num_heads,
+                head_dim);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_ supports float32 and bfloat16");
+    rotary_rows(x.data_ptr<float>(), x.stride(0), cos_sin.data_ptr<float>(), x.size(0), num_heads, head_dim);
+  }
+}
+
 bool has_avx512_bf16_op() { return has_avx512_bf16(); }
 
 }  // namespace
@@ -385,4 +499,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale, int window) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rotary_(Tensor(a!) x, Tensor cos_sin, int num_heads, int head_dim) -> ()");
+  m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
 }
