@@ -91,6 +91,25 @@ def test_greedy_and_logprobs_match_transformers(checkpoint_dirs, family):
     assert_no_leaks(llm)
 
 
+@pytest.fixture
+def without_cpu_kernels(monkeypatch):
+    """Run on the portable PyTorch path: what CUDA uses, and CPUs where models/csrc cannot be built."""
+    from models import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
+    monkeypatch.setattr(cpu_ops, "has_fast_bf16", lambda: False)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_portable_path_matches_transformers(checkpoint_dirs, family, without_cpu_kernels):
+    path = checkpoint_dirs[family]
+    llm = make_llm(path, max_num_batched_tokens=16)  # chunked prefill after a cached prefix too
+    prompts = make_prompts(llm.engine.info.vocab_size)
+    outs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
+    assert_greedy_matches(path, prompts, outs, check_logprobs=True)
+    assert_no_leaks(llm)
+
+
 def test_prompt_logprobs_match_transformers(llama_dir):
     llm = make_llm(llama_dir, max_num_batched_tokens=8)  # chunked: prompt scored over steps
     prompts = make_prompts(llm.engine.info.vocab_size)
