@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from models import cpu_ops
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Sampler:
         plain = t.suppressed_token_ids is None and t.no_penalties
         if t.all_greedy and plain and not t.needs_logprobs:
             # argmax needs no float copy: bf16 -> fp32 is exact and order-preserving
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
+            return SamplerOutput(cpu_ops.greedy_argmax(logits), None, None, None, None)
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:

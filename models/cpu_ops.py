@@ -124,3 +124,10 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     """q [B, H, D] (one token per request) over the paged cache [blocks, block_size, KvH, D] -> [B, H*D]."""
     return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens,
                                                     scale, window or 0)
+
+
+def greedy_argmax(logits: Tensor) -> Tensor:
+    """logits [B, V] -> [B] int64: the first index of each row's maximum (torch.argmax's answer)."""
+    if logits.dtype == torch.bfloat16 and logits.is_cpu and logits.stride(-1) == 1 and has_fast_bf16():
+        return torch.ops.kvserve.argmax_bf16(logits)
+    return logits.argmax(dim=-1)

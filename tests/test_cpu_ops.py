@@ -50,7 +50,7 @@ def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
-@pytest.mark.parametrize("head_dim", [16, 64])  # 16: the generic path; 64: AVX512 for bf16
+@pytest.mark.parametrize("head_dim", [16, 64, 96, 128])  # 16: the generic path; others: AVX512 for bf16
 @pytest.mark.parametrize("window", [None, 37])
 def test_paged_decode_attention_matches_reference(dtype, heads, head_dim, window):
     q, k_cache, v_cache, table, seq_lens = random_paged_case(dtype, 7, *heads, head_dim)
@@ -176,3 +176,16 @@ def test_bf16_engine_with_kernels_agrees_with_the_pytorch_path(tmp_path, monkeyp
                 break
             compared += 1
     assert compared >= 10  # the comparison is not vacuous
+
+
+@needs_bf16
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 50257])
+def test_greedy_argmax_matches_torch_including_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g).bfloat16()
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, vocab // 2 :] = 100.0  # tie between the halves: the first of them
+    logits[3, -1] = 1000.0  # the maximum in the tail
+    logits[4] = float("-inf")
+    logits[4, vocab // 3] = -1e30
+    torch.testing.assert_close(cpu_ops.greedy_argmax(logits), logits.argmax(dim=-1))
