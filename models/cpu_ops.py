@@ -75,7 +75,9 @@ def load() -> bool:
             verbose=False,
         )
     except Exception as exc:  # no compiler, headers or ninja: keep the PyTorch path
-        logger.warning("CPU kernels unavailable, using the PyTorch path (%s)", str(exc).splitlines()[0][:200])
+        errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s",
+                       " | ".join(errors[:3])[:600] or str(exc)[:300])
         return False
     return True
 

@@ -206,8 +206,7 @@ void attend_generic(const DecodeArgs& a, const T* q, const T* kc, const T* vc, c
 
 // exp for x <= 0 (scores minus their max): Cephes' degree-6 polynomial after reducing by
 // ln 2, scaled back with vscalefps; about 1 ulp, like the vectorized exp SDPA uses.
-KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp underflows to 0 well before this
+KV_AVX512_BF16 inline __m512 exp_nonpositive_unclamped(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -220,6 +219,10 @@ KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  return exp_nonpositive_unclamped(_mm512_max_ps(x, _mm512_set1_ps(-104.f)));  // exp underflows to 0 before this
 }
 
 KV_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
@@ -543,19 +546,89 @@ void rotary_rows(T* x, int64_t ldx, const T* cos_sin, int64_t rows, int64_t num_
   });
 }
 
+// bf16 rounding of fp32 lanes, kept in fp32 (the model-dtype rounding of one PyTorch op)
+KV_AVX512_BF16 inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// One row of rotary for bf16 with head_dim a multiple of 32: 16 pairs per step.
+// (Per-row functions: a lambda inside a target-attributed function does not inherit it.)
+KV_AVX512_BF16 void rotary_row_bf16(uint16_t* row, const uint16_t* cos, int64_t num_heads, int64_t d) {
+  const int64_t half = d / 2;
+  const uint16_t* sin = cos + d;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    uint16_t* v = row + h * d;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 x1 = load_bf16_as_float(v + i), x2 = load_bf16_as_float(v + half + i);
+      const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load_bf16_as_float(cos + i))),
+                                      round_bf16(_mm512_mul_ps(x2, load_bf16_as_float(sin + i))));
+      const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load_bf16_as_float(cos + half + i))),
+                                      round_bf16(_mm512_mul_ps(x1, load_bf16_as_float(sin + half + i))));
+      _mm256_storeu_si256((__m256i*)(v + i), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256((__m256i*)(v + half + i), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+  }
+}
+
+void rotary_rows_bf16(uint16_t* x, int64_t ldx, const uint16_t* cos_sin, int64_t rows, int64_t num_heads,
+                      int64_t d) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rotary_row_bf16(x + t * ldx, cos_sin + t * 2 * d, num_heads, d);
+  });
+}
+
 void rotary_(const at::Tensor& x, const at::Tensor& cos_sin, int64_t num_heads, int64_t head_dim) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= num_heads * head_dim && head_dim % 2 == 0,
               "rotary_: x must be [T, >= heads * D] rows");
   TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.dim() == 3 && cos_sin.size(0) == x.size(0) &&
                   cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim && cos_sin.scalar_type() == x.scalar_type(),
               "rotary_: cos_sin must be [T, 2, D] in x's dtype");
-  if (x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16() && head_dim % 32 == 0) {
+    rotary_rows_bf16(reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
+                     reinterpret_cast<const uint16_t*>(cos_sin.data_ptr<at::BFloat16>()), x.size(0), num_heads,
+                     head_dim);
+  } else if (x.scalar_type() == at::kBFloat16) {
     rotary_rows(x.data_ptr<at::BFloat16>(), x.stride(0), cos_sin.data_ptr<at::BFloat16>(), x.size(0), num_heads,
                 head_dim);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_ supports float32 and bfloat16");
     rotary_rows(x.data_ptr<float>(), x.stride(0), cos_sin.data_ptr<float>(), x.size(0), num_heads, head_dim);
   }
+}
+
+// exp on any fp32 input: the same polynomial as exp_nonpositive, clamped to where fp32 exp is finite.
+KV_AVX512_BF16 inline __m512 exp_any(__m512 x) {
+  return exp_nonpositive_unclamped(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f)));
+}
+
+// silu(gate) * up for x = [gate | up] rows of bf16 (the gate_up_proj output), with the two
+// roundings of `F.silu(gate) * up`: silu rounded to bf16, then the product.
+KV_AVX512_BF16 void silu_and_mul_row_bf16(const uint16_t* gate, uint16_t* o, int64_t n) {
+  const uint16_t* up = gate + n;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate + i)), 16));
+    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, up + i)), 16));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu), u)));
+  }
+}
+
+void silu_and_mul_rows_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_and_mul_row_bf16(x + t * ldx, out + t * n, n);
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(has_avx512_bf16(), "silu_and_mul needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
+              "silu_and_mul: x must be [T, 2 * I] bf16 rows");
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  silu_and_mul_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
+                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), n);
+  return out;
 }
 
 bool has_avx512_bf16_op() { return has_avx512_bf16(); }
@@ -571,6 +644,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def("argmax_bf16(Tensor logits) -> Tensor");
   m.impl("argmax_bf16", c10::DispatchKey::CPU, TORCH_FN(argmax_bf16));
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rotary_(Tensor(a!) x, Tensor cos_sin, int num_heads, int head_dim) -> ()");
