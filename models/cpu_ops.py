@@ -82,14 +82,18 @@ def load() -> bool:
     return True
 
 
-# The fused small ops (rms_norm, rotary_) are scalar C++: they win where PyTorch's
-# per-op dispatch dominates (decode-sized batches) and are left to PyTorch above this.
+# The fused small ops (rms_norm, rotary_, silu_and_mul) have AVX-512 paths for bf16 that
+# beat PyTorch at any batch (docs/benchmarks.md); their scalar fallbacks only win where
+# PyTorch's per-op dispatch dominates, so elsewhere they are used up to this many rows.
 FUSED_MAX_ROWS = 64
 
 
 def use_fused(x: Tensor) -> bool:
-    """Whether the fused CPU ops should handle x [T, ...] (CPU, fp32/bf16, few rows, kernels built)."""
-    return x.shape[0] <= FUSED_MAX_ROWS and x.is_cpu and x.dtype in _FUSED_DTYPES and load()
+    """Whether the fused CPU ops should handle x [T, ...]: CPU, fp32/bf16, kernels built, and
+    either few rows or bf16 on an AVX512-BF16 CPU (their vectorized paths win at any size)."""
+    if not (x.is_cpu and x.dtype in _FUSED_DTYPES and load()):
+        return False
+    return x.shape[0] <= FUSED_MAX_ROWS or (x.dtype == torch.bfloat16 and has_fast_bf16())
 
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)

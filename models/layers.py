@@ -140,6 +140,8 @@ def apply_rotary_inplace(x: Tensor, cos_sin: Tensor, num_heads: int, head_dim: i
     the fused CPU op (same numerics as `apply_rotary`); False (x untouched) where it does not apply."""
     if x.stride(1) != 1 or not cpu_ops.use_fused(x) or not cos_sin.is_contiguous():
         return False
+    if head_dim % 32 and x.shape[0] > cpu_ops.FUSED_MAX_ROWS:  # only the scalar path fits this head_dim
+        return False
     torch.ops.kvserve.rotary_(x, cos_sin, num_heads, head_dim)
     return True
 

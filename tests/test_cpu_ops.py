@@ -123,13 +123,14 @@ def test_pack_linear_weight_layout():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rms_norm_matches_the_pytorch_path(dtype):
+@pytest.mark.parametrize("rows", [9, 300])  # 300: past FUSED_MAX_ROWS (bf16 AVX-512 path only)
+def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
     from models.layers import RMSNorm
 
     norm = RMSNorm(576, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
-    x = (torch.randn(9, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
+    x = (torch.randn(rows, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
     got = torch.ops.kvserve.rms_norm(x, norm.weight, norm.eps)
     ref = F.rms_norm(x, (576,), norm.weight, norm.eps) if dtype == torch.float32 else (
         norm.weight * F.rms_norm(x, (576,), None, norm.eps))
@@ -211,7 +212,7 @@ def test_greedy_argmax_matches_torch_including_ties(vocab):
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 100), (64, 1536)])
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 100), (64, 1536), (300, 1536)])
 def test_fused_silu_and_mul_matches_pytorch(rows, inter):
     from models.layers import silu_and_mul
 

@@ -504,11 +504,19 @@ void rms_norm_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t rows, in
   });
 }
 
+void rms_norm_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out, int64_t rows, int64_t n,
+                        float eps);  // AVX-512, below
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.numel() == x.size(1) &&
                   x.scalar_type() == weight.scalar_type(), "rms_norm: x [T, N] rows and weight [N] of one dtype");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16 && has_avx512_bf16()) {
+    rms_norm_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
+                       reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), x.size(1),
+                       static_cast<float>(eps));
+  } else if (x.scalar_type() == at::kBFloat16) {
     rms_norm_rows(x.data_ptr<at::BFloat16>(), x.stride(0), weight.data_ptr<at::BFloat16>(),
                   out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
   } else {
@@ -549,6 +557,30 @@ void rotary_rows(T* x, int64_t ldx, const T* cos_sin, int64_t rows, int64_t num_
 // bf16 rounding of fp32 lanes, kept in fp32 (the model-dtype rounding of one PyTorch op)
 KV_AVX512_BF16 inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+KV_AVX512_BF16 void rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* o, int64_t n, float eps) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
+    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
+    const __m512 y = _mm512_mul_ps(wv, round_bf16(_mm512_mul_ps(v, inv)));
+    _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
+void rms_norm_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out, int64_t rows, int64_t n,
+                        float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row_bf16(x + r * ldx, w, out + r * n, n, eps);
+  });
 }
 
 // One row of rotary for bf16 with head_dim a multiple of 32: 16 pairs per step.
