@@ -14,8 +14,9 @@ The runner builds one `AttentionMetadata` per step and runs the model inside
      query heads that share a KV head act as that head's "query length", so
      GQA/MQA needs no repeated keys;
    * every other request ("prefill rows", possibly a chunk after a cached
-     prefix) with its own SDPA call: `is_causal` when there is no cached prefix
-     and no window, otherwise an explicit [query_len, num_keys] mask.
+     prefix) on its own: on AVX512-BF16 CPUs in bf16, models.cpu_ops' flash-style
+     prefill kernel over the paged cache; otherwise one SDPA call, `is_causal` when
+     there is no cached prefix and no window, else an explicit [query_len, num_keys] mask.
 
 Everything that depends only on the step (which rows decode, gather indices,
 masks) is derived once per step from the host-side lists and shared by all
@@ -285,6 +286,11 @@ class Attention(nn.Module):
         bs, window = plan.meta.block_size, self.sliding_window
         num_cached = p.seq_len - p.query_len
         rows = slice(p.start, p.start + p.query_len)
+        cache = self._kv_cache
+        if cache is not None and cpu_ops.prefill_kernel_applies(q, self.head_dim):
+            # causal over the paged cache (this chunk's K/V are already written), no gathers
+            return cpu_ops.paged_prefill_attention(q[rows], cache[0], cache[1], plan.meta.block_table[p.req_idx],
+                                                   p.seq_len, self.scale, window)
         qi = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
         if num_cached == 0:
             first_key = 0

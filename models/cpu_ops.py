@@ -82,6 +82,19 @@ def load() -> bool:
     return True
 
 
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table_row: Tensor,
+                            seq_len: int, scale: float, window: int | None) -> Tensor:
+    """One request's new tokens q [Lq, H, D] (positions seq_len - Lq ..) over its paged cache -> [Lq, H*D].
+
+    bf16 on AVX512-BF16 CPUs, head_dim a multiple of 32 (`prefill_kernel_applies`)."""
+    return torch.ops.kvserve.paged_prefill_attention(q, k_cache, v_cache, block_table_row, seq_len, scale,
+                                                     window or 0)
+
+
+def prefill_kernel_applies(q: Tensor, head_dim: int) -> bool:
+    return q.is_cpu and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and has_fast_bf16()
+
+
 # The fused small ops (rms_norm, rotary_, silu_and_mul) have AVX-512 paths for bf16 that
 # beat PyTorch at any batch (docs/benchmarks.md); their scalar fallbacks only win where
 # PyTorch's per-op dispatch dominates, so elsewhere they are used up to this many rows.

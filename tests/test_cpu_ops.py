@@ -236,3 +236,28 @@ def test_fused_rotary_avx512_path_is_bitwise_pytorch():
     ref = apply_rotary(x.view(3, 6, 128), cos_sin).flatten(1)
     torch.ops.kvserve.rotary_(x, cos_sin, 6, 128)
     assert torch.equal(x, ref)
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_cached, num_new, window", [
+    (0, 1, None), (0, 37, None), (0, 130, None), (45, 20, None), (100, 1, None), (0, 130, 40), (70, 33, 24)])
+def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, num_new, window):
+    num_heads, num_kv_heads = heads
+    seq_len = num_cached + num_new
+    q1, k_cache, v_cache, _, _ = random_paged_case(torch.bfloat16, 1, num_heads, num_kv_heads, head_dim)
+    g = torch.Generator().manual_seed(seq_len)
+    num_blocks = -(-seq_len // 16)
+    k_cache = torch.randn(num_blocks + 5, 16, num_kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks + 5, 16, num_kv_heads, head_dim, generator=g).bfloat16()
+    row = torch.randperm(num_blocks + 4, generator=g)[:num_blocks] + 1
+    qkv = torch.randn(num_new, num_heads + num_kv_heads, head_dim, generator=g).bfloat16()
+    q = qkv[:, :num_heads]  # strided, as the model passes it
+    scale = head_dim**-0.5
+    got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, row, seq_len, scale, window)
+    # each new token is a decode over the keys up to its own position
+    ref = reference_decode(q, k_cache, v_cache, row.expand(num_new, -1),
+                           torch.arange(num_cached + 1, seq_len + 1), scale, window)
+    assert got.shape == (num_new, num_heads * head_dim)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
