@@ -112,6 +112,11 @@ def use_fused(x: Tensor) -> bool:
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def use_fused_bf16_rows(x: Tensor) -> bool:
+    """`use_fused` for a bf16 [T, N] tensor with contiguous rows (the row-wise fused ops' input)."""
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and use_fused(x)
+
+
 @functools.cache
 def has_fast_bf16() -> bool:
     """True when the kernels loaded and the CPU has AVX512-BF16 (the fast linear needs it)."""

@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         self.shape = (hidden_size,)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden] -> [..., hidden]
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and cpu_ops.use_fused(x):
+        if cpu_ops.use_fused_bf16_rows(x):
             # one op, same roundings (in fp32 its sum order differs from HF's: keep PyTorch's)
             return torch.ops.kvserve.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
@@ -156,8 +156,7 @@ def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
 
 
 def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2 * I] -> [T, I]
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and cpu_ops.use_fused(x) \
-            and cpu_ops.has_fast_bf16():
+    if cpu_ops.use_fused_bf16_rows(x) and cpu_ops.has_fast_bf16():  # (no scalar fallback)
         return torch.ops.kvserve.silu_and_mul(x)  # one op, same roundings
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -254,8 +253,10 @@ def pack_for_cpu(model: nn.Module) -> int:
         return len(linears)
     streamed = linears[:]  # decode reads these every step: put them on huge pages
     if getattr(model, "tie_word_embeddings", False):
+        vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
         for emb in model.modules():
-            if isinstance(emb, VocabEmbedding) and emb.weight.dtype == torch.bfloat16:
+            if isinstance(emb, VocabEmbedding) and emb.weight.shape[0] == vocab_size \
+                    and emb.weight.dtype == torch.bfloat16:
                 emb.cpu_lm_head_weight = cpu_ops.pack_linear_weight(emb.weight.detach())
                 streamed.append(emb)
     names = ["cpu_lm_head_weight" if isinstance(m, VocabEmbedding) else "cpu_small_batch_weight" for m in streamed]

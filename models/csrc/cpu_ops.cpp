@@ -357,20 +357,26 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
   }
 }
 
-using AttendFn = decltype(&attend_bf16<2>);
-
-AttendFn attend_bf16_for(int64_t head_dim) {
+// The instantiation of a kernel templated on CH = head_dim / 16 (even, 2..16) for head_dim.
+template <typename Fn, template <int> class Kernel>
+Fn for_head_dim(int64_t head_dim) {
   switch (head_dim / 16) {
-    case 2: return attend_bf16<2>;
-    case 4: return attend_bf16<4>;
-    case 6: return attend_bf16<6>;
-    case 8: return attend_bf16<8>;
-    case 10: return attend_bf16<10>;
-    case 12: return attend_bf16<12>;
-    case 14: return attend_bf16<14>;
-    default: return attend_bf16<16>;
+    case 2: return Kernel<2>::run;
+    case 4: return Kernel<4>::run;
+    case 6: return Kernel<6>::run;
+    case 8: return Kernel<8>::run;
+    case 10: return Kernel<10>::run;
+    case 12: return Kernel<12>::run;
+    case 14: return Kernel<14>::run;
+    default: return Kernel<16>::run;
   }
 }
+
+template <int CH>
+struct AttendBf16 {
+  static constexpr auto run = attend_bf16<CH>;
+};
+using AttendFn = decltype(&attend_bf16<2>);
 
 template <typename T>
 void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T* vc, const int64_t* table,
@@ -391,7 +397,7 @@ void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T
       const int64_t* row = table + b * a.table_stride;
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (use_avx512) {
-          attend_bf16_for(a.head_dim)(a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
+          for_head_dim<AttendFn, AttendBf16>(a.head_dim)(a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
                                       reinterpret_cast<const uint16_t*>(vc), row, start, seq_len, h0,
                                       h0 + heads_per_item, scores.data(), acc.data(), reinterpret_cast<uint16_t*>(ob));
           continue;
@@ -523,20 +529,11 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
     }
 }
 
+template <int CH>
+struct PrefillBf16 {
+  static constexpr auto run = prefill_block_bf16<CH>;
+};
 using PrefillFn = decltype(&prefill_block_bf16<2>);
-
-PrefillFn prefill_block_for(int64_t head_dim) {
-  switch (head_dim / 16) {
-    case 2: return prefill_block_bf16<2>;
-    case 4: return prefill_block_bf16<4>;
-    case 6: return prefill_block_bf16<6>;
-    case 8: return prefill_block_bf16<8>;
-    case 10: return prefill_block_bf16<10>;
-    case 12: return prefill_block_bf16<12>;
-    case 14: return prefill_block_bf16<14>;
-    default: return prefill_block_bf16<16>;
-  }
-}
 
 // q [Lq, H, D] bf16 (d contiguous) for positions seq_len - Lq .. seq_len - 1; caches
 // [blocks, block_size, KvH, D]; block_table [max_blocks] int64 (this request's row) -> [Lq, H * D].
@@ -564,7 +561,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t q_blocks = (lq + 15) / 16;
-  const PrefillFn fn = prefill_block_for(head_dim);
+  const PrefillFn fn = for_head_dim<PrefillFn, PrefillBf16>(head_dim);
   // Later query blocks see more keys (causal): order them first, last, second, second to
   // last, ... so that each thread's contiguous share of items carries about the same work.
   at::parallel_for(0, q_blocks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
