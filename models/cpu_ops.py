@@ -123,6 +123,12 @@ def has_fast_bf16() -> bool:
     return load() and bool(torch.ops.kvserve.has_avx512_bf16())
 
 
+def packed_linear_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int, int, int]:
+    """The shape `pack_linear_weight` gives an [N, K] weight."""
+    n, k = shape
+    return (-(-n // 64), k // 2, 64, 2)
+
+
 def pack_linear_weight(weight: Tensor) -> Tensor:
     """[N, K] bf16 -> [ceil(N/64), K/2, 64, 2]: 64-column blocks, input features in pairs (K even)."""
     n, k = weight.shape

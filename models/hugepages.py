@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 
 import torch
@@ -39,10 +40,7 @@ def _madvise():
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialized CPU tensor; huge-page backed when it is at least 2 MiB and the OS allows."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     madvise = _madvise()
     if nbytes < HUGE_PAGE or madvise is None:
         return torch.empty(shape, dtype=dtype)
@@ -52,19 +50,16 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return raw[offset : offset + nbytes].view(dtype).view(shape)  # the view keeps `raw` alive
 
 
-def copy_into_huge_pages(tensors: list[Tensor]) -> list[Tensor]:
-    """Contiguous copies of CPU tensors, back to back (64-byte aligned) in one huge-page-backed buffer.
+def arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
+    """Uninitialized contiguous tensors back to back (64-byte aligned) in one huge-page buffer.
 
     One buffer rather than one per tensor: most weight matrices are smaller than a huge page.
     """
-    nbytes = [t.numel() * t.element_size() for t in tensors]
+    itemsize = torch.tensor([], dtype=dtype).element_size()
     starts = [0]
-    for n in nbytes:
-        starts.append(starts[-1] + -(-n // 64) * 64)
-    arena = empty((starts[-1],), torch.uint8)
-    copies = []
-    for t, start, n in zip(tensors, starts, nbytes):
-        copy = arena[start : start + n].view(t.dtype).view(t.shape)
-        copy.copy_(t)
-        copies.append(copy)
-    return copies
+    for shape in shapes:
+        nbytes = itemsize * math.prod(shape)
+        starts.append(starts[-1] + -(-nbytes // 64) * 64)
+    buffer = empty((starts[-1],), torch.uint8)
+    return [buffer[start : start + itemsize * math.prod(shape)].view(dtype).view(shape)
+            for shape, start in zip(shapes, starts)]

@@ -8,7 +8,6 @@ Loaders check shapes and raise `ValueError` quoting both shapes.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -196,81 +195,63 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    # Set by `pack_for_cpu` (CPU, bf16): the weight in models.cpu_ops' layout (small
-    # batches) and/or oneDNN's blocked layout (large batches); the plain weight is then freed.
-    cpu_small_batch_weight: Tensor | None = None
-    cpu_small_batch_bias: Tensor | None = None  # float32
-    cpu_packed_weight: Tensor | None = None
+    # Set by `pack_for_cpu` (CPU, bf16): the weight in models.cpu_ops' layout (AVX512-BF16
+    # CPUs) or else in oneDNN's blocked layout; the plain weight is then freed.
+    cpu_kernel_weight: Tensor | None = None
+    cpu_kernel_bias: Tensor | None = None  # float32
+    cpu_onednn_weight: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
-        if self.cpu_small_batch_weight is not None and (
-            x.shape[0] <= CPU_SMALL_BATCH or self.cpu_packed_weight is None
-        ):
-            return cpu_ops.linear_bf16(x, self.cpu_small_batch_weight, self.cpu_small_batch_bias, self.out_features)
-        if self.cpu_packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.cpu_packed_weight, self.bias, "none", [None], "")
+        if self.cpu_kernel_weight is not None:
+            return cpu_ops.linear_bf16(x, self.cpu_kernel_weight, self.cpu_kernel_bias, self.out_features)
+        if self.cpu_onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.cpu_onednn_weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
-
-
-# Up to this many rows, models.cpu_ops' kernel beats oneDNN (it streams the weights at
-# close to DRAM bandwidth); beyond, oneDNN's larger tiles win by 10-25% (docs/benchmarks.md).
-CPU_SMALL_BATCH = 32
-# Keep both CPU layouts only while the linear weights are at most this share of RAM.
-CPU_DUAL_LAYOUT_RAM_SHARE = 1 / 8
 
 
 def pack_for_cpu(model: nn.Module) -> int:
     """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
 
-    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout,
-    used for small batches (decode), plus oneDNN's blocked layout for large batches
-    (prefill) when both fit in `CPU_DUAL_LAYOUT_RAM_SHARE` of RAM. Without them,
-    oneDNN's layout alone (it streams faster than F.linear's). Uses a private oneDNN
-    op, so anything unexpected keeps F.linear. The plain weight's storage is released.
-    Returns the number of layers packed.
+    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout, on
+    huge pages: their kernel beats oneDNN at every batch size here (docs/benchmarks.md).
+    Without them, oneDNN's blocked layout (it streams faster than F.linear's); that uses
+    a private oneDNN op, so anything unexpected keeps F.linear. The plain weight's
+    storage is released. Returns the number of layers packed.
     """
     linears = [m for m in model.modules() if isinstance(m, Linear)
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
-    fast = cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears)
+    if cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears):
+        return _pack_for_kernels(model, linears)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    use_onednn = reorder is not None and torch.backends.mkldnn.is_available()
-    if fast and use_onednn:
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        use_onednn = weight_bytes <= CPU_DUAL_LAYOUT_RAM_SHARE * _ram_bytes()
-    if not (fast or use_onednn):
+    if reorder is None or not torch.backends.mkldnn.is_available():
         return 0
     try:
-        for m in linears:
-            if use_onednn:
-                m.cpu_packed_weight = reorder(m.weight.detach(), None)
-            if fast:
-                m.cpu_small_batch_weight = cpu_ops.pack_linear_weight(m.weight.detach())
-                m.cpu_small_batch_bias = None if m.bias is None else m.bias.detach().float()
-            m.weight.data = m.weight.data.new_empty(0)
+        packed = [reorder(m.weight.detach(), None) for m in linears]
     except RuntimeError:  # pragma: no cover - depends on the torch build
         return 0
-    if not fast:
-        return len(linears)
-    streamed = linears[:]  # decode reads these every step: put them on huge pages
-    if getattr(model, "tie_word_embeddings", False):
-        vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
-        for emb in model.modules():
-            if isinstance(emb, VocabEmbedding) and emb.weight.shape[0] == vocab_size \
-                    and emb.weight.dtype == torch.bfloat16:
-                emb.cpu_lm_head_weight = cpu_ops.pack_linear_weight(emb.weight.detach())
-                streamed.append(emb)
-    names = ["cpu_lm_head_weight" if isinstance(m, VocabEmbedding) else "cpu_small_batch_weight" for m in streamed]
-    copies = hugepages.copy_into_huge_pages([getattr(m, name) for m, name in zip(streamed, names)])
-    for m, name, copy in zip(streamed, names, copies):
-        setattr(m, name, copy)
+    for m, weight in zip(linears, packed):
+        m.cpu_onednn_weight = weight
+        m.weight.data = m.weight.data.new_empty(0)
     return len(linears)
 
 
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 8 << 30
+def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
+    lm_head = None
+    if getattr(model, "tie_word_embeddings", False):
+        vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
+        lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
+                        and emb.weight.shape[0] == vocab_size and emb.weight.dtype == torch.bfloat16), None)
+    weights = [m.weight for m in linears] + ([lm_head.weight] if lm_head is not None else [])
+    # one huge-page arena (every decode step streams all of it), filled one matrix at a time
+    slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
+    for m, slot in zip(linears, slots):
+        slot.copy_(cpu_ops.pack_linear_weight(m.weight.detach()))
+        m.cpu_kernel_weight = slot
+        m.cpu_kernel_bias = None if m.bias is None else m.bias.detach().float()
+        m.weight.data = m.weight.data.new_empty(0)
+    if lm_head is not None:
+        lm_head.cpu_lm_head_weight = slots[-1].copy_(cpu_ops.pack_linear_weight(lm_head.weight.detach()))
+    return len(linears)
 
 
 class PackedLinear(Linear):

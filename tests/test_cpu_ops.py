@@ -85,7 +85,7 @@ def test_paged_decode_attention_rejects_mismatched_shapes():
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 33, 100, 300])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (64, 50), (130, 17), (1536, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_matches_float_reference(rows, in_features, out_features, bias):

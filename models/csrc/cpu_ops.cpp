@@ -46,21 +46,20 @@ bool has_avx512_bf16() {
 
 constexpr int kTileM = 6;       // rows of x per register tile
 constexpr int kTileN = 4;       // 16-column groups per register tile = one 64-column block
-constexpr int64_t kBlockK = 64;   // input-feature pairs per pass: a 16 KiB weight slice stays in L1
 constexpr int64_t kBlockM = 96;   // rows per work item: their slice of x stays in L2
 
-// One MR x 64 tile over input-feature pairs [k0, k1). Partial sums live in `partial`
-// ([MR][64] fp32) between passes; the last pass adds the bias and writes bf16 to y.
+// One MR x 64 tile over all input features, then the bias, written as bf16 to y. The
+// tile streams its column block's weights from L2 (the item's first tile brings them in);
+// no K blocking: splitting K to keep weights in L1 cost more in partial-sum traffic than
+// it saved (docs/benchmarks.md).
 template <int MR>
-KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k0, int64_t k1,
-                                float* partial, bool first, bool last, const float* bias, uint16_t* y,
-                                int64_t ldy, int64_t col0, int64_t n) {
+KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t half_k,
+                                const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
   constexpr int NR = kTileN;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + i * 64 + 16 * j);
-  for (int64_t kh = k0; kh < k1; ++kh) {
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kh = 0; kh < half_k; ++kh) {
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
     for (int i = 0; i < MR; ++i) {
@@ -69,11 +68,6 @@ KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* 
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
-  }
-  if (!last) {
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(partial + i * 64 + 16 * j, acc[i][j]);
-    return;
   }
   for (int j = 0; j < NR; ++j) {
     const int64_t col = col0 + 16 * j;
@@ -123,7 +117,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
-  // Work items: (block of rows, 64-column block); consecutive items share the rows.
+  // Work items: (block of rows, 64-column block).
   // With few column blocks, smaller row blocks keep every thread busy.
   const int64_t want_items = 8 * at::get_num_threads();
   int64_t rows_per_item = kBlockM;
@@ -132,19 +126,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
     rows_per_item = std::clamp<int64_t>((m / parts + kTileM - 1) / kTileM * kTileM, kTileM, kBlockM);
   }
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
+  // Row blocks vary fastest, so each thread's contiguous share mixes full and short row
+  // blocks when a few column blocks are split by rows.
   at::parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    float partial[kBlockM * 64];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r0 = (item / col_blocks) * rows_per_item, cb = item % col_blocks;
+      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint16_t* w = wp + cb * half_k * 128;
-      for (int64_t k0 = 0; k0 < half_k; k0 += kBlockK) {
-        const int64_t k1 = std::min(half_k, k0 + kBlockK);
-        for (int64_t r = r0; r < r1; r += kTileM) {
-          const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
-          tile_fn(mr)(xp + r * ldx, ldx, w, k0, k1, partial + (r - r0) * 64, k0 == 0, k1 == half_k, bias_ptr,
-                      yp + r * n, n, cb * 64, n);
-        }
+      for (int64_t r = r0; r < r1; r += kTileM) {
+        const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
+        tile_fn(mr)(xp + r * ldx, ldx, w, half_k, bias_ptr, yp + r * n, n, cb * 64, n);
       }
     }
   });
