@@ -67,8 +67,9 @@ def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128])  # 16: the generic path; others: AVX512 for bf16
 @pytest.mark.parametrize("window", [None, 37])
-def test_paged_decode_attention_matches_reference(dtype, heads, head_dim, window):
-    q, k_cache, v_cache, table, seq_lens = random_paged_case(dtype, 7, *heads, head_dim)
+@pytest.mark.parametrize("block_size", [16, 5])  # 5: 16-token groups straddle blocks
+def test_paged_decode_attention_matches_reference(dtype, heads, head_dim, window, block_size):
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(dtype, 7, *heads, head_dim, block_size)
     scale = head_dim**-0.5
     got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window)
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)

@@ -156,6 +156,10 @@ struct DecodeArgs {
   float scale;
 };
 
+// Floats per score row in the bf16 kernel: a multiple of 32, so the row's bf16 probabilities
+// (written over its first half) always have an even, zero-padded length.
+inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }
+
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
@@ -220,18 +224,6 @@ KV_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// Rows [h0, h1) of the KV heads in one cache block: blocks a few ahead are prefetched while
-// this one is used (blocks are scattered, so the hardware prefetcher cannot guess them;
-// in the engine the cache is cold, the weights streamed through since the last layer).
-constexpr int64_t kPrefetchBlocks = 2;
-KV_AVX512_BF16 inline void prefetch_block(const DecodeArgs& a, const uint16_t* block, int64_t h0, int64_t h1) {
-  for (int64_t off = 0; off < a.block_size; ++off) {
-    const char* row = reinterpret_cast<const char*>(block + off * a.cache_stride_token);
-    for (int64_t byte = h0 * a.head_dim * 2; byte < h1 * a.head_dim * 2; byte += 64)
-      _mm_prefetch(row + byte, _MM_HINT_T0);
-  }
-}
-
 // v[i] summed across its 16 lanes, for i = 0..15, as one vector (lane i = sum of v[i]):
 // a transpose-and-add tree, 45 shuffles/adds instead of 16 horizontal reductions.
 KV_AVX512_BF16 inline __m512 sum_each16(const __m512* v) {
@@ -250,51 +242,115 @@ KV_AVX512_BF16 inline __m512 sum_each16(const __m512* v) {
                        _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// bf16, head_dim a multiple of 32 (<= 256): KV heads [h0, h1) of one request, block by
-// block, so each block's rows for these heads are read while they are contiguous.
-// scores: [(h1 - h0) * G][len], acc: [(h1 - h0) * G][D]; q/out point at the request.
-// CH = head_dim / 16 (even, <= 16), a template parameter so the accumulators stay in registers.
+// q . k for up to 16 consecutive cached tokens (rows past n_tok are not read), one lane per
+// token: 16 partial dot products, then one transposed reduction instead of 16 horizontal
+// ones. N = 16 compiles the common full group with a fixed trip count (no branches, no
+// spills); N = 0 takes n_tok at run time.
+template <int CH, int N>
+KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const* keys, int64_t head_off, int n_tok) {
+  const int n = N ? N : n_tok;
+  __m512 part[16];
+  for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
+  for (int c = 0; c < CH / 2; ++c) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    for (int i = 0; i < n; ++i)
+      part[i] = _mm512_dpbf16_ps(part[i], qv, (__m512bh)_mm512_loadu_si512(keys[i] + head_off + 32 * c));
+  }
+  return sum_each16(part);
+}
+
+// Where cached tokens t0 .. t0 + n - 1 (all KV heads) sit in a K or V cache.
+inline void token_rows(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t stride_block,
+                       int64_t stride_token, int64_t t0, int n, const uint16_t** rows) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    rows[i] = cache + table[t / block_size] * stride_block + (t % block_size) * stride_token;
+  }
+}
+
+// acc[g] += sum over the group's tokens of p[g][t] * v[t], for the g_n query rows sharing
+// one KV head. Probabilities come as bf16 token pairs (p_pairs[g * p_stride + j] holds
+// tokens 2j, 2j+1), values are interleaved into the same pairs, so one vdpbf16ps does two
+// tokens x 16 dims. Accumulators keep the dims in unpacklo/unpackhi order (see
+// store_pair_row); up to GB rows stay in registers for the whole group.
+template <int CH, int N>
+KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t g_n, const uint32_t* p_pairs, int64_t p_stride,
+                                            const uint16_t* const* values, int64_t head_off, int n_tok) {
+  const int n = N ? N : n_tok;
+  constexpr int GB = CH >= 14 ? 1 : (28 - CH) / CH;
+  for (int64_t g0 = 0; g0 < g_n; g0 += GB) {
+    const int gn = (int)std::min<int64_t>(GB, g_n - g0);
+    __m512 sum[GB][CH];
+    for (int g = 0; g < GB; ++g)
+      if (g < gn)
+        for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_loadu_ps(acc + (g0 + g) * CH * 16 + 16 * k);
+    for (int j = 0; 2 * j < n; ++j) {
+      const uint16_t* r0 = values[2 * j] + head_off;
+      const uint16_t* r1 = (N || 2 * j + 1 < n) ? values[2 * j + 1] + head_off : nullptr;
+      __m512i pairs[CH];
+      for (int c = 0; c < CH / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * c);
+        const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
+        pairs[2 * c] = _mm512_unpacklo_epi16(x, y);
+        pairs[2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int g = 0; g < GB; ++g)
+        if (g < gn) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32((int)p_pairs[(g0 + g) * p_stride + j]);
+          for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_dpbf16_ps(sum[g][k], (__m512bh)pairs[k], p);
+        }
+    }
+    for (int g = 0; g < GB; ++g)
+      if (g < gn)
+        for (int k = 0; k < CH; ++k) _mm512_storeu_ps(acc + (g0 + g) * CH * 16 + 16 * k, sum[g][k]);
+  }
+}
+
+// One accumulated row (dims in unpack order: per 32-dim chunk, `lo` lane 4i+j is dim 8i+j
+// and `hi` lane 4i+j is dim 8i+4+j) times inv, written as bf16 in natural order.
+template <int CH>
+KV_AVX512_BF16 inline void store_pair_row(const float* acc, float inv, uint16_t* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < CH / 2; ++c) {
+    const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+    _mm256_storeu_si256((__m256i*)(out + 32 * c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale)));
+    _mm256_storeu_si256((__m256i*)(out + 32 * c + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale)));
+  }
+}
+
+// bf16, head_dim a multiple of 32 (<= 256): KV heads [h0, h1) of one request. Pass 1 scores every key (fp32, row r of `scores` at r * row_stride); the softmax
+// then overwrites each row in place with its probabilities rounded to bf16 (as PyTorch's
+// CPU SDPA does before its P @ V product; the denominator sums them unrounded, as there);
+// pass 2 accumulates the values. acc: [(h1 - h0) * G][D]; q/out point at the request.
+// CH = head_dim / 16 (even, <= 16), a template parameter so accumulators stay in registers.
 template <int CH>
 KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                 const int64_t* table, int64_t start, int64_t end, int64_t h0, int64_t h1,
                                 float* scores, float* acc, uint16_t* out) {
-  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim, chunks = CH / 2, bs = a.block_size;
-  const int64_t rows = (h1 - h0) * g_n;
-  const int64_t first_block = start / bs, last_block = (end - 1) / bs;
-  for (int64_t jb = first_block; jb < std::min(first_block + kPrefetchBlocks, last_block + 1); ++jb) {
-    prefetch_block(a, kc + table[jb] * a.cache_stride_block, h0, h1);
-    prefetch_block(a, vc + table[jb] * a.cache_stride_block, h0, h1);
-  }
-  for (int64_t jb = first_block; jb <= last_block; ++jb) {
-    const uint16_t* kb = kc + table[jb] * a.cache_stride_block;
-    if (jb + kPrefetchBlocks <= last_block) prefetch_block(a, kc + table[jb + kPrefetchBlocks] * a.cache_stride_block, h0, h1);
-    // this block's live tokens [t0, t1), scored 16 at a time: 16 partial dot products,
-    // then one transposed reduction instead of 16 horizontal ones
-    const int64_t t_first = std::max(start, jb * bs), t_last = std::min(end, jb * bs + bs);
-    for (int64_t t0 = t_first; t0 < t_last; t0 += 16) {
-      const int n_tok = (int)std::min<int64_t>(16, t_last - t0);
-      for (int64_t h = h0; h < h1; ++h) {
-        const uint16_t* k0 = kb + (t0 - jb * bs) * a.cache_stride_token + h * d_n;
-        for (int64_t g = 0; g < g_n; ++g) {
-          const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
-          __m512 part[16];
-          for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
-            for (int i = 0; i < n_tok; ++i)
-              part[i] = _mm512_dpbf16_ps(part[i], qv,
-                                         (__m512bh)_mm512_loadu_si512(k0 + i * a.cache_stride_token + 32 * c));
-          }
-          const __mmask16 m = n_tok == 16 ? 0xFFFF : (__mmask16)((1u << n_tok) - 1);
-          float* dst = scores + ((h - h0) * g_n + g) * len + (t0 - start);
-          _mm512_mask_storeu_ps(dst, m, _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(a.scale)));
-        }
+  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim;
+  const int64_t rows = (h1 - h0) * g_n, row_stride = decode_row_stride(len);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const uint16_t* tokens[16];
+  // groups of 16 tokens from `start` (so bf16 pairs line up), rows looked up per token
+  for (int64_t t0 = start; t0 < end; t0 += 16) {
+    const int n_tok = (int)std::min<int64_t>(16, end - t0);
+    const __mmask16 m = n_tok == 16 ? 0xFFFF : (__mmask16)((1u << n_tok) - 1);
+    token_rows(kc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n_tok, tokens);
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t g = 0; g < g_n; ++g) {
+        const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
+        const __m512 s = n_tok == 16 ? score_keys<CH, 16>(qg, tokens, h * d_n, 16)
+                                     : score_keys<CH, 0>(qg, tokens, h * d_n, n_tok);
+        _mm512_mask_storeu_ps(scores + ((h - h0) * g_n + g) * row_stride + (t0 - start), m, _mm512_mul_ps(s, scale));
       }
-    }
   }
   std::vector<float> denom(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * len;
+    float* row = scores + r * row_stride;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < len; i += 16) {
       const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
@@ -302,50 +358,28 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
     }
     const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < len; i += 16) {
+    uint16_t* probs = reinterpret_cast<uint16_t*>(row);  // written behind the reads
+    for (int64_t i = 0; i < len; i += 16) {  // zeros past len: the odd last token's partner
       const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), row_max));
-      _mm512_mask_storeu_ps(row + i, m, e);
-      sum = _mm512_mask_add_ps(sum, m, sum, e);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), row_max)));
+      _mm256_storeu_si256((__m256i*)(probs + i), (__m256i)_mm512_cvtneps_pbh(e));
+      sum = _mm512_add_ps(sum, e);
     }
     denom[r] = _mm512_reduce_add_ps(sum);
   }
-  // Values, 16 tokens at a time: each head's rows are widened to fp32 once, then every
-  // query head of the group accumulates them in registers (CH vectors of 16).
   std::fill(acc, acc + rows * d_n, 0.f);
-  alignas(64) float wide[16 * CH * 16];
-  for (int64_t jb = first_block; jb <= last_block; ++jb) {
-    const uint16_t* vb = vc + table[jb] * a.cache_stride_block;
-    if (jb + kPrefetchBlocks <= last_block) prefetch_block(a, vc + table[jb + kPrefetchBlocks] * a.cache_stride_block, h0, h1);
-    const int64_t t_first = std::max(start, jb * bs), t_last = std::min(end, jb * bs + bs);
-    for (int64_t t0 = t_first; t0 < t_last; t0 += 16) {
-      const int n_tok = (int)std::min<int64_t>(16, t_last - t0);
-      for (int64_t h = h0; h < h1; ++h) {
-        const uint16_t* v0 = vb + (t0 - jb * bs) * a.cache_stride_token + h * d_n;
-        for (int i = 0; i < n_tok; ++i)
-          for (int c = 0; c < CH; ++c)
-            _mm512_store_ps(wide + (i * CH + c) * 16, load_bf16_as_float(v0 + i * a.cache_stride_token + 16 * c));
-        for (int64_t g = 0; g < g_n; ++g) {
-          const int64_t r = (h - h0) * g_n + g;
-          const float* p = scores + r * len + (t0 - start);
-          __m512 sum[CH];
-          for (int c = 0; c < CH; ++c) sum[c] = _mm512_loadu_ps(acc + r * d_n + 16 * c);
-          for (int i = 0; i < n_tok; ++i) {
-            const __m512 pi = _mm512_set1_ps(p[i]);
-            for (int c = 0; c < CH; ++c) sum[c] = _mm512_fmadd_ps(pi, _mm512_load_ps(wide + (i * CH + c) * 16), sum[c]);
-          }
-          for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + r * d_n + 16 * c, sum[c]);
-        }
-      }
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scores);  // row r's pairs at r * row_stride
+  for (int64_t t0 = start; t0 < end; t0 += 16) {
+    const int n_tok = (int)std::min<int64_t>(16, end - t0);
+    token_rows(vc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n_tok, tokens);
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint32_t* ph = pairs + (h - h0) * g_n * row_stride + (t0 - start) / 2;
+      float* ah = acc + (h - h0) * g_n * d_n;
+      if (n_tok == 16) accumulate_pairs<CH, 16>(ah, g_n, ph, row_stride, tokens, h * d_n, 16);
+      else accumulate_pairs<CH, 0>(ah, g_n, ph, row_stride, tokens, h * d_n, n_tok);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int64_t c = 0; c < 2 * chunks; ++c) {
-      const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * d_n + 16 * c), inv));
-      _mm256_storeu_si256((__m256i*)(out + (h0 * g_n + r) * d_n + 16 * c), o);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) store_pair_row<CH>(acc + r * d_n, 1.f / denom[r], out + (h0 * g_n + r) * d_n);
 }
 
 // The instantiation of a kernel templated on CH = head_dim / 16 (even, 2..16) for head_dim.
@@ -382,7 +416,7 @@ void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
       const int64_t seq_len = seq_lens[b];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
-      scores.resize(std::max<int64_t>(1, heads_per_item * a.group * (seq_len - start)));
+      scores.resize(std::max<int64_t>(1, heads_per_item * a.group * decode_row_stride(seq_len - start)));
       const T* qb = q + b * a.q_stride_req;
       T* ob = out + b * a.num_kv_heads * a.group * a.head_dim;
       const int64_t* row = table + b * a.table_stride;
@@ -465,7 +499,8 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
   for (int64_t t0 = lo_first; t0 <= p_last;) {
     const int64_t jb = t0 / bs, t_end = std::min(p_last + 1, jb * bs + bs);
     const int n_tok = (int)std::min<int64_t>(16, t_end - t0);
-    const uint16_t* k0 = kc + table[jb] * a.cache_stride_block + (t0 - jb * bs) * a.cache_stride_token + h * a.head_dim;
+    const uint16_t* keys[16];
+    token_rows(kc, table, bs, a.cache_stride_block, a.cache_stride_token, t0, n_tok, keys);
     const uint16_t* v0 = vc + table[jb] * a.cache_stride_block + (t0 - jb * bs) * a.cache_stride_token + h * a.head_dim;
     for (int i = 0; i < n_tok; ++i)
       for (int c = 0; c < CH; ++c)
@@ -480,15 +515,9 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
       if (n_tok < 16) valid &= (__mmask16)((1u << n_tok) - 1);
       for (int64_t g = 0; g < g_n; ++g) {
         const uint16_t* qr = q + (i0 + i) * a.q_stride_tok + (h * g_n + g) * a.q_stride_head;
-        __m512 part[16];
-        for (int j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
-        for (int c = 0; c < CH / 2; ++c) {
-          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-          for (int j = 0; j < n_tok; ++j)
-            part[j] = _mm512_dpbf16_ps(part[j], qv, (__m512bh)_mm512_loadu_si512(k0 + j * a.cache_stride_token + 32 * c));
-        }
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                            _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(a.scale)));
+        const __m512 dots = n_tok == 16 ? score_keys<CH, 16>(qr, keys, h * a.head_dim, 16)
+                                        : score_keys<CH, 0>(qr, keys, h * a.head_dim, n_tok);
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_mul_ps(dots, _mm512_set1_ps(a.scale)));
         const int64_t r = i * g_n + g;
         const float m_new = std::max(row_max[r], _mm512_reduce_max_ps(s));
         const __m512 pv = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
