@@ -264,11 +264,45 @@ KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const
 // Where cached tokens t0 .. t0 + n - 1 (all KV heads) sit in a K or V cache.
 inline void token_rows(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t stride_block,
                        int64_t stride_token, int64_t t0, int n, const uint16_t** rows) {
+  int64_t block = t0 / block_size, off = t0 % block_size;
+  const uint16_t* base = cache + table[block] * stride_block;
   for (int i = 0; i < n; ++i) {
-    const int64_t t = t0 + i;
-    rows[i] = cache + table[t / block_size] * stride_block + (t % block_size) * stride_token;
+    rows[i] = base + off * stride_token;
+    if (++off == block_size && i + 1 < n) {
+      off = 0;
+      base = cache + table[++block] * stride_block;
+    }
   }
 }
+
+// Software prefetch of up to 16 token rows into L2, issued a few lines at a time between
+// the compute that precedes their use. Cached blocks are scattered 2-6 KB runs that the
+// hardware prefetchers barely follow: without this the cold kernel waited for DRAM and
+// then computed (time = read + compute); spread like this the reads overlap the compute
+// (about 1.7x faster at batch 64, docs/benchmarks.md). Bursts of prefetches did not help:
+// they fill the miss buffers and stall the core just as the loads would.
+struct RowPrefetcher {
+  const char* rows[16];
+  int n_rows = 0, lines_per_row = 0, row = 0, line = 0;
+
+  void start(const uint16_t* const* token_rows, int n, int64_t head_off, int64_t row_bytes) {
+    for (int i = 0; i < n; ++i) rows[i] = reinterpret_cast<const char*>(token_rows[i] + head_off);
+    n_rows = n, lines_per_row = (int)((row_bytes + 63) / 64), row = 0, line = 0;
+  }
+  int lines_left() const { return (n_rows - row) * lines_per_row - line; }
+  void issue(int count) {
+    for (; count > 0 && row < n_rows; --count) {
+      _mm_prefetch(rows[row] + 64 * line, _MM_HINT_T1);
+      if (++line == lines_per_row) line = 0, ++row;
+    }
+  }
+};
+
+// One unit of decode work: a request's keys [start, end) for KV heads [h0, h1).
+struct DecodeItem {
+  const int64_t* table;  // the request's block-table row
+  int64_t start, end, h0, h1;
+};
 
 // acc[g] += sum over the group's tokens of p[g][t] * v[t], for the g_n query rows sharing
 // one KV head. Probabilities come as bf16 token pairs (p_pairs[g * p_stride + j] holds
@@ -332,18 +366,35 @@ KV_AVX512_BF16 inline void store_pair_row(const float* acc, float inv, uint16_t*
 template <int CH>
 KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                 const int64_t* table, int64_t start, int64_t end, int64_t h0, int64_t h1,
-                                float* scores, float* acc, uint16_t* out) {
+                                const DecodeItem* next, bool keys_prefetched, float* scores, float* acc,
+                                uint16_t* out) {
   const int64_t len = end - start, g_n = a.group, d_n = a.head_dim;
   const int64_t rows = (h1 - h0) * g_n, row_stride = decode_row_stride(len);
   const __m512 scale = _mm512_set1_ps(a.scale);
   const uint16_t* tokens[16];
-  // groups of 16 tokens from `start` (so bf16 pairs line up), rows looked up per token
+  const uint16_t* ahead[16];
+  RowPrefetcher values_pf, keys_pf;
+  auto prefetch = [&](RowPrefetcher& pf, const uint16_t* cache, const int64_t* tbl, int64_t t0, int64_t stop,
+                      int64_t g_h0, int64_t g_h1) {
+    const int n = (int)std::min<int64_t>(16, stop - t0);
+    if (n <= 0) return void(pf.n_rows = 0);
+    token_rows(cache, tbl, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n, ahead);
+    pf.start(ahead, n, g_h0 * d_n, (g_h1 - g_h0) * d_n * 2);
+  };
+  // Pass 1, groups of 16 tokens from `start` (so bf16 pairs line up). Meanwhile: this
+  // group's values (pass 2 reads them) and, unless the previous item fetched them, the
+  // next group's keys.
   for (int64_t t0 = start; t0 < end; t0 += 16) {
     const int n_tok = (int)std::min<int64_t>(16, end - t0);
     const __mmask16 m = n_tok == 16 ? 0xFFFF : (__mmask16)((1u << n_tok) - 1);
     token_rows(kc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n_tok, tokens);
+    prefetch(values_pf, vc, table, t0, end, h0, h1);
+    if (!keys_prefetched) prefetch(keys_pf, kc, table, t0 + 16, end, h0, h1);
+    const int calls = (int)rows, per_call = (values_pf.lines_left() + keys_pf.lines_left() + calls - 1) / calls;
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g = 0; g < g_n; ++g) {
+        values_pf.issue(per_call);
+        keys_pf.issue(per_call);
         const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
         const __m512 s = n_tok == 16 ? score_keys<CH, 16>(qg, tokens, h * d_n, 16)
                                      : score_keys<CH, 0>(qg, tokens, h * d_n, n_tok);
@@ -371,10 +422,15 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
   }
   std::fill(acc, acc + rows * d_n, 0.f);
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scores);  // row r's pairs at r * row_stride
+  // Pass 2; meanwhile the next item's keys at the same offset.
   for (int64_t t0 = start; t0 < end; t0 += 16) {
     const int n_tok = (int)std::min<int64_t>(16, end - t0);
     token_rows(vc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n_tok, tokens);
+    keys_pf.n_rows = 0;
+    if (next) prefetch(keys_pf, kc, next->table, next->start + (t0 - start), next->end, next->h0, next->h1);
+    const int per_call = (keys_pf.lines_left() + (int)(h1 - h0) - 1) / (int)(h1 - h0);
     for (int64_t h = h0; h < h1; ++h) {
+      keys_pf.issue(per_call);
       const uint32_t* ph = pairs + (h - h0) * g_n * row_stride + (t0 - start) / 2;
       float* ah = acc + (h - h0) * g_n * d_n;
       if (n_tok == 16) accumulate_pairs<CH, 16>(ah, g_n, ph, row_stride, tokens, h * d_n, 16);
@@ -412,21 +468,29 @@ void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T
   // each cached token's heads together); otherwise one per (request, KV head).
   const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
   const int64_t items_per_req = a.num_kv_heads / heads_per_item;
+  auto item_at = [&](int64_t item) {
+    const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, seq_len = seq_lens[b];
+    const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+    return DecodeItem{table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item};
+  };
   at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads_per_item * a.group * a.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item;
-      const int64_t seq_len = seq_lens[b];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+      const DecodeItem it = item_at(item);
+      const int64_t b = item / items_per_req, h0 = it.h0, start = it.start, seq_len = it.end;
       scores.resize(std::max<int64_t>(1, heads_per_item * a.group * decode_row_stride(seq_len - start)));
       const T* qb = q + b * a.q_stride_req;
       T* ob = out + b * a.num_kv_heads * a.group * a.head_dim;
-      const int64_t* row = table + b * a.table_stride;
+      const int64_t* row = it.table;
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (use_avx512) {
-          for_head_dim<AttendFn, AttendBf16>(a.head_dim)(a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
-                                      reinterpret_cast<const uint16_t*>(vc), row, start, seq_len, h0,
-                                      h0 + heads_per_item, scores.data(), acc.data(), reinterpret_cast<uint16_t*>(ob));
+          // the item after this one in this thread's range: its keys are fetched during our pass 2
+          const DecodeItem next = item + 1 < end ? item_at(item + 1) : DecodeItem{};
+          for_head_dim<AttendFn, AttendBf16>(a.head_dim)(
+              a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
+              reinterpret_cast<const uint16_t*>(vc), row, start, seq_len, h0, it.h1,
+              item + 1 < end ? &next : nullptr, item > begin, scores.data(), acc.data(),
+              reinterpret_cast<uint16_t*>(ob));
           continue;
         }
       }
