@@ -235,9 +235,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         cache = self._kv_cache
         if cache is not None:
-            slots = plan.meta.slot_mapping
-            cache[0].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-            cache[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+            write_kv_cache(cache, k, v, plan.meta.slot_mapping)
         num_decodes = len(plan.decode_req_ids)
         if plan.is_all_decode and num_tokens == num_decodes:
             return self._decode(plan, q)
@@ -314,6 +312,16 @@ class Attention(nn.Module):
                 mask &= k_pos > q_pos - window
             out = _sdpa_gqa(qi, ki, vi, mask, self.scale)
         return out[0].transpose(0, 1).reshape(p.query_len, self.num_heads * self.head_dim)
+
+
+def write_kv_cache(cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """k, v [T, KvH, D] into `cache` [2, num_blocks, block_size, KvH, D] at flat slots [T]."""
+    if cache.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and cpu_ops.load():
+        torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots)
+        return
+    num_kv_heads, head_dim = cache.shape[3:]
+    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 _workspace = threading.local()

@@ -58,6 +58,14 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x, self.shape, None, self.eps)
 
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """The pre-norm residual step: (norm(residual + x), residual + x), the sum rounded to the
+        model dtype as `residual + x` is. The fused CPU op writes the sum into `residual`."""
+        if cpu_ops.use_fused_bf16_rows(x) and residual.is_contiguous() and residual.dtype == x.dtype:
+            return torch.ops.kvserve.add_rms_norm_(residual, x, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The rope settings of an HF config as one dict with `rope_type` and `rope_theta`.

@@ -120,9 +120,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos_sin: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with residual None), not yet
+        added to the residual stream -> this layer's (MLP output, residual stream), [T, hidden]
+        each. Deferring each add to the next norm lets one fused op do both."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos_sin), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,11 +143,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)  # [T, 2, D], gathered once for all layers
         for layer in self.layers:
-            x = layer.forward(x, cos_sin)  # skips nn.Module's hook machinery (~1 ms/step at batch 1)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, cos_sin)  # skips nn.Module's hooks (~1 ms/step at batch 1)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -142,6 +142,52 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_add_and_norm_fuses_the_residual_add_exactly(rows):
+    from models.layers import RMSNorm
+
+    norm = RMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    residual = (torch.randn(rows, 576) * 3).bfloat16()
+    x = (torch.randn(rows, 1000) * 3).bfloat16()[:, :576]  # strided rows
+    expected_sum = residual + x
+    normed, new_residual = norm.add_and_norm(x, residual.clone())
+    assert torch.equal(new_residual, expected_sum)  # one bf16 rounding of the sum, as PyTorch's add
+    assert torch.equal(normed, torch.ops.kvserve.rms_norm(expected_sum, norm.weight, norm.eps))
+    torch.testing.assert_close(normed, norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps),
+                               atol=0, rtol=1 / 128)
+    # fp32 keeps PyTorch's ops (their sum order is HF's)
+    norm32 = RMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm32.weight.copy_(norm.weight.float())
+    r32, x32 = residual.float(), x.float()
+    normed32, sum32 = norm32.add_and_norm(x32, r32.clone())
+    assert torch.equal(sum32, r32 + x32)
+    assert torch.equal(normed32, F.rms_norm(r32 + x32, (576,), norm32.weight, 1e-5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_index_copy(dtype):
+    from models.attention import write_kv_cache
+
+    kv_heads, head_dim, tokens = 3, 64, 37
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
+    k = qkv[:, 9 * head_dim: 12 * head_dim].view(tokens, kv_heads, head_dim)  # strided rows, as in a layer
+    v = qkv[:, 12 * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(10 * 16)[:tokens]
+    cache = torch.zeros(2, 10, 16, kv_heads, head_dim, dtype=dtype)
+    ref = cache.clone()
+    ref[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    ref[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    write_kv_cache(cache, k, v, slots)
+    assert torch.equal(cache, ref)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots + 160)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rotary_matches_apply_rotary(dtype):
     from models.layers import RotaryEmbedding, apply_rotary, apply_rotary_inplace

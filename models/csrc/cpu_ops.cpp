@@ -9,8 +9,9 @@
 //    keys/values *in place* in the paged cache (no gather copy), GQA-aware: the query
 //    heads that share a KV head are scored together from one read of each key.
 //  * kvserve::paged_prefill_attention  flash-style causal attention for a prompt chunk.
-//  * kvserve::rms_norm, rotary_, silu_and_mul, argmax_bf16  fused per-layer ops with
-//    PyTorch's roundings.
+//  * kvserve::rms_norm, add_rms_norm_, rotary_, silu_and_mul, argmax_bf16  fused
+//    per-layer ops with PyTorch's roundings; write_kv_cache stores a layer's new keys
+//    and values.
 //
 // All accumulate in fp32. The AVX512-BF16 paths are compiled with target attributes
 // and chosen at run time, so the library loads on any x86-64 CPU; the Python side
@@ -751,6 +752,74 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// The pre-norm residual step of a decoder layer, fused: residual += x (rounded to the
+// model dtype, as `residual + x` is), then the RMSNorm above of the new residual.
+template <typename T>
+void add_rows(T* residual, const T* x, int64_t ldx, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < n; ++i)
+        residual[r * n + i] = round_to<T>(static_cast<float>(residual[r * n + i]) + static_cast<float>(x[r * ldx + i]));
+  });
+}
+
+void add_rms_norm_rows_bf16(uint16_t* residual, const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,
+                            int64_t rows, int64_t n, float eps);  // AVX-512, below
+
+at::Tensor add_rms_norm_(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.sizes() == residual.sizes() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "add_rms_norm_: residual [T, N] contiguous, x [T, N] rows and weight [N] of one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm_ supports bfloat16");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto* res = reinterpret_cast<uint16_t*>(residual.data_ptr<at::BFloat16>());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  if (has_avx512_bf16()) {
+    add_rms_norm_rows_bf16(res, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), w,
+                           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), x.size(1),
+                           static_cast<float>(eps));
+  } else {
+    add_rows(residual.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1));
+    rms_norm_rows(residual.data_ptr<at::BFloat16>(), x.size(1), weight.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+  }
+  return out;
+}
+
+// The new tokens' keys and values into their cache slots (one op for both caches instead
+// of two index_copy_ calls; per layer, the dispatch was most of their cost).
+// k, v [T, KvH, D] with contiguous heads (any row stride); caches [blocks, block_size, KvH, D].
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "write_kv_cache: k and v must be [T, KvH, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "write_kv_cache: caches must be contiguous [blocks, block_size, KvH, D] matching k");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k.scalar_type() == v.scalar_type(), "write_kv_cache: one dtype for k, v and the caches");
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(), "write_kv_cache: slots must be int64 [T]");
+  const int64_t rows = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_cache: slot ", slot[t], " out of range");
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_ld = k.stride(0) * k.element_size(), v_ld = v.stride(0) * v.element_size();
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + slot[t] * row_bytes, ks + t * k_ld, row_bytes);
+      std::memcpy(vd + slot[t] * row_bytes, vs + t * v_ld, row_bytes);
+    }
+  });
+}
+
 // Neox rotary in place on the first `num_heads` heads of each row of x [T, heads * D]
 // (any row stride): x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin, with the
 // cache layout of models/layers.py: cos_sin[t] = [cos, cos], [-sin, sin]. Each product
@@ -804,6 +873,25 @@ void rms_norm_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint1
                         float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row_bf16(x + r * ldx, w, out + r * n, n, eps);
+  });
+}
+
+KV_AVX512_BF16 void add_row_bf16(uint16_t* residual, const uint16_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, residual + i)), 16));
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
+    _mm256_mask_storeu_epi16(residual + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(r, v)));
+  }
+}
+
+void add_rms_norm_rows_bf16(uint16_t* residual, const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,
+                            int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      add_row_bf16(residual + r * n, x + r * ldx, n);
+      rms_norm_row_bf16(residual + r * n, w, out + r * n, n, eps);
+    }
   });
 }
 
@@ -907,6 +995,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(write_kv_cache));
   m.def("rotary_(Tensor(a!) x, Tensor cos_sin, int num_heads, int head_dim) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
 }
