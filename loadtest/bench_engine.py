@@ -1,6 +1,6 @@
 """Offline throughput: the kvserve engine vs `transformers` generate, side by side in one run.
 
-    python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--cases a,b,c]
+    python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--cases a,b,c] [--repeats 1]
 
 On the SmolLM-135M-shaped random Llama (loadtest/smollm_checkpoint.py), greedy,
 EOS ignored so every request produces exactly its requested tokens:
@@ -9,7 +9,10 @@ EOS ignored so every request produces exactly its requested tokens:
   (c) 256 requests, prompts 16-512, outputs 16-256 (uniform, seeded)
       vs transformers in static batches of 32 (left-padded; each batch runs until
       its longest request is done; only requested tokens count)
-Prints output tokens/s for each and the ratios; writes the figures as JSON.
+Prints output tokens/s for each and the ratios; writes the figures as JSON. With
+--repeats N each case runs N times, engine and transformers alternating, and the
+medians are compared (this VM's figures move 10-20% between runs; transformers'
+batch-32 figure has swung from 119 to 159 tok/s).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c")
     parser.add_argument("--skip-hf", default="", help="cases for which transformers is not run, e.g. c")
     parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case; medians are reported")
     parser.add_argument("--out", default="bench_out/bench_engine.json")
     args = parser.parse_args(argv)
 
@@ -100,21 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     skip_hf = set(args.skip_hf.split(","))
     for case in args.cases.split(","):
         prompts, outs = make_case(case, vocab, np.random.default_rng(0))
-        engine_tps = run_engine(llm, prompts, outs)
         hf_batch = 1 if case == "a" else args.hf_batch
         if case == "b":  # transformers' reference is one static batch of hf_batch
             prompts_hf, outs_hf = prompts[:hf_batch], outs[:hf_batch]
         else:
             prompts_hf, outs_hf = prompts, outs
-        hf_tps = None if case in skip_hf else run_hf(hf, prompts_hf, outs_hf, hf_batch)
+        engine_runs, hf_runs = [], []
+        for _ in range(args.repeats):
+            engine_runs.append(run_engine(llm, prompts, outs))
+            if case not in skip_hf:
+                hf_runs.append(run_hf(hf, prompts_hf, outs_hf, hf_batch))
+        engine_tps = statistics.median(engine_runs)
+        hf_tps = statistics.median(hf_runs) if hf_runs else None
         ratio = engine_tps / hf_tps if hf_tps else None
         results["cases"][case] = dict(num_requests=len(prompts), output_tokens=sum(outs),
                                       engine_tok_s=engine_tps, hf_tok_s=hf_tps, hf_batch=hf_batch,
-                                      ratio=ratio)
+                                      ratio=ratio, engine_runs=engine_runs, hf_runs=hf_runs)
         hf_text = f"{hf_tps:8.1f}" if hf_tps else "     n/a"
         ratio_text = f"{ratio:5.2f}x" if ratio else "   n/a"
+        runs_text = "" if args.repeats == 1 else (
+            "  (medians of " + f"{args.repeats} runs: engine " + " ".join(f"{x:.1f}" for x in engine_runs)
+            + "; transformers " + (" ".join(f"{x:.1f}" for x in hf_runs) or "n/a") + ")")
         print(f"case {case}: {len(prompts):3d} requests  engine {engine_tps:8.1f} tok/s  "
-              f"transformers (batch {hf_batch}) {hf_text} tok/s  ratio {ratio_text}", flush=True)
+              f"transformers (batch {hf_batch}) {hf_text} tok/s  ratio {ratio_text}{runs_text}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
