@@ -202,6 +202,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self._kv_cache: Tensor | None = None
+        self._kv: tuple[Tensor, Tensor] | None = None
 
     @property
     def kv_cache(self) -> Tensor | None:
@@ -217,6 +218,7 @@ class Attention(nn.Module):
                 f"got {tuple(cache.shape)}"
             )
         self._kv_cache = cache
+        self._kv = None if cache is None else (cache[0], cache[1])  # views made once, not per step
 
     def extra_repr(self) -> str:
         return (
@@ -233,9 +235,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        cache = self._kv_cache
-        if cache is not None:
-            write_kv_cache(cache, k, v, plan.meta.slot_mapping)
+        if self._kv is not None:
+            write_kv_cache(*self._kv, k, v, plan.meta.slot_mapping)
         num_decodes = len(plan.decode_req_ids)
         if plan.is_all_decode and num_tokens == num_decodes:
             return self._decode(plan, q)
@@ -256,7 +257,7 @@ class Attention(nn.Module):
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
         if cache.device.type == "cpu" and cache.dtype in (torch.bfloat16, torch.float32) and cpu_ops.load():
             # reads K/V in place through the block table: no gather copy
-            return cpu_ops.paged_decode_attention(q, cache[0], cache[1], plan.decode_block_table,
+            return cpu_ops.paged_decode_attention(q, *self._kv, plan.decode_block_table,
                                                   plan.decode_seq_lens, self.scale, self.sliding_window)
         kv_bytes_per_token = 2 * self.num_kv_heads * self.head_dim * self._kv_cache.element_size()
         chunks = plan.decode_chunks(self.sliding_window, kv_bytes_per_token)
@@ -287,7 +288,7 @@ class Attention(nn.Module):
         cache = self._kv_cache
         if cache is not None and cpu_ops.prefill_kernel_applies(q, self.head_dim):
             # causal over the paged cache (this chunk's K/V are already written), no gathers
-            return cpu_ops.paged_prefill_attention(q[rows], cache[0], cache[1], plan.meta.block_table[p.req_idx],
+            return cpu_ops.paged_prefill_attention(q[rows], *self._kv, plan.meta.block_table[p.req_idx],
                                                    p.seq_len, self.scale, window)
         qi = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
         if num_cached == 0:
@@ -314,14 +315,14 @@ class Attention(nn.Module):
         return out[0].transpose(0, 1).reshape(p.query_len, self.num_heads * self.head_dim)
 
 
-def write_kv_cache(cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
-    """k, v [T, KvH, D] into `cache` [2, num_blocks, block_size, KvH, D] at flat slots [T]."""
-    if cache.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and cpu_ops.load():
-        torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots)
+def write_kv_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """k, v [T, KvH, D] into the caches [num_blocks, block_size, KvH, D] at flat slots [T]."""
+    if k_cache.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and cpu_ops.load():
+        torch.ops.kvserve.write_kv_cache(k, v, k_cache, v_cache, slots)
         return
-    num_kv_heads, head_dim = cache.shape[3:]
-    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 _workspace = threading.local()

@@ -181,7 +181,7 @@ def test_write_kv_cache_matches_index_copy(dtype):
     ref = cache.clone()
     ref[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     ref[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-    write_kv_cache(cache, k, v, slots)
+    write_kv_cache(cache[0], cache[1], k, v, slots)
     assert torch.equal(cache, ref)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots + 160)
