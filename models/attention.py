@@ -255,7 +255,7 @@ class Attention(nn.Module):
         cache = self._kv_cache
         if cache is None:
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
-        if cache.device.type == "cpu" and cache.dtype in (torch.bfloat16, torch.float32) and cpu_ops.load():
+        if cpu_ops.attention_kernels_apply(q, self.head_dim):
             # reads K/V in place through the block table: no gather copy
             return cpu_ops.paged_decode_attention(q, *self._kv, plan.decode_block_table,
                                                   plan.decode_seq_lens, self.scale, self.sliding_window)
@@ -286,7 +286,7 @@ class Attention(nn.Module):
         num_cached = p.seq_len - p.query_len
         rows = slice(p.start, p.start + p.query_len)
         cache = self._kv_cache
-        if cache is not None and cpu_ops.prefill_kernel_applies(q, self.head_dim):
+        if cache is not None and cpu_ops.attention_kernels_apply(q, self.head_dim):
             # causal over the paged cache (this chunk's K/V are already written), no gathers
             return cpu_ops.paged_prefill_attention(q[rows], *self._kv, plan.meta.block_table[p.req_idx],
                                                    p.seq_len, self.scale, window)

@@ -62,27 +62,33 @@ def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_
     return qk[:, :num_heads], k_cache, v_cache, block_table, seq_lens
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_bf16
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
-@pytest.mark.parametrize("head_dim", [16, 64, 96, 128])  # 16: the generic path; others: AVX512 for bf16
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("block_size", [16, 5])  # 5: 16-token groups straddle blocks
-def test_paged_decode_attention_matches_reference(dtype, heads, head_dim, window, block_size):
-    q, k_cache, v_cache, table, seq_lens = random_paged_case(dtype, 7, *heads, head_dim, block_size)
+@pytest.mark.parametrize("num_reqs", [7, 2])  # 2: one work item per (request, KV head)
+def test_paged_decode_attention_matches_reference(heads, head_dim, window, block_size, num_reqs):
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, num_reqs, *heads, head_dim, block_size)
     scale = head_dim**-0.5
     got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window)
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
-    assert got.shape == (7, heads[0] * head_dim) and got.dtype == dtype
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.double(), ref, **tol)
+    assert got.shape == (num_reqs, heads[0] * head_dim) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
 
 
-@needs_kernels
-def test_paged_decode_attention_rejects_mismatched_shapes():
-    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.float32, 2, 4, 2, 16)
+@needs_bf16
+def test_paged_decode_attention_rejects_what_it_does_not_handle():
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 2, 4, 2, 32)
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_ops.paged_decode_attention(q[:, :3], k_cache, v_cache, table, seq_lens, 1.0, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_ops.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, 1.0, None)
+    q16, k16, v16, table16, lens16 = random_paged_case(torch.bfloat16, 2, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.paged_decode_attention(q16, k16, v16, table16, lens16, 1.0, None)
+    assert not cpu_ops.attention_kernels_apply(q.float(), 32)  # fp32 goes to gather + SDPA
+    assert not cpu_ops.attention_kernels_apply(q16, 16)
 
 
 @needs_bf16

@@ -15,7 +15,9 @@
 //
 // All accumulate in fp32. The AVX512-BF16 paths are compiled with target attributes
 // and chosen at run time, so the library loads on any x86-64 CPU; the Python side
-// (models/cpu_ops.py) only calls linear_bf16 when `has_avx512_bf16()` is true.
+// (models/cpu_ops.py) only calls the linear and the two attention kernels (bf16 only)
+// when `has_avx512_bf16()` is true. Elsewhere PyTorch's ops (oneDNN, SDPA) are faster
+// than scalar C++ would be.
 // Threads come from ATen's pool (at::parallel_for), the same one torch's ops use.
 
 #include <ATen/Parallel.h>
@@ -162,45 +164,6 @@ struct DecodeArgs {
 // Floats per score row in the bf16 kernel: a multiple of 32, so the row's bf16 probabilities
 // (written over its first half) always have an even, zero-padded length.
 inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }
-
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-
-// Generic (any head_dim, fp32 or bf16) path.
-template <typename T>
-void attend_generic(const DecodeArgs& a, const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
-                    int64_t end, float* scores, float* acc, T* out) {
-  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim;
-  for (int64_t t = start; t < end; ++t) {
-    const int64_t block = table[t / a.block_size], off = t % a.block_size;
-    const T* k = kc + block * a.cache_stride_block + off * a.cache_stride_token;
-    for (int64_t g = 0; g < g_n; ++g) {
-      const T* qg = q + g * a.q_stride_head;
-      float s = 0.f;
-      for (int64_t d = 0; d < d_n; ++d) s += to_float(qg[d]) * to_float(k[d]);
-      scores[g * len + (t - start)] = s * a.scale;
-    }
-  }
-  std::fill(acc, acc + g_n * d_n, 0.f);
-  std::vector<float> denom(g_n);
-  for (int64_t g = 0; g < g_n; ++g) {
-    float* row = scores + g * len;
-    const float mx = *std::max_element(row, row + len);
-    float sum = 0.f;
-    for (int64_t i = 0; i < len; ++i) sum += (row[i] = std::exp(row[i] - mx));
-    denom[g] = sum;
-  }
-  for (int64_t t = start; t < end; ++t) {
-    const int64_t block = table[t / a.block_size], off = t % a.block_size;
-    const T* v = vc + block * a.cache_stride_block + off * a.cache_stride_token;
-    for (int64_t g = 0; g < g_n; ++g) {
-      const float p = scores[g * len + (t - start)];
-      for (int64_t d = 0; d < d_n; ++d) acc[g * d_n + d] += p * to_float(v[d]);
-    }
-  }
-  for (int64_t g = 0; g < g_n; ++g)
-    for (int64_t d = 0; d < d_n; ++d) out[g * d_n + d] = static_cast<T>(acc[g * d_n + d] / denom[g]);
-}
 
 // exp for x <= 0 (scores minus their max): Cephes' degree-6 polynomial after reducing by
 // ln 2, scaled back with vscalefps; about 1 ulp, like the vectorized exp SDPA uses.
@@ -462,9 +425,8 @@ struct AttendBf16 {
 };
 using AttendFn = decltype(&attend_bf16<2>);
 
-template <typename T>
-void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T* vc, const int64_t* table,
-                           const int64_t* seq_lens, int64_t num_reqs, T* out, bool use_avx512) {
+void decode_attention_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                           const int64_t* table, const int64_t* seq_lens, int64_t num_reqs, uint16_t* out) {
   // Enough requests to share out: one work item per request (all its KV heads, reading
   // each cached token's heads together); otherwise one per (request, KV head).
   const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
@@ -474,30 +436,18 @@ void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T
     const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
     return DecodeItem{table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item};
   };
+  const AttendFn attend = for_head_dim<AttendFn, AttendBf16>(a.head_dim);
   at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads_per_item * a.group * a.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const DecodeItem it = item_at(item);
-      const int64_t b = item / items_per_req, h0 = it.h0, start = it.start, seq_len = it.end;
-      scores.resize(std::max<int64_t>(1, heads_per_item * a.group * decode_row_stride(seq_len - start)));
-      const T* qb = q + b * a.q_stride_req;
-      T* ob = out + b * a.num_kv_heads * a.group * a.head_dim;
-      const int64_t* row = it.table;
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (use_avx512) {
-          // the item after this one in this thread's range: its keys are fetched during our pass 2
-          const DecodeItem next = item + 1 < end ? item_at(item + 1) : DecodeItem{};
-          for_head_dim<AttendFn, AttendBf16>(a.head_dim)(
-              a, reinterpret_cast<const uint16_t*>(qb), reinterpret_cast<const uint16_t*>(kc),
-              reinterpret_cast<const uint16_t*>(vc), row, start, seq_len, h0, it.h1,
-              item + 1 < end ? &next : nullptr, item > begin, scores.data(), acc.data(),
-              reinterpret_cast<uint16_t*>(ob));
-          continue;
-        }
-      }
-      for (int64_t h = h0; h < h0 + heads_per_item; ++h)
-        attend_generic(a, qb + h * a.group * a.q_stride_head, kc + h * a.head_dim, vc + h * a.head_dim, row, start,
-                       seq_len, scores.data(), acc.data(), ob + h * a.group * a.head_dim);
+      const int64_t b = item / items_per_req;
+      scores.resize(std::max<int64_t>(1, heads_per_item * a.group * decode_row_stride(it.end - it.start)));
+      // the item after this one in this thread's range: its keys are fetched during our pass 2
+      const DecodeItem next = item + 1 < end ? item_at(item + 1) : DecodeItem{};
+      attend(a, q + b * a.q_stride_req, kc, vc, it.table, it.start, it.end, it.h0, it.h1,
+             item + 1 < end ? &next : nullptr, item > begin, scores.data(), acc.data(),
+             out + b * a.num_kv_heads * a.group * a.head_dim);
     }
   });
 }
@@ -507,33 +457,29 @@ void decode_attention_impl(const DecodeArgs& a, const T* q, const T* kc, const T
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                                   int64_t window) {
+  TORCH_CHECK(has_avx512_bf16(), "paged_decode_attention needs AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, KvH, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "paged_decode_attention: q and the caches must be bf16");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.stride(1) == 1 &&
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
               "block_table and seq_lens must be int64");
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
+              "head shapes do not match (or head_dim is not a multiple of 32 up to 256)");
   TORCH_CHECK(block_table.size(0) >= num_reqs && seq_lens.numel() >= num_reqs, "one table row per request");
   DecodeArgs a{num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.size(1),
                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                block_table.stride(0), window, static_cast<float>(scale)};
   at::Tensor out = at::empty({num_reqs, num_heads * head_dim}, q.options());
-  const bool avx = has_avx512_bf16() && head_dim % 32 == 0 && head_dim <= 256;
-  if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl(a, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                          v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
-                          seq_lens.data_ptr<int64_t>(), num_reqs, out.data_ptr<at::BFloat16>(), avx);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention supports float32 and bfloat16");
-    decode_attention_impl(a, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                          block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_reqs,
-                          out.data_ptr<float>(), false);
-  }
+  decode_attention_bf16(a, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                        block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_reqs,
+                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
