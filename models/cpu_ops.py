@@ -1,6 +1,6 @@
-"""kvserve's CPU kernels (models/csrc/cpu_ops.cpp), built on first use with the local compiler.
+"""kvserve's CPU kernels (models/csrc/*.cpp), built on first use with the local compiler.
 
-`load()` compiles the C++ file once per source/torch version into a cache directory
+`load()` compiles the C++ sources once per source/torch version into a cache directory
 (`$KVSERVE_CPU_OPS_DIR`, else `$KVSERVE_CACHE_DIR/cpu_ops`, else
 `~/.cache/kvserve/cpu_ops`; about 15 s on two cores; a library already built there is
 loaded without a compiler, which is how the CPU Docker image ships it) and registers
@@ -25,7 +25,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "ops.cpp"  # includes the kernel headers next to it
 _NAME = "kvserve_cpu_ops"
 
 
@@ -44,7 +45,8 @@ def _build_dir() -> Path:
     root = os.environ.get("KVSERVE_CPU_OPS_DIR")
     if not root:
         root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve") / "cpu_ops"
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]*")))
+    digest = hashlib.sha256(sources + torch.__version__.encode()).hexdigest()[:16]
     return Path(root) / digest
 
 

@@ -1,0 +1,245 @@
+// kvserve::paged_prefill_attention: a prompt chunk's causal attention over the paged KV cache.
+#pragma once
+
+#include "common.h"
+
+namespace kvserve {
+
+// ---- paged prefill attention (bf16) ---------------------------------------------------
+// One request's new tokens (positions num_cached .. seq_len-1) attend causally over its keys
+// in the paged cache (the new ones already written). Flash-style, per KV head and block of
+// up to 16 query positions: the block's R = 16 x G query rows (G heads share the KV head)
+// go through the keys 32 at a time with an online softmax; nothing [L, L]-sized is ever
+// materialized. Both products are shaped like the linear kernel's tile, so neither needs
+// a horizontal reduction:
+//  * scores S^T [keys, rows]: the queries are packed once per block into dimension pairs
+//    (lane = query row), each key's dimension pair is broadcast: one vdpbf16ps scores 16
+//    rows. The row max and sum are then plain vertical operations across keys.
+//  * P V: probabilities rounded to bf16 (as PyTorch's CPU SDPA does before its P @ V; the
+//    denominator sums them unrounded) in key pairs, values interleaved in the same key
+//    pairs: one vdpbf16ps does 2 keys x 16 dims for one row.
+
+struct PrefillArgs {
+  int64_t group, head_dim, block_size, q_stride_tok, q_stride_head, cache_stride_block, cache_stride_token;
+  int64_t num_cached, seq_len, window;
+  float scale;
+};
+
+constexpr int kPrefillKeys = 32;  // keys per chunk (even: probabilities pair up)
+
+// Per-thread scratch of the prefill kernel, sized for R rows (a multiple of 16) and head_dim d.
+struct PrefillScratch {
+  std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
+  std::vector<float> scores, acc, row_max, row_sum, corr;
+  std::vector<int32_t> pos, lo;  // per row: its position and first visible key
+  void size_for(int64_t rows, int64_t d) {
+    pos.resize(rows), lo.resize(rows);
+    q_pairs.resize(rows * d / 2);
+    scores.resize(kPrefillKeys * rows);
+    p_pairs.resize(kPrefillKeys / 2 * rows);
+    v_pairs.resize(kPrefillKeys / 2 * d);
+    acc.resize(rows * d);
+    row_max.resize(rows), row_sum.resize(rows), corr.resize(rows);
+  }
+};
+
+// s[k][lanes of column c] = q_rows(c) . key k, for NK keys (rows of `keys`) and NC (<= 3)
+// 16-row columns from c0: NK x NC accumulators over the head's dimension pairs.
+template <int CH, int NK, int NC>
+KV_AVX512_BF16 inline void score_strip(const uint32_t* q_pairs, int64_t c0, const uint16_t* const* keys,
+                                       int64_t head_off, float* s, int64_t s_stride) {
+  __m512 acc[NK][NC];
+  for (int k = 0; k < NK; ++k)
+    for (int c = 0; c < NC; ++c) acc[k][c] = _mm512_setzero_ps();
+  for (int d2 = 0; d2 < CH * 8; ++d2) {
+    __m512bh qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_pairs + ((c0 + c) * CH * 8 + d2) * 16);
+    for (int k = 0; k < NK; ++k) {
+      uint32_t pair;
+      std::memcpy(&pair, keys[k] + head_off + 2 * d2, sizeof(pair));
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int c = 0; c < NC; ++c) acc[k][c] = _mm512_dpbf16_ps(acc[k][c], kv, qv[c]);
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(s + k * s_stride + (c0 + c) * 16, acc[k][c]);
+}
+
+template <int CH>
+KV_AVX512_BF16 void score_chunk(const uint32_t* q_pairs, int64_t cols, const uint16_t* const* keys, int n_keys,
+                                int64_t head_off, float* s, int64_t s_stride) {
+  int k = 0;
+  for (; k + 8 <= n_keys; k += 8) {
+    int64_t c = 0;
+    for (; c + 3 <= cols; c += 3) score_strip<CH, 8, 3>(q_pairs, c, keys + k, head_off, s + k * s_stride, s_stride);
+    for (; c < cols; ++c) score_strip<CH, 8, 1>(q_pairs, c, keys + k, head_off, s + k * s_stride, s_stride);
+  }
+  for (; k < n_keys; ++k) {
+    int64_t c = 0;
+    for (; c + 3 <= cols; c += 3) score_strip<CH, 1, 3>(q_pairs, c, keys + k, head_off, s + k * s_stride, s_stride);
+    for (; c < cols; ++c) score_strip<CH, 1, 1>(q_pairs, c, keys + k, head_off, s + k * s_stride, s_stride);
+  }
+}
+
+template <int CH>
+KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, const uint16_t* kc,
+                                       const uint16_t* vc, const int64_t* table, int64_t h, int64_t i0, int64_t nq,
+                                       PrefillScratch& w, uint16_t* out, int64_t out_stride) {
+  const int64_t g_n = a.group, d_n = a.head_dim, rows = nq * g_n, cols = (rows + 15) / 16, lanes = cols * 16;
+  const int64_t p_first = a.num_cached + i0, p_last = p_first + nq - 1;
+  const int64_t lo_first = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
+  // queries into dimension pairs, lane = row r = i * G + g (padding rows zero)
+  uint32_t* qp = w.q_pairs.data();
+  std::fill(qp, qp + cols * CH * 8 * 16, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* qr = q + (i0 + r / g_n) * a.q_stride_tok + (h * g_n + r % g_n) * a.q_stride_head;
+    for (int d2 = 0; d2 < CH * 8; ++d2) std::memcpy(&qp[((r / 16) * CH * 8 + d2) * 16 + r % 16], qr + 2 * d2, 4);
+  }
+  // each lane's position and first visible key; padding lanes see nothing
+  int32_t* pos = w.pos.data();
+  int32_t* lo = w.lo.data();
+  for (int64_t r = 0; r < lanes; ++r) {
+    const int64_t p = r < rows ? p_first + r / g_n : -1;
+    pos[r] = (int32_t)p;
+    lo[r] = r < rows && a.window > 0 ? (int32_t)std::max<int64_t>(0, p - a.window + 1) : 0;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + lanes * d_n, 0.f);
+  std::fill(w.row_max.begin(), w.row_max.begin() + lanes, -INFINITY);
+  std::fill(w.row_sum.begin(), w.row_sum.begin() + lanes, 0.f);
+  const uint16_t* keys[kPrefillKeys];
+  const uint16_t* values[kPrefillKeys];
+  float* s = w.scores.data();
+  uint32_t* pp = w.p_pairs.data();
+  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t t0 = lo_first; t0 <= p_last; t0 += kPrefillKeys) {
+    const int n_keys = (int)std::min<int64_t>(kPrefillKeys, p_last + 1 - t0), n_pairs = (n_keys + 1) / 2;
+    for (int k = 0; k < n_keys; k += 16) {
+      const int n = std::min(16, n_keys - k);
+      token_rows(kc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0 + k, n, keys + k);
+      token_rows(vc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0 + k, n, values + k);
+    }
+    score_chunk<CH>(qp, cols, keys, n_keys, h * d_n, s, lanes);
+    // online softmax per 16-row column: mask, new max, rescale factor, bf16 probability pairs
+    for (int64_t c = 0; c < cols; ++c) {
+      const __m512i pc = _mm512_loadu_si512(pos + 16 * c), lc = _mm512_loadu_si512(lo + 16 * c);
+      __m512 mx = _mm512_loadu_ps(&w.row_max[16 * c]);
+      const __m512 m_old = mx;
+      for (int k = 0; k < n_keys; ++k) {
+        const __m512i t = _mm512_set1_epi32((int)(t0 + k));
+        const __mmask16 valid = _mm512_cmple_epi32_mask(t, pc) & _mm512_cmpge_epi32_mask(t, lc);
+        const __m512 sk = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(s + k * lanes + 16 * c), scale);
+        _mm512_storeu_ps(s + k * lanes + 16 * c, sk);
+        mx = _mm512_max_ps(mx, sk);
+      }
+      // rows that have seen no key yet keep -inf; subtract 0 there so nothing becomes NaN
+      const __m512 base = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+      const __m512 corr = exp_nonpositive(_mm512_sub_ps(m_old, base));
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(&w.row_sum[16 * c]), corr);
+      for (int j = 0; j < n_pairs; ++j) {
+        __m512i two[2];
+        for (int e = 0; e < 2; ++e) {
+          const int k = 2 * j + e;
+          __m512 p = _mm512_setzero_ps();
+          if (k < n_keys) {
+            const __m512 sk = _mm512_loadu_ps(s + k * lanes + 16 * c);
+            p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sk, neg_inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(sk, base)));
+          }
+          sum = _mm512_add_ps(sum, p);
+          two[e] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+        }
+        _mm512_storeu_si512(pp + j * lanes + 16 * c, _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16)));
+      }
+      _mm512_storeu_ps(&w.row_max[16 * c], mx);
+      _mm512_storeu_ps(&w.row_sum[16 * c], sum);
+      _mm512_storeu_ps(&w.corr[16 * c], corr);
+    }
+    // values into key pairs (dims in unpacklo/unpackhi order, see store_pair_row)
+    __m512i* vp = reinterpret_cast<__m512i*>(w.v_pairs.data());
+    for (int j = 0; j < n_pairs; ++j) {
+      const uint16_t* r0 = values[2 * j] + h * d_n;
+      const uint16_t* r1 = 2 * j + 1 < n_keys ? values[2 * j + 1] + h * d_n : nullptr;
+      for (int c = 0; c < CH / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * c);
+        const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + j * CH + 2 * c, _mm512_unpacklo_epi16(x, y));
+        _mm512_storeu_si512(vp + j * CH + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
+      }
+    }
+    // acc[r] = acc[r] * corr[r] + sum over pairs of p pair x value pair, GB rows in registers
+    constexpr int GB = CH >= 14 ? 1 : (28 - CH) / CH;
+    for (int64_t r0 = 0; r0 < rows; r0 += GB) {
+      const int gn = (int)std::min<int64_t>(GB, rows - r0);
+      __m512 sum[GB][CH];
+      for (int g = 0; g < GB; ++g)
+        if (g < gn) {
+          const __m512 cr = _mm512_set1_ps(w.corr[r0 + g]);
+          for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_mul_ps(_mm512_loadu_ps(&w.acc[(r0 + g) * d_n + 16 * k]), cr);
+        }
+      for (int j = 0; j < n_pairs; ++j) {
+        __m512bh v[CH];
+        for (int k = 0; k < CH; ++k) v[k] = (__m512bh)_mm512_loadu_si512(vp + j * CH + k);
+        for (int g = 0; g < GB; ++g)
+          if (g < gn) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[j * lanes + r0 + g]);
+            for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_dpbf16_ps(sum[g][k], v[k], p);
+          }
+      }
+      for (int g = 0; g < GB; ++g)
+        if (g < gn)
+          for (int k = 0; k < CH; ++k) _mm512_storeu_ps(&w.acc[(r0 + g) * d_n + 16 * k], sum[g][k]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_pair_row<CH>(&w.acc[r * d_n], 1.f / w.row_sum[r],
+                       out + (i0 + r / g_n) * out_stride + (h * g_n + r % g_n) * d_n);
+}
+
+template <int CH>
+struct PrefillBf16 {
+  static constexpr auto run = prefill_block_bf16<CH>;
+};
+using PrefillFn = decltype(&prefill_block_bf16<2>);
+
+// q [Lq, H, D] bf16 (d contiguous) for positions seq_len - Lq .. seq_len - 1; caches
+// [blocks, block_size, KvH, D]; block_table [max_blocks] int64 (this request's row) -> [Lq, H * D].
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, int64_t seq_len, double scale, int64_t window) {
+  TORCH_CHECK(has_avx512_bf16(), "paged_prefill_attention needs AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16, "q must be [Lq, H, D] bf16");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bf16 [blocks, block_size, KvH, D]");
+  TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
+              "block_table must be one int64 row");
+  const int64_t lq = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
+              "head shapes do not match (or head_dim is not a multiple of 32 up to 256)");
+  TORCH_CHECK(seq_len >= lq && lq > 0 && block_table.numel() * k_cache.size(1) >= seq_len,
+              "seq_len must cover the queries and fit the block table");
+  const int64_t group = num_heads / num_kv_heads;
+  PrefillArgs a{group, head_dim, k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                seq_len - lq, seq_len, window, static_cast<float>(scale)};
+  at::Tensor out = at::empty({lq, num_heads * head_dim}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t q_blocks = (lq + 15) / 16;
+  const PrefillFn fn = for_head_dim<PrefillFn, PrefillBf16>(head_dim);
+  // Later query blocks see more keys (causal): order them first, last, second, second to
+  // last, ... so that each thread's contiguous share of items carries about the same work.
+  at::parallel_for(0, q_blocks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    PrefillScratch scratch;
+    scratch.size_for(16 * group, head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t k = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t qb = k % 2 == 0 ? k / 2 : q_blocks - 1 - k / 2;
+      const int64_t i0 = qb * 16;
+      fn(a, qp, kp, vp, table, h, i0, std::min<int64_t>(16, lq - i0), scratch, op, num_heads * head_dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace kvserve
