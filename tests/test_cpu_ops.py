@@ -292,8 +292,8 @@ def test_fused_rotary_avx512_path_is_bitwise_pytorch():
 
 
 @needs_bf16
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (32, 1)])  # (32, 1): 512 query rows per block
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("num_cached, num_new, window", [
     (0, 1, None), (0, 37, None), (0, 130, None), (45, 20, None), (100, 1, None), (0, 130, 40), (70, 33, 24)])
 def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, num_new, window):
