@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per case; medians are reported")
     parser.add_argument("--out", default="bench_out/bench_engine.json")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     torch.set_num_threads(args.threads)
     model_dir = str(build_smollm_like(args.model_dir))

@@ -317,7 +317,8 @@ class Attention(nn.Module):
 
 def write_kv_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
     """k, v [T, KvH, D] into the caches [num_blocks, block_size, KvH, D] at flat slots [T]."""
-    if k_cache.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and cpu_ops.load():
+    heads_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
+    if k_cache.device.type == "cpu" and heads_contiguous and cpu_ops.load():
         torch.ops.kvserve.write_kv_cache(k, v, k_cache, v_cache, slots)
         return
     num_kv_heads, head_dim = k_cache.shape[2:]

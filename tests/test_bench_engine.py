@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from loadtest import bench_engine
@@ -27,3 +28,9 @@ def test_bench_engine_repeats_cases_and_reports_medians(tmp_path, capsys):
     assert len(b["engine_runs"]) == 2 and len(b["hf_runs"]) == 2
     assert sorted(b["engine_runs"])[0] <= b["engine_tok_s"] <= sorted(b["engine_runs"])[1]
     assert b["ratio"] == b["engine_tok_s"] / b["hf_tok_s"]
+
+
+def test_bench_engine_rejects_zero_repeats(capsys):
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
