@@ -63,8 +63,8 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(wanted):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self.engine.step(finished_only=True):
+                    if out.request_id in wanted:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:

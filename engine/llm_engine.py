@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.config import EngineArgs, RuntimeInfo
+from engine.input_processor import ProcessedPrompt, process_prompt
 from engine.kv_cache import BlockManager
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -33,16 +33,6 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"step failed for requests {request_ids}")
         self.request_ids = request_ids
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessedPrompt:
-    """A validated request, ready to be queued (made outside the engine thread)."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
 
 
 class LLMEngine:
@@ -71,6 +61,7 @@ class LLMEngine:
                                           cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("engine ready: %s (%s) on %s, dtype %s, max_model_len %d, KV cache %d tokens",
@@ -80,33 +71,12 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------
     def process_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {self.info.vocab_size}), got {bad[:5]}")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        num_prompt, limit = len(token_ids), self.info.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
-        if num_prompt + max_tokens > limit:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt + max_tokens} exceeds the model's context length {limit}")
-        if max_tokens < 1:
-            raise ValueError(f"prompt ({num_prompt} tokens) leaves no room to generate within "
-                             f"the context length {limit}")
-        capacity = self.info.kv_capacity_tokens
-        if num_prompt + max_tokens > capacity:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
-                             f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-        return ProcessedPrompt(text, token_ids, params, max_tokens)
+        return process_prompt(self.tokenizer, self.info, prompt, params)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
+                      build_outputs: bool = True) -> None:
+        """Queue a validated request. `build_outputs=False` (the engine core process) keeps no
+        cumulative output here: the caller folds `step_deltas()` itself."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
@@ -119,7 +89,11 @@ class LLMEngine:
                 arrival_time=arrival)
             for i in range(params.n)
         ]
-        self.output_processor.add(request_id, processed.prompt, children)
+        self.output_processor.add(request_id, children)
+        if build_outputs:
+            self._builders[request_id] = RequestOutputBuilder(
+                request_id, processed.prompt, processed.prompt_token_ids, params.n, params.logprobs is not None,
+                params.prompt_logprobs is not None, arrival)
         for child in children:
             self.scheduler.add(child)
 
@@ -134,6 +108,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at any time and free its blocks; returns its final output (or None)."""
+        outputs = self._fold([d for d in [self.abort_delta(request_id)] if d is not None])
+        return outputs[0] if outputs else None
+
+    def abort_delta(self, request_id: str) -> RequestDelta | None:
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
@@ -142,7 +120,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One step; an output for every request that produced something (or that finished)."""
+        return self._fold(self.step_deltas(), finished_only)
+
+    def _fold(self, deltas: list[RequestDelta], finished_only: bool = False) -> list[RequestOutput]:
+        outputs = []
+        for delta in deltas:
+            builder = self._builders.get(delta.request_id)
+            if builder is None:
+                continue  # added with build_outputs=False
+            builder.add(delta)
+            if delta.finished:
+                del self._builders[delta.request_id]
+            if delta.finished or not finished_only:
+                outputs.append(builder.output())
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step; a `RequestDelta` (what is new) for every request that produced something."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []

@@ -1,8 +1,10 @@
-"""Turns each step's sampled tokens into RequestOutputs: detokenize, stop strings, n>1 fan-in.
+"""Turns each step's sampled tokens into `RequestDelta`s: detokenize, stop strings, n>1 fan-in.
 
 A user request with n samples is n scheduler `Request`s ("children"); this module
-keeps one `_ParentState` per user request and emits one `RequestOutput` carrying
-all n `CompletionOutput`s whenever any child produced something.
+keeps one `_ParentState` per user request and emits one `RequestDelta` whenever any
+child produced something. Deltas carry only what is new (tokens, text, logprobs,
+prompt logprobs): the engine keeps no cumulative copy of what it already sent, and
+a step's output costs the same whatever the outputs' lengths.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
+from engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
 from engine.request import Request, RequestStatus
 from engine.runner import RunnerOutput, TokenLogprobs
 from engine.scheduler import FinishedRequest, StepPlan
@@ -21,22 +23,20 @@ from engine.scheduler import FinishedRequest, StepPlan
 class _ChildState:
     request: Request
     detokenizer: IncrementalDetokenizer
-    logprobs: list[LogprobsEntry] | None
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens_sent: int = 0
-    pending_text: str = ""  # detokenized since the last emitted output
+    pending_text: str = ""  # detokenized since the last emitted delta
+    pending_logprobs: list[LogprobsEntry] | None = None
 
 
 @dataclass(slots=True)
 class _ParentState:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     children: list[_ChildState]
     metrics: RequestMetrics
-    prompt_logprobs: list[LogprobsEntry | None] | None
+    pending_prompt_logprobs: list[LogprobsEntry | None] | None
     num_cached_tokens: int = 0
     touched: set[int] = field(default_factory=set)  # children with news this step
 
@@ -51,29 +51,30 @@ class OutputProcessor:
         self.parents: dict[str, _ParentState] = {}
         self._token_texts: dict[int, str] = {}  # logprob entries' decoded tokens
 
-    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+    def add(self, request_id: str, children: list[Request]) -> None:
         params = children[0].params
+        has_logprobs = params.logprobs is not None
         states = [
             _ChildState(
                 request=c,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, c.prompt_token_ids, params.skip_special_tokens, params.stop or [],
                     include_stop_str=params.include_stop_str_in_output),
-                logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if has_logprobs else None,
+                pending_logprobs=[] if has_logprobs else None,
             )
             for c in children
         ]
+        # position 0 has no logprob; it goes out with the first delta
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         metrics = RequestMetrics(arrival_time=children[0].arrival_time)
-        self.parents[request_id] = _ParentState(
-            request_id, prompt, children[0].prompt_token_ids, states, metrics, prompt_logprobs)
+        self.parents[request_id] = _ParentState(request_id, states, metrics, prompt_logprobs)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return None
@@ -86,8 +87,8 @@ class OutputProcessor:
 
     # ---- per step ----------------------------------------------------------
     def process(self, plan: StepPlan, out: RunnerOutput, finished: list[FinishedRequest],
-                now: float) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the child ids that hit a stop string
+                now: float) -> tuple[list[RequestDelta], list[str]]:
+        """Returns the deltas to deliver and the child ids that hit a stop string
         (the caller finishes those in the scheduler)."""
         finished_ids = {f.request.request_id for f in finished}
         stopped_by_string: list[str] = []
@@ -108,7 +109,7 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-            if child.logprobs is not None and req.request_id in out.logprobs:
+            if child.pending_logprobs is not None and req.request_id in out.logprobs:
                 self._add_logprobs(child, out.logprobs[req.request_id])
             is_done = req.request_id in finished_ids
             # like a stop string, the EOS / stop token that ended the request adds no text
@@ -123,13 +124,13 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = RequestStatus.FINISHED_STOPPED.value, req.stop_reason
             parent.touched.add(req.sample_index)
             touched[parent.request_id] = parent
-        outputs = []
+        deltas = []
         for parent in touched.values():
             if parent.finished:
                 parent.metrics.finished_time = now
                 del self.parents[parent.request_id]
-            outputs.append(self._emit(parent))
-        return outputs, stopped_by_string
+            deltas.append(self._emit(parent))
+        return deltas, stopped_by_string
 
     def mark_scheduled(self, request: Request, now: float) -> None:
         parent = self.parents.get(request.parent_id)
@@ -138,7 +139,7 @@ class OutputProcessor:
             parent.num_cached_tokens = request.num_computed_tokens
 
     def _add_logprobs(self, child: _ChildState, lp: TokenLogprobs) -> None:
-        child.logprobs.append(self._entry(lp))
+        child.pending_logprobs.append(self._entry(lp))
         child.cumulative_logprob += lp[1]
 
     def _add_prompt_logprobs(self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]) -> None:
@@ -146,7 +147,7 @@ class OutputProcessor:
             entry = self._entry(lp)
             req.prompt_logprobs.append(entry)  # the runner skips positions already scored
             if req.sample_index == 0:
-                parent.prompt_logprobs.append(entry)
+                parent.pending_prompt_logprobs.append(entry)
 
     def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
         token_id, logprob, rank, top_ids, top_lps = lp
@@ -162,39 +163,34 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _emit(self, parent: _ParentState) -> RequestOutput:
-        outputs = [self._snapshot(child, child.request.sample_index in parent.touched)
-                   for child in parent.children]
+    def _emit(self, parent: _ParentState) -> RequestDelta:
+        outputs = [self._take_delta(parent.children[i]) for i in sorted(parent.touched)]
         parent.touched.clear()
-        return RequestOutput(
+        prompt_logprobs = parent.pending_prompt_logprobs
+        if prompt_logprobs is not None:
+            parent.pending_prompt_logprobs = []
+        return RequestDelta(
             request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
             outputs=outputs,
             finished=parent.finished,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__slots__}),
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs or None,
         )
 
     @staticmethod
-    def _snapshot(child: _ChildState, is_touched: bool) -> CompletionOutput:
-        """A CompletionOutput that later steps never mutate (async consumers may read it late)."""
+    def _take_delta(child: _ChildState) -> CompletionDelta:
         tokens = child.request.output_token_ids
-        start = child.num_tokens_sent if is_touched else len(tokens)
-        delta_text = child.pending_text if is_touched else ""
-        if is_touched:
-            child.num_tokens_sent, child.pending_text = len(tokens), ""
-        logprobs = child.logprobs
-        return CompletionOutput(
+        delta = CompletionDelta(
             index=child.request.sample_index,
-            text=child.detokenizer.output_text,
-            token_ids=list(tokens),
+            text=child.pending_text,
+            token_ids=tokens[child.num_tokens_sent:],
+            logprobs=child.pending_logprobs,
             cumulative_logprob=child.cumulative_logprob,
-            logprobs=list(logprobs) if logprobs is not None else None,
             finish_reason=child.finish_reason,
             stop_reason=child.stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=tokens[start:],
-            delta_logprobs=logprobs[start:] if logprobs is not None else None,
         )
+        child.num_tokens_sent, child.pending_text = len(tokens), ""
+        if child.pending_logprobs is not None:
+            child.pending_logprobs = []
+        return delta

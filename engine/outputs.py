@@ -75,3 +75,99 @@ class EngineStats:
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
     num_preemptions_total: int
+
+
+# ---- what the engine core emits each step: deltas only, plain data ----
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one of the n samples produced since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobsEntry] | None  # one entry per token in `token_ids` (None: not asked)
+    cumulative_logprob: float | None  # the running total, not a delta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One step's news for one user request; the engine core sends these across processes.
+
+    `outputs` holds only the samples that changed. Nothing cumulative is repeated, so a
+    message's size does not grow with the output length.
+    """
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[LogprobsEntry | None] | None = None  # new prompt positions only
+
+
+class RequestOutputBuilder:
+    """Folds a request's `RequestDelta`s into `RequestOutput`s (cumulative fields plus deltas).
+
+    `add` is O(size of the delta); `output()` copies the cumulative lists once, so a consumer
+    that reads rarely pays once for everything it missed (its deltas are coalesced) and
+    unread output never piles up as repeated snapshots.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
+                 has_logprobs: bool, has_prompt_logprobs: bool, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.completions = [CompletionOutput(index=i, logprobs=[] if has_logprobs else None,
+                                             delta_logprobs=[] if has_logprobs else None)
+                            for i in range(n)]
+        self.prompt_logprobs: list[LogprobsEntry | None] | None = [] if has_prompt_logprobs else None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.finished = False
+        self.has_news = False
+
+    def add(self, delta: RequestDelta) -> None:
+        for d in delta.outputs:
+            c = self.completions[d.index]
+            c.delta_text += d.text
+            c.delta_token_ids.extend(d.token_ids)
+            if d.logprobs is not None and c.delta_logprobs is not None:
+                c.delta_logprobs.extend(d.logprobs)
+            c.cumulative_logprob = d.cumulative_logprob
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        if delta.prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
+        self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.finished = self.finished or delta.finished
+        self.has_news = True
+
+    def output(self) -> RequestOutput:
+        """A `RequestOutput` that later deltas never mutate; its delta fields are what arrived
+        since the previous call."""
+        outputs = []
+        for c in self.completions:
+            c.text += c.delta_text
+            c.token_ids.extend(c.delta_token_ids)
+            if c.logprobs is not None:
+                c.logprobs.extend(c.delta_logprobs)
+            outputs.append(CompletionOutput(
+                index=c.index, text=c.text, token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, delta_text=c.delta_text,
+                delta_token_ids=c.delta_token_ids, delta_logprobs=c.delta_logprobs))
+            c.delta_text, c.delta_token_ids = "", []
+            c.delta_logprobs = [] if c.logprobs is not None else None
+        self.has_news = False
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs, finished=self.finished,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(**{s: getattr(self.metrics, s) for s in RequestMetrics.__slots__}),
+            num_cached_tokens=self.num_cached_tokens)
