@@ -1,56 +1,106 @@
-"""AsyncLLM: the engine for asyncio servers.
+"""AsyncLLM: the engine for asyncio servers, with the engine core in a process of its own.
 
-One background thread owns the LLMEngine and runs its step loop; PyTorch releases
-the GIL in its kernels, so the event loop stays responsive while a step runs.
-The event loop talks to the thread through an inbox (add / abort commands); the
-thread hands each step's outputs back with one `call_soon_threadsafe` per step,
-which routes them into per-request asyncio queues.
+The core process (`engine.core`) owns the scheduler, KV cache, runner and detokenizer
+and runs the step loop. This side, in the server's process, validates and tokenizes
+prompts, sends them over a pipe, and folds the deltas each step sends back into
+per-request `RequestOutput`s. It imports no torch.
+
+A reader thread receives the core's messages and hands each step's deltas to the event
+loops that own the streams (one `call_soon_threadsafe` per loop per step). A stream
+that is not read coalesces what arrives: its memory grows with its output, never with
+the number of steps.
+
+If the core process dies (crash, OOM kill, the loop raising), the pipe closes at once:
+every open stream fails with `EngineDeadError` and `is_healthy` turns False.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
-import queue
+import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine, StepFailed
-from engine.outputs import EngineStats, RequestOutput
+from engine import messages
+from engine.config import EngineArgs, RuntimeInfo
+from engine.input_processor import process_prompt
+from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_START_POLL_S = 0.1
+_STOP_TIMEOUT_S = 10.0
+
 
 class EngineDeadError(RuntimeError):
-    """The step loop stopped on an unrecoverable error; the engine serves no more requests."""
+    """The engine core stopped on an unrecoverable error; the engine serves no more requests."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's state on the event loop's side (touched only in its loop's thread)."""
+
+    loop: asyncio.AbstractEventLoop
+    builder: RequestOutputBuilder
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BaseException | None = None
 
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs) -> None:
-        self.engine = LLMEngine(args)
-        self.tokenizer = self.engine.tokenizer
-        self.chat_template = self.engine.chat_template
-        self.info = self.engine.info
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        args.validate()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_core_main, args=(args, child_conn, logging.getLogger().level),
+                                    name="kvserve-core")
+        self._process.start()
+        child_conn.close()
+        atexit.register(self._kill_core)
+        try:
+            self.info, self._stats = self._wait_ready()
+        except BaseException:
+            self._kill_core()
+            raise
+        self.tokenizer = _load_tokenizer(args.tokenizer or self.info.model_path)
+        self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
+        self._streams: dict[str, _Stream] = {}
+        self._send_lock = threading.Lock()
         self._error: BaseException | None = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self._thread.start()
+        self._is_stopping = False
+        self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
+        self._reader.start()
+        logger.info("engine core running in process %d", self._process.pid)
+
+    def _wait_ready(self) -> tuple[RuntimeInfo, EngineStats]:
+        while not self._conn.poll(_START_POLL_S):
+            if not self._process.is_alive():
+                raise EngineDeadError(f"the engine core exited with code {self._process.exitcode} while starting")
+        message = messages.decode(self._conn.recv_bytes())
+        if message[0] == messages.FAILED:
+            raise message[1]
+        _, info, stats = message
+        return info, stats
 
     @property
-    def model_config(self):
+    def model_config(self) -> RuntimeInfo:
         return self.info
 
     @property
+    def core_pid(self) -> int | None:
+        return self._process.pid
+
+    @property
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        return self._error is None and not self._is_stopping and self._process.is_alive()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The snapshot the core sent with its latest step (or command)."""
+        return self._stats
 
     # ---- asyncio side ------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
@@ -59,98 +109,131 @@ class AsyncLLM:
 
         Raises ValueError for bad input before yielding. Leaving the loop early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
+        Outputs that arrive while the consumer is busy are merged into one.
         """
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running") from self._error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = self.engine.process_prompt(prompt, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", request_id, processed, time.monotonic()))
-        finished = False
+        processed = process_prompt(self.tokenizer, self.info, prompt, params)
+        arrival = time.monotonic()
+        builder = RequestOutputBuilder(request_id, processed.prompt, processed.prompt_token_ids, params.n,
+                                       params.logprobs is not None, params.prompt_logprobs is not None, arrival)
+        stream = _Stream(asyncio.get_running_loop(), builder)
+        self._streams[request_id] = stream
+        is_finished = False
         try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            self._send((messages.ADD, request_id, processed, arrival))
+            while not is_finished:
+                if not builder.has_news and stream.error is None:
+                    await stream.wakeup.wait()
+                    stream.wakeup.clear()
+                if builder.has_news:
+                    out = builder.output()
+                    is_finished = out.finished
+                    yield out
+                elif stream.error is not None:
+                    is_finished = True  # the core has already dropped it
+                    raise stream.error
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
+            if not is_finished and self.is_healthy:
+                self._send((messages.ABORT, request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        if self.is_healthy:
+            self._send((messages.ABORT, request_id))
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        self._inbox.put(("stop",))
-        await asyncio.to_thread(self._thread.join, 10)
-
-    # ---- engine thread -----------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                self._drain_inbox(block=not engine.has_unfinished_requests())
-                if self._stopping or not engine.has_unfinished_requests():
-                    continue
-                try:
-                    outputs = engine.step()
-                except StepFailed as e:
-                    logger.exception("step failed; failing its requests: %s", e.request_ids)
-                    self._deliver([(rid, RuntimeError(f"internal error: {e.__cause__!r}"))
-                                   for rid in e.request_ids])
-                    continue
-                self._deliver([(out.request_id, out) for out in outputs])
-        except BaseException as e:  # noqa: BLE001 - any escape means the engine is dead
-            logger.exception("engine loop died")
-            self._error = e
-            self._deliver([(rid, EngineDeadError(f"engine loop died: {e!r}")) for rid in list(self._streams)])
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
+        """Stop the core (it finishes its current step) and wait for the process to exit."""
+        if self._is_stopping:
             return
-        while True:
-            self._apply(command)
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        self._is_stopping = True
+        try:
+            self._send((messages.STOP,))
+        except OSError:
+            pass
+        from engine.core import wait_for_exit
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, processed, arrival = command
-            if request_id not in self._streams:
-                return  # the client left before the engine saw it
-            try:
-                self.engine.add_processed(request_id, processed, arrival)
-            except ValueError as e:
-                self._deliver([(request_id, e)])
-        elif kind == "abort":
-            self.engine.abort(command[1])
-        elif kind == "stop":
-            self._stopping = True
+        await asyncio.to_thread(wait_for_exit, self._process, _STOP_TIMEOUT_S)
+        self._conn.close()
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _deliver(self, items: list[tuple[str, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    def _send(self, message: tuple) -> None:
+        data = messages.encode(message)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    def _kill_core(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(2.0)
+
+    # ---- reader thread -----------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                message = messages.decode(self._conn.recv_bytes())
+                if not self._dispatch(message):
+                    break
+        except (EOFError, OSError):
+            if not self._is_stopping:
+                self._process.join(1.0)
+                self._error = EngineDeadError(f"the engine core process exited (code {self._process.exitcode})")
+        if self._error is not None:
+            logger.error("%s", self._error)
+        self._fail_all(self._error or EngineDeadError("the engine was shut down"))
+
+    def _dispatch(self, message: tuple) -> bool:
+        """Route one message from the core; False when the core is dead."""
+        kind = message[0]
+        if kind == messages.STEP:
+            _, deltas, self._stats = message
+            self._route([(d.request_id, d) for d in deltas])
+        elif kind == messages.STATS:
+            self._stats = message[1]
+        elif kind == messages.REJECTED:
+            self._route([(message[1], ValueError(message[2]))])
+        elif kind == messages.FAILED_REQUESTS:
+            _, request_ids, text, self._stats = message
+            self._route([(rid, RuntimeError(text)) for rid in request_ids])
+        elif kind == messages.DEAD:
+            self._error = EngineDeadError(message[1])
+            return False
+        return True
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._route([(rid, error) for rid in list(self._streams)])
+
+    def _route(self, items: list[tuple[str, RequestDelta | BaseException]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestDelta | BaseException]]] = {}
         for request_id, item in items:
-            entry = self._streams.get(request_id)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], item))
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that loop is closed
                 pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
     for stream, item in batch:
-        stream.put_nowait(item)
+        if isinstance(item, BaseException):
+            stream.error = item
+        else:
+            stream.builder.add(item)
+        stream.wakeup.set()
+
+
+def _core_main(args: EngineArgs, conn, log_level: int) -> None:
+    from engine.core import run_engine_core
+
+    run_engine_core(args, conn, log_level)
+
+
+def _load_tokenizer(path: str):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)

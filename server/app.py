@@ -50,6 +50,7 @@ from server.validation import (
 
 logger = logging.getLogger("kvserve.server")
 DEFAULT_MODEL_NAME = "kvserve-default"
+ENGINE_WATCH_INTERVAL_S = 0.2
 
 
 def model_path(model_config: Any) -> str | None:
@@ -117,11 +118,14 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> FastAPI:
         state = build_state(config, the_engine, chat_template)
         app.state.kv = state
         log_startup(state)
-        stats_task = asyncio.create_task(state.metrics.run_stats_logger(config.stats_log_interval))
+        tasks = [asyncio.create_task(state.metrics.run_stats_logger(config.stats_log_interval))]
+        if owned:
+            tasks.append(asyncio.create_task(_exit_when_engine_dies(app, the_engine)))
         try:
             yield
         finally:
-            stats_task.cancel()
+            for task in tasks:
+                task.cancel()
             if owned:
                 await the_engine.shutdown()
 
@@ -135,6 +139,21 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origin, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in config.cors_origin)
     return app
+
+
+async def _exit_when_engine_dies(app: FastAPI, engine: Any) -> None:
+    """A dead engine never recovers: fail fast so that an orchestrator restarts the server.
+
+    `/health` answers 503 from the moment the engine is dead; the CLI sets
+    `app.state.request_exit` and exits non-zero once uvicorn has stopped.
+    """
+    while engine.is_healthy:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine is dead; shutting the server down")
+    app.state.engine_failed = True
+    request_exit = getattr(app.state, "request_exit", None)
+    if request_exit is not None:
+        request_exit()
 
 
 async def run_request(state: AppState, vreq: ValidatedRequest, request: Request) -> Response:

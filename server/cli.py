@@ -84,15 +84,28 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems)) from None
 
 
-def serve(config: ServerConfig) -> None:
+# uvicorn.run's code for "the app failed to start"
+EXIT_STARTUP_FAILURE = 3
+EXIT_ENGINE_DIED = 1
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the server until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
     import uvicorn
 
     from server.app import create_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=5))
+    app.state.request_exit = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if not server.started:
+        return EXIT_STARTUP_FAILURE
+    if getattr(app.state, "engine_failed", False):
+        return EXIT_ENGINE_DIED
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,11 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args)
-        serve(config)
     except ValueError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return serve(config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""The engine core process: owns the LLMEngine and runs the step loop, nothing else.
+
+`AsyncLLM` (the server's side) starts this with `multiprocessing`'s spawn context and
+talks to it over one duplex pipe (a Unix socket pair) with pickled tuples, one message
+per command and one per step (see `engine.messages`). Running the loop in its own
+process means it never waits for the GIL that the event loop, uvicorn and JSON
+encoding hold in the server process.
+
+Three threads, so that the step loop never blocks on the pipe:
+- the main thread drains commands, runs `LLMEngine.step_deltas()` and queues what to send;
+- an input thread receives and unpickles commands into a queue;
+- an output thread pickles and sends (it overlaps with the next step's kernels,
+  which release the GIL).
+
+The core ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole
+process group, and the server must be able to drain its streams first. It stops when
+told (`stop`), or when the pipe closes because the server process is gone (then it
+exits at once, so nothing is left behind even after a SIGKILL of the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from engine import messages
+from engine.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking again
+_EXIT_GRACE_S = 5.0  # after the server vanished, how long a running step may take before we exit anyway
+
+
+def run_engine_core(args: EngineArgs, conn: Connection, log_level: int) -> None:
+    """Process entry point (spawned by `AsyncLLM`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    try:
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
+        logger.exception("engine start-up failed")
+        conn.send_bytes(messages.encode((messages.FAILED, _picklable(e))))
+        conn.close()
+        os._exit(1)
+    conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
+    EngineCore(engine, conn).run()
+
+
+class EngineCore:
+    def __init__(self, engine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.is_stopping = False
+
+    def run(self) -> None:
+        threading.Thread(target=self._receive, name="core-input", daemon=True).start()
+        sender = threading.Thread(target=self._send, name="core-output", daemon=True)
+        sender.start()
+        code = 0
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - any escape means the engine is dead
+            logger.exception("engine loop died")
+            self.outbox.put((messages.DEAD, f"engine loop died: {e!r}"))
+            code = 1
+        self.outbox.put(None)
+        sender.join(_EXIT_GRACE_S)
+        logging.shutdown()
+        os._exit(code)  # skip interpreter teardown (torch's thread pools, atexit hooks)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self.is_stopping:
+            has_work = engine.has_unfinished_requests()
+            changed = self._drain_inbox(block=not has_work)
+            if self.is_stopping:
+                return
+            if not engine.has_unfinished_requests():
+                if changed:
+                    self.outbox.put((messages.STATS, engine.stats()))
+                continue
+            self.outbox.put(self._step())
+
+    def _step(self) -> tuple:
+        from engine.llm_engine import StepFailed
+
+        try:
+            deltas = self.engine.step_deltas()
+        except StepFailed as e:
+            logger.exception("step failed; failing its requests: %s", e.request_ids)
+            return (messages.FAILED_REQUESTS, e.request_ids, f"internal error: {e.__cause__!r}",
+                    self.engine.stats())
+        return (messages.STEP, deltas, self.engine.stats())
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every queued command; True if any was applied."""
+        try:
+            command = self.inbox.get(timeout=_IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._apply(command)
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == messages.ADD:
+            _, request_id, processed, arrival = command
+            try:
+                self.engine.add_processed(request_id, processed, arrival, build_outputs=False)
+            except ValueError as e:
+                self.outbox.put((messages.REJECTED, request_id, str(e)))
+        elif kind == messages.ABORT:
+            self.engine.abort_delta(command[1])  # the client has already dropped the stream
+        elif kind == messages.STOP:
+            self.is_stopping = True
+
+    # ---- pipe threads --------------------------------------------------------
+    def _receive(self) -> None:
+        try:
+            while True:
+                self.inbox.put(messages.decode(self.conn.recv_bytes()))
+        except (EOFError, OSError):
+            pass
+        if not self.is_stopping:  # the server process is gone: nobody will read our outputs
+            logger.warning("the server closed the engine pipe; exiting")
+            self.is_stopping = True
+            self.inbox.put((messages.STOP,))
+            threading.Timer(_EXIT_GRACE_S, os._exit, (1,)).start()
+
+    def _send(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(messages.encode(message))
+            except OSError:
+                return
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """The error itself if it survives pickling, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def wait_for_exit(process, timeout_s: float) -> None:
+    """Join `process`; terminate, then kill it if it does not exit in time."""
+    deadline = time.monotonic() + timeout_s
+    process.join(max(0.0, deadline - time.monotonic()))
+    if process.is_alive():
+        process.terminate()
+        process.join(2.0)
+    if process.is_alive():
+        process.kill()
+        process.join(2.0)
