@@ -1,0 +1,86 @@
+"""The offline engine on a serving benchmark's workload: the figures a server should reach.
+
+    python -m loadtest.bench_offline --model DIR --input-len 128 --output-len 128 \
+        --batch-sizes 1,16,64 --repeats 3 [--dtype bfloat16]
+
+For each batch size B, `LLM.generate` runs B random prompts at once (greedy, EOS
+ignored) and reports output tokens/s: compare it with `loadtest serve
+--max-concurrency B` against `kvserve serve` on the same model. For B = 1 it also
+reports the decode time per output token (the run minus a 1-token run, over the
+remaining tokens): compare it with the server's TPOT at concurrency 1. Medians of
+--repeats runs; every run is kept in the JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab_size, input_len).tolist() for _ in range(batch_size)]
+    elapsed = _run(llm, prompts, output_len)
+    result = {"batch_size": batch_size, "seconds": elapsed, "output_tok_s": batch_size * output_len / elapsed}
+    if batch_size == 1 and output_len > 1:
+        first = _run(llm, [rng.integers(3, vocab_size, input_len).tolist()], 1)
+        result["tpot_ms"] = 1000 * (elapsed - first) / (output_len - 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_offline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON file for every run")
+    args = p.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.repeats < 1 or min(batch_sizes) < 1 or args.output_len < 1 or args.input_len < 1:
+        p.error("--repeats, --batch-sizes, --input-len and --output-len must be positive")
+
+    from engine import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
+    vocab_size = llm.engine.info.vocab_size
+    _run(llm, [[5] * args.input_len], 4)  # warm-up
+    runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
+    for repeat in range(args.repeats):
+        for b in batch_sizes:
+            runs[b].append(measure(llm, vocab_size, b, args.input_len, args.output_len, args.seed + repeat))
+    summary = []
+    for b in batch_sizes:
+        row = {"batch_size": b, "output_tok_s": statistics.median(r["output_tok_s"] for r in runs[b])}
+        if "tpot_ms" in runs[b][0]:
+            row["tpot_ms"] = statistics.median(r["tpot_ms"] for r in runs[b])
+        summary.append(row)
+        extra = f", decode {row['tpot_ms']:.2f} ms/token" if "tpot_ms" in row else ""
+        print(f"batch {b:4d}: {row['output_tok_s']:8.1f} output tok/s{extra} (median of {args.repeats})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "machine": platform.processor() or platform.machine(),
+                                             "summary": summary, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""The engine core in its own process: the message codec, outputs across the boundary, and
+what happens when either process dies or is signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import ServerProcess
+
+from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from engine import messages
+from engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
+
+
+def core_children(pid: int) -> list[int]:
+    """Live child processes of `pid` that are multiprocessing spawns (the engine core)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z" and "spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def test_codec_round_trips_every_delta_field():
+    entry = {7: Logprob(-0.5, 1, "a"), 9: Logprob(-2.25, 3, "\u00e9\u6771")}
+    delta = RequestDelta(
+        request_id="r-0",
+        outputs=[CompletionDelta(0, "h\u00e9", [7, 9], [entry, entry], -2.75, "stop", "</s>"),
+                 CompletionDelta(1, "", [3], None, None, "length", None),
+                 CompletionDelta(2, "x", [4], [entry], -0.5, None, 11)],
+        finished=False,
+        metrics=RequestMetrics(1.0, 1.5, 2.0, 2.5, None),
+        num_cached_tokens=16,
+        prompt_logprobs=[None, entry],
+    )
+    message = (messages.STEP, [delta], None)
+    assert messages.decode(messages.encode(message)) == message
+
+
+# --------------------------------------------------------------------------- AsyncLLM across the boundary
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu", block_size=4))
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+def test_every_output_field_matches_the_in_process_engine(engine, llama_dir):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, logprobs=3, prompt_logprobs=2,
+                            stop_token_ids=[17], min_tokens=2)
+    prompt = "The quick brown fox"
+
+    async def run():
+        return [out async for out in engine.generate(prompt, params, "all-fields")]
+
+    streamed = asyncio.run(run())
+    ref = LLM(llama_dir, dtype="float32", device="cpu", block_size=4).generate(prompt, params, use_tqdm=False)[0]
+    final = streamed[-1]
+    assert final.finished and not any(o.finished for o in streamed[:-1])
+    assert final.prompt_token_ids == ref.prompt_token_ids and final.prompt == ref.prompt
+    assert final.prompt_logprobs == ref.prompt_logprobs and final.prompt_logprobs[0] is None
+    for got, want in zip(final.outputs, ref.outputs, strict=True):
+        assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert got.logprobs == want.logprobs and got.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+        # the deltas of all outputs add up to the final one
+        assert "".join(o.outputs[got.index].delta_text for o in streamed) == got.text
+        assert [t for o in streamed for t in o.outputs[got.index].delta_token_ids] == got.token_ids
+        assert [e for o in streamed for e in o.outputs[got.index].delta_logprobs] == got.logprobs
+
+
+def test_a_slow_consumer_gets_coalesced_outputs(engine):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def run():
+        outs = []
+        async for out in engine.generate([5, 6, 7], params, "slow"):
+            outs.append(out)
+            await asyncio.sleep(0.2)  # the engine runs on meanwhile
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(outs) < 30 and outs[-1].finished
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == outs[-1].outputs[0].token_ids
+    assert len(outs[-1].outputs[0].token_ids) == 30
+
+
+def test_core_killed_mid_stream(llama_dir):
+    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"))
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def run():
+        got = 0
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in eng.generate([5, 6, 7], params, "doomed"):
+                got += 1
+                if got == 2:
+                    os.kill(eng.core_pid, signal.SIGKILL)
+        started = time.monotonic()
+        while eng.is_healthy:
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate([5, 6], params, "after"):
+                pass
+        await eng.shutdown()
+
+    asyncio.run(run())
+    assert not is_alive(eng.core_pid)
+
+
+def test_start_up_errors_reach_the_caller(tmp_path):
+    with pytest.raises(ValueError, match="model_type"):  # an empty directory: no config.json
+        AsyncLLM(EngineArgs(model=str(tmp_path), dtype="float32", device="cpu"))
+
+
+# --------------------------------------------------------------------------- the server's process
+
+
+def stream_lines(url: str, max_tokens: int):
+    """An open streaming completion: (response, line iterator)."""
+    client = httpx.Client(timeout=60)
+    request = client.build_request("POST", url + "/v1/completions", json={
+        "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True})
+    response = client.send(request, stream=True)
+    return client, response, response.iter_lines()
+
+
+def data_events(lines) -> list[str]:
+    return [line[6:] for line in lines if line.startswith("data: ")]
+
+
+def test_server_exits_nonzero_when_its_core_is_killed(server_checkpoint):
+    srv = ServerProcess(server_checkpoint).wait_ready()
+    try:
+        [core] = core_children(srv.proc.pid)
+        client, response, lines = stream_lines(srv.url, 800)
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+        os.kill(core, signal.SIGKILL)
+        rest = data_events(lines)
+        client.close()
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "engine_dead"
+        srv.proc.wait(15)
+        assert srv.proc.returncode == 1
+        assert "engine is dead" in srv.log()
+        assert not is_alive(core) and not core_children(srv.proc.pid)
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_streams_then_stops_the_core(server_checkpoint):
+    srv = ServerProcess(server_checkpoint).wait_ready()
+    try:
+        [core] = core_children(srv.proc.pid)
+        client, response, lines = stream_lines(srv.url, 40)
+        next(line for line in lines if line.startswith("data: "))
+        # both processes, as a service manager signals a whole group: the core ignores it and
+        # keeps stepping until the server, once its streams are done, tells it to stop
+        srv.proc.send_signal(signal.SIGTERM)
+        os.kill(core, signal.SIGTERM)
+        rest = data_events(lines)
+        client.close()
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        srv.proc.wait(15)
+        assert srv.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has stopped
+        wait_until(lambda: not is_alive(core), 5, "the core to exit")
+    finally:
+        srv.stop()
+
+
+def test_no_core_left_when_the_server_is_killed(server_checkpoint):
+    srv = ServerProcess(server_checkpoint).wait_ready()
+    [core] = core_children(srv.proc.pid)
+    srv.proc.kill()
+    srv.proc.wait(5)
+    wait_until(lambda: not is_alive(core), 10, "the orphaned core to exit")
+
+
+@pytest.fixture(scope="module")
+def server_checkpoint(tmp_path_factory):
+    from server_fixtures import cached_checkpoint
+
+    return cached_checkpoint(tmp_path_factory)
+
+
+if sys.platform != "linux":  # /proc is how these tests find the core process
+    pytestmark = pytest.mark.skip("needs Linux /proc")
