@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -61,12 +63,16 @@ class AsyncLLM:
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
+        # a local tokenizer loads while the core starts (both mostly import modules: two cores)
+        local_path = args.tokenizer or args.model
+        early = (concurrent.futures.ThreadPoolExecutor(1).submit(_load_tokenizer, local_path)
+                 if local_path and os.path.isdir(local_path) else None)
         try:
             self.info, self._stats = self._wait_ready()
         except BaseException:
             self._kill_core()
             raise
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.info.model_path)
+        self.tokenizer = early.result() if early else _load_tokenizer(args.tokenizer or self.info.model_path)
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
