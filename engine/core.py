@@ -60,22 +60,17 @@ class EngineCore:
         self.engine = engine
         self.conn = conn
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.is_stopping = False
 
     def run(self) -> None:
         threading.Thread(target=self._receive, name="core-input", daemon=True).start()
-        sender = threading.Thread(target=self._send, name="core-output", daemon=True)
-        sender.start()
         code = 0
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - any escape means the engine is dead
             logger.exception("engine loop died")
-            self.outbox.put((messages.DEAD, f"engine loop died: {e!r}"))
+            self._send((messages.DEAD, f"engine loop died: {e!r}"))
             code = 1
-        self.outbox.put(None)
-        sender.join(_EXIT_GRACE_S)
         logging.shutdown()
         os._exit(code)  # skip interpreter teardown (torch's thread pools, atexit hooks)
 
@@ -88,9 +83,9 @@ class EngineCore:
                 return
             if not engine.has_unfinished_requests():
                 if changed:
-                    self.outbox.put((messages.STATS, engine.stats()))
+                    self._send((messages.STATS, engine.stats()))
                 continue
-            self.outbox.put(self._step())
+            self._send(self._step())
 
     def _step(self) -> tuple:
         from engine.llm_engine import StepFailed
@@ -123,7 +118,7 @@ class EngineCore:
             try:
                 self.engine.add_processed(request_id, processed, arrival, build_outputs=False)
             except ValueError as e:
-                self.outbox.put((messages.REJECTED, request_id, str(e)))
+                self._send((messages.REJECTED, request_id, str(e)))
         elif kind == messages.ABORT:
             self.engine.abort_delta(command[1])  # the client has already dropped the stream
         elif kind == messages.STOP:
@@ -142,12 +137,11 @@ class EngineCore:
             self.inbox.put((messages.STOP,))
             threading.Timer(_EXIT_GRACE_S, os._exit, (1,)).start()
 
-    def _send(self) -> None:
-        while (message := self.outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(messages.encode(message))
-            except OSError:
-                return
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send_bytes(messages.encode(message))
+        except OSError:  # the server is gone; _receive stops the loop
+            pass
 
 
 def _picklable(error: BaseException) -> BaseException:
