@@ -6,11 +6,10 @@ per command and one per step (see `engine.messages`). Running the loop in its ow
 process means it never waits for the GIL that the event loop, uvicorn and JSON
 encoding hold in the server process.
 
-Three threads, so that the step loop never blocks on the pipe:
-- the main thread drains commands, runs `LLMEngine.step_deltas()` and queues what to send;
-- an input thread receives and unpickles commands into a queue;
-- an output thread pickles and sends (it overlaps with the next step's kernels,
-  which release the GIL).
+Two threads: the main thread drains commands, runs `LLMEngine.step_deltas()` and sends
+each step's message itself (a few KB; an output thread measured no better and adds a GIL
+hand-off per step); an input thread receives and unpickles commands into a queue, so a
+large prompt arriving never stalls a step.
 
 The core ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole
 process group, and the server must be able to drain its streams first. It stops when
