@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from engine import messages
 from engine.config import EngineArgs, RuntimeInfo
-from engine.input_processor import process_prompt
+from engine.input_processor import load_tokenizer, process_prompt
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 
@@ -65,14 +65,14 @@ class AsyncLLM:
         atexit.register(self._kill_core)
         # a local tokenizer loads while the core starts (both mostly import modules: two cores)
         local_path = args.tokenizer or args.model
-        early = (concurrent.futures.ThreadPoolExecutor(1).submit(_load_tokenizer, local_path)
+        early = (concurrent.futures.ThreadPoolExecutor(1).submit(load_tokenizer, local_path)
                  if local_path and os.path.isdir(local_path) else None)
         try:
             self.info, self._stats = self._wait_ready()
         except BaseException:
             self._kill_core()
             raise
-        self.tokenizer = early.result() if early else _load_tokenizer(args.tokenizer or self.info.model_path)
+        self.tokenizer = early.result() if early else load_tokenizer(args.tokenizer or self.info.model_path)
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
@@ -238,8 +238,3 @@ def _core_main(args: EngineArgs, conn, log_level: int) -> None:
 
     run_engine_core(args, conn, log_level)
 
-
-def _load_tokenizer(path: str):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path)

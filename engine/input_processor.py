@@ -1,4 +1,4 @@
-"""Validate and tokenize a prompt into a `ProcessedPrompt`, without touching engine state.
+"""Load the tokenizer; validate and tokenize a prompt into a `ProcessedPrompt`, without touching engine state.
 
 Both the in-process `LLMEngine` and `AsyncLLM`'s server-side client use it: the server
 process tokenizes and validates, and only what passed is sent to the engine core.
@@ -53,3 +53,11 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
     return ProcessedPrompt(text, token_ids, params, max_tokens)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, as `transformers.AutoTokenizer` picks it (its choice of class
+    depends on config.json and the transformers version: both processes must agree)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
