@@ -164,6 +164,8 @@ class BlockManager:
         when the free list cannot supply what is needed.
         """
         held = self._req_blocks.setdefault(request_id, [])
+        if not cached_block_ids and len(held) * self.block_size >= num_tokens:
+            return []  # the common decode step: the last block still has room
         cached = [self._blocks[i] for i in cached_block_ids]
         num_new = self.num_blocks_for(num_tokens) - len(held) - len(cached)
         # cached blocks nobody holds sit in the free list: taking them shrinks it too

@@ -151,7 +151,7 @@ class LLMEngine:
             self.prompt_tokens_total += max(0, min(item.start_pos + item.num_new_tokens,
                                                    req.num_prompt_tokens) - item.start_pos)
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan.record)
             finished = self.scheduler.update(plan, result.sampled_token_ids)
             self.generation_tokens_total += sum(t is not None for t in result.sampled_token_ids)
             outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())

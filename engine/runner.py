@@ -1,7 +1,9 @@
-"""Model runner: turns a StepPlan into flat tensors, runs the model, samples.
+"""Model runner: turns a step's plain-data `StepRecord` into flat tensors, runs the model, samples.
 
-It owns the model, the KV cache tensors and the sampler; it never allocates
-blocks (the block manager did) and never decides who runs (the scheduler did).
+It owns the model, the KV cache tensors, the sampler and a persistent `InputBatch`
+(engine/input_batch.py) that each record updates: it never sees a live `Request`,
+never allocates blocks (the block manager did) and never decides who runs (the
+scheduler did).
 `execute` makes exactly one device-to-host copy in the common path: the sampled
 token ids (logprobs, when asked for, come with them).
 """
@@ -16,9 +18,9 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.device import kv_cache_budget_bytes, resolve_device, resolve_dtype
+from engine.input_batch import InputBatch
 from engine.sampler import Sampler
-from engine.sampling_inputs import build_sampling_tensors
-from engine.scheduler import ScheduledRequest, StepPlan
+from engine.step_record import StepRecord
 from models import hugepages, load_model
 from models.attention import Attention, AttentionMetadata, forward_context
 
@@ -47,6 +49,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_blocks = self._allocate_kv_cache(cache_config, scheduler_config, max_model_len)
         self.sampler = Sampler()
+        self.batch = InputBatch(scheduler_config.max_num_seqs, max_model_len, self.block_size,
+                                self.vocab_size, self.device)
 
     # ---- set-up ------------------------------------------------------------
     def _allocate_kv_cache(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
@@ -77,53 +81,60 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> RunnerOutput:
-        items = plan.scheduled
-        input_ids, positions, meta, cu = self._prepare_inputs(items)
-        sampled_idx = [i for i, it in enumerate(items) if it.is_sampled]
-        prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(items, cu)
-        rows = np.concatenate([cu[1:][sampled_idx] - 1, prompt_rows]).astype(np.int64)
+    def execute(self, step: StepRecord) -> RunnerOutput:
+        """Run one step from its plain-data record; outputs follow `step.req_ids`."""
+        batch = self.batch
+        batch.update(step)  # the step's requests are now rows 0..B-1
+        num_reqs = len(step.req_ids)
+        computed = np.array(step.num_computed_tokens, np.int64)  # [B]
+        query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
+        input_ids, positions, meta, cu = self._prepare_inputs(computed, query_lens)
+        is_sampled = computed + query_lens == batch.num_tokens[:num_reqs]  # [B] reaches the end
+        prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
+                                                                              query_lens, cu)
+        # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
+        # sampling tensors then apply as they are), then the prompt-logprob rows
+        rows = np.concatenate([cu[1:] - 1, prompt_rows])
 
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [T, hidden]
             logits = self.model.compute_logits(hidden[self._to_device(rows)])  # [R, vocab]
 
-        num_sampled = len(sampled_idx)
-        requests = [items[i].request for i in sampled_idx]
-        tensors = build_sampling_tensors(requests, self.vocab_size, self.device) if num_sampled else None
-        if num_sampled:
-            out = self.sampler(logits[:num_sampled], tensors)
-            token_ids = out.sampled_token_ids.tolist()  # the one device->host sync
-        else:  # every request is mid-way through a chunked prefill
-            out, token_ids = None, []
-
-        sampled: list[int | None] = [None] * len(items)
-        for i, tok in zip(sampled_idx, token_ids):
-            sampled[i] = tok
-        logprobs = self._collect_logprobs(requests, token_ids, out)
-        prompt_lps = self._prompt_logprobs(logits[num_sampled:], prompt_targets, prompt_owners)
+        sampled: list[int | None] = [None] * num_reqs
+        logprobs = {}
+        if is_sampled.any():  # else every request is mid-way through a chunked prefill
+            out = self.sampler(logits[:num_reqs], batch.sampling_tensors(num_reqs))
+            token_ids = out.sampled_token_ids.cpu().numpy()  # [B] the one device->host sync
+            if is_sampled.all():
+                sampled = token_ids.tolist()
+                batch.append_sampled(np.arange(num_reqs), token_ids, out.sampled_token_ids, None)
+            else:
+                sampled_rows = np.flatnonzero(is_sampled)
+                for i in sampled_rows.tolist():
+                    sampled[i] = int(token_ids[i])
+                batch.append_sampled(sampled_rows, token_ids[sampled_rows], out.sampled_token_ids,
+                                     self._to_device(is_sampled.astype(np.float32)))
+            logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out)
+        prompt_lps = self._prompt_logprobs(logits[num_reqs:], prompt_targets, prompt_owners)
         return RunnerOutput(sampled, logprobs, prompt_lps)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _prepare_inputs(self, items: list[ScheduledRequest]):
-        num_reqs = len(items)
-        query_lens = np.fromiter((it.num_new_tokens for it in items), np.int64, num_reqs)
-        starts = np.fromiter((it.start_pos for it in items), np.int64, num_reqs)
+    def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray):
+        """Flat step tensors for rows 0..B-1 of the batch, gathered with numpy (no per-token loop)."""
+        batch, bs = self.batch, self.block_size
+        num_reqs = len(query_lens)
         cu = np.zeros(num_reqs + 1, np.int64)  # cu_seqlens_q
         np.cumsum(query_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        input_ids = np.fromiter((t for it in items for t in it.token_ids), np.int64, num_tokens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
-        max_blocks = max(len(it.block_ids) for it in items)
-        block_table = np.zeros((num_reqs, max_blocks), np.int64)  # padded with the null block
-        for i, it in enumerate(items):
-            block_table[i, :len(it.block_ids)] = it.block_ids
-        req_idx = np.repeat(np.arange(num_reqs), query_lens)
-        bs = self.block_size
+        req_idx = np.repeat(np.arange(num_reqs), query_lens)  # [T]
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - computed, query_lens)
+        input_ids = batch.token_ids[req_idx, positions].astype(np.int64)  # [T]
+        max_blocks = int(batch.num_blocks[:num_reqs].max())
+        block_table = batch.block_table[:num_reqs, :max_blocks].copy()  # [B, max_blocks], 0-padded
         slot_mapping = block_table[req_idx, positions // bs] * bs + positions % bs
-        seq_lens = starts + query_lens
+        seq_lens = computed + query_lens
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             cu_seqlens_q=self._to_device(cu),
@@ -136,9 +147,10 @@ class ModelRunner:
         return self._to_device(input_ids), self._to_device(positions), meta, cu
 
     # ---- logprobs ----------------------------------------------------------
-    @staticmethod
-    def _collect_logprobs(requests, token_ids, out) -> dict[str, TokenLogprobs]:
-        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
+                          out) -> dict[str, TokenLogprobs]:
+        num_logprobs = self.batch.num_logprobs[:len(req_ids)]  # -1 = none
+        wanted = np.flatnonzero((num_logprobs >= 0) & is_sampled).tolist()
         if not wanted:
             return {}
         lps = out.sampled_logprobs.tolist()
@@ -147,34 +159,37 @@ class ModelRunner:
         top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
         result = {}
         for i in wanted:
-            k = requests[i].params.logprobs
+            k = int(num_logprobs[i])
             ids_i = top_ids[i][:k] if top_ids and k else []
             lps_i = top_lps[i][:k] if top_lps and k else []
-            result[requests[i].request_id] = (token_ids[i], lps[i], ranks[i], ids_i, lps_i)
+            result[req_ids[i]] = (int(token_ids[i]), lps[i], ranks[i], ids_i, lps_i)
         return result
 
-    @staticmethod
-    def _prompt_logprob_rows(items: list[ScheduledRequest], cu: np.ndarray):
+    def _prompt_logprob_rows(self, req_ids: tuple[str, ...], computed: np.ndarray, query_lens: np.ndarray,
+                             cu: np.ndarray):
         """Rows whose logits score the next prompt token, for requests asking prompt_logprobs."""
+        batch = self.batch
+        num_prompt = batch.num_prompt_tokens[:len(req_ids)]
+        todo = np.flatnonzero((batch.num_prompt_logprobs[:len(req_ids)] >= 0) & (computed < num_prompt - 1))
         rows, targets, owners = [], [], []
-        for i, it in enumerate(items):
-            req = it.request
-            if not req.wants_prompt_logprobs:
-                continue
+        for i in todo.tolist():
             # logits at position p score prompt token p+1; skip positions already scored
-            first = max(it.start_pos, len(req.prompt_logprobs))
-            last = min(it.start_pos + it.num_new_tokens, req.num_prompt_tokens - 1)
+            # (a request recomputed after a preemption scored them before it)
+            start, req_id = int(computed[i]), req_ids[i]
+            first = max(start, batch.num_prompt_logprobs_done.get(req_id, 0))
+            last = min(start + int(query_lens[i]), int(num_prompt[i]) - 1)
             if first >= last:
                 continue
-            rows.extend(range(cu[i] + first - it.start_pos, cu[i] + last - it.start_pos))
-            targets.extend(req.prompt_token_ids[first + 1:last + 1])
-            owners.append((req, last - first))
+            rows.extend(range(cu[i] + first - start, cu[i] + last - start))
+            targets.extend(batch.token_ids[i, first + 1:last + 1].tolist())
+            owners.append((req_id, int(batch.num_prompt_logprobs[i]), last - first))
+            batch.num_prompt_logprobs_done[req_id] = last
         return np.array(rows, np.int64), targets, owners
 
     def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], owners) -> dict[str, list]:
         if not owners:
             return {}
-        k = max(req.params.prompt_logprobs for req, _ in owners)
+        k = max(kk for _, kk, _ in owners)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
         target_t = torch.tensor(targets, device=logits.device)
         target_lp = logprobs.gather(1, target_t[:, None])  # [R, 1]
@@ -182,9 +197,8 @@ class ModelRunner:
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_t[:, None][:, :0])
         target_lp, ranks, top_lp, top_ids = (t.tolist() for t in (target_lp[:, 0], ranks, top_lp, top_ids))
         result, row = {}, 0
-        for req, count in owners:
-            kk = req.params.prompt_logprobs
-            result[req.request_id] = [
+        for req_id, kk, count in owners:
+            result[req_id] = [
                 (targets[r], target_lp[r], ranks[r], top_ids[r][:kk], top_lp[r][:kk])
                 for r in range(row, row + count)]
             row += count

@@ -52,8 +52,8 @@ class SamplingTensors:
     seeds: Tensor | None  # [B] int64, read only at seeded_rows
     seeded_rows: Tensor | None  # [S] int64 row indices of random rows with a seed
     steps: Tensor  # [B] int64 tokens generated so far (seeded stream position)
-    prompt_token_ids: Tensor | None  # [B, Lp] int64, None when no_penalties
-    output_token_ids: Tensor | None  # [B, Lo] int64, None when no_penalties
+    prompt_token_ids: Tensor | None  # [B, Lp] int64 (from_lists), None when no_penalties
+    output_token_ids: Tensor | None  # [B, Lo] int64 (from_lists), None when no_penalties
     suppressed_token_ids: Tensor | None  # [B, Ls] int64, None when nothing is suppressed
     max_num_logprobs: int  # K of the returned top-k logprobs, 0 = none
     all_greedy: bool
@@ -64,6 +64,9 @@ class SamplingTensors:
     no_penalties: bool
     max_top_k: int | None = None  # largest active top_k (host); None = unknown, use V
     needs_logprobs: bool = True  # False: no row asked for logprobs, skip computing them
+    # penalty state kept on the device by the runner's InputBatch (used instead of the id lists)
+    prompt_mask: Tensor | None = None  # [B, V] bool, token occurs in the prompt
+    output_counts: Tensor | None = None  # [B, V] float32, occurrences in the output
 
     @classmethod
     def from_lists(
@@ -172,14 +175,14 @@ class Sampler:
             if t.suppressed_token_ids is not None:
                 apply_suppression(x, t.suppressed_token_ids)
             if not t.no_penalties:
-                x = apply_penalties(
-                    x,
-                    t.prompt_token_ids,
-                    t.output_token_ids,
-                    t.repetition_penalty,
-                    t.presence_penalty,
-                    t.frequency_penalty,
-                )
+                if t.output_counts is not None:
+                    prompt_mask, output_counts = t.prompt_mask, t.output_counts
+                else:
+                    prompt_mask, output_counts = penalty_state(
+                        t.prompt_token_ids, t.output_token_ids, x.shape[0], x.shape[1], x.device)
+                x = apply_penalty_state(
+                    x, prompt_mask, output_counts, t.repetition_penalty, t.presence_penalty,
+                    t.frequency_penalty)
         if t.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
@@ -210,18 +213,39 @@ def apply_penalties(
 ) -> Tensor:
     """Repetition, then frequency, then presence penalty (vLLM's order). Returns new logits."""
     num_reqs, vocab_size = logits.shape
-    counts = torch.zeros(num_reqs, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    prompt_mask, output_counts = penalty_state(
+        prompt_token_ids, output_token_ids, num_reqs, vocab_size, logits.device)
+    return apply_penalty_state(
+        logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
+
+
+def penalty_state(prompt_token_ids: Tensor | None, output_token_ids: Tensor | None, num_reqs: int,
+                  vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Padded id lists -> (prompt_mask [B, V] bool, output_counts [B, V] float32), from scratch."""
+    counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.float32, device=device)
     if output_token_ids is not None:
         counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=counts.dtype))
-    counts = counts[:, :vocab_size]  # [B, V] occurrences in the output
-    in_output = counts > 0
-    seen = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool, device=device)
     if prompt_token_ids is not None:
         seen.scatter_(1, prompt_token_ids, True)
-    seen = seen[:, :vocab_size] | in_output
+    return seen[:, :vocab_size], counts[:, :vocab_size]
+
+
+def apply_penalty_state(
+    logits: Tensor,  # [B, V] float32
+    prompt_mask: Tensor,  # [B, V] bool
+    output_counts: Tensor,  # [B, V] float32
+    repetition_penalty: Tensor,  # [B]
+    presence_penalty: Tensor,  # [B]
+    frequency_penalty: Tensor,  # [B]
+) -> Tensor:
+    """`apply_penalties` on counts kept by the caller (rows with neutral settings are unchanged
+    whatever their counts hold, as long as those are finite). Returns new logits."""
+    in_output = output_counts > 0
+    seen = prompt_mask | in_output
     penalty = torch.where(seen, repetition_penalty[:, None], 1.0)
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits -= frequency_penalty[:, None] * counts
+    logits -= frequency_penalty[:, None] * output_counts
     logits -= presence_penalty[:, None] * in_output
     return logits
 

@@ -1,9 +1,12 @@
-"""Collect the sampler's per-step inputs from the requests being sampled.
+"""The sampler's inputs built from scratch out of live `Request`s: the reference.
 
-One pass over the batch gathers plain Python values; `SamplingTensors.from_lists`
-normalizes them (so fast paths trigger) and makes the tensors. Child seeds and
-RNG step counters come from the scheduler's requests, not from SamplingParams,
-because the n samples of one request each need their own stream.
+The runner no longer uses this: its persistent `InputBatch` (engine/input_batch.py)
+keeps the same tensors current from the plain-data step records, and the tests
+check it against this builder step by step. One pass over the batch gathers plain
+Python values; `SamplingTensors.from_lists` normalizes them (so fast paths
+trigger) and makes the tensors. Child seeds and RNG step counters come from the
+scheduler's requests, not from SamplingParams, because the n samples of one
+request each need their own stream.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ When the KV pool runs out, the newest running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its generated tokens are kept; prefix caching usually gives most of the
 recompute back).
+
+Each `StepPlan` carries two views of the same step: `scheduled` (live `Request`s,
+for the engine's output processing) and `record`, a plain-data `StepRecord` for
+the runner (engine/step_record.py): new requests in full, known ones as deltas,
+and the ids to drop.
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
+from engine.step_record import NewRequestData, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
+    """The engine side's view of one scheduled request (the runner gets `StepPlan.record`)."""
+
     request: Request
     start_pos: int  # == num_computed_tokens before this step
     num_new_tokens: int  # tokens to compute this step; 1 for a decode
-    block_ids: list[int]  # the request's whole block table
     is_sampled: bool  # this step reaches the end of the sequence: sample the next token
 
     @property
@@ -37,8 +44,12 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
+    """One step: `scheduled` (live requests) for the engine's bookkeeping, `record` (plain data)
+    for the runner; both list the scheduled requests in the same order."""
+
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
+    record: StepRecord
     preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
@@ -61,6 +72,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # what the runner must drop, kept until a non-empty step carries it there
+        self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []
 
     # ---- queue management --------------------------------------------------
     @property
@@ -86,6 +100,7 @@ class Scheduler:
         (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = status
         self.block_manager.free(request_id)
+        self._finished_req_ids.append(request_id)
         return request
 
     # ---- one step ----------------------------------------------------------
@@ -93,30 +108,55 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        new_block_ids: dict[str, tuple[int, ...]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            if block_ids is None:
                 break  # `request` itself was preempted; everything after it too
+            if block_ids:
+                new_block_ids[request.request_id] = tuple(block_ids)
             scheduled.append(self._plan(request, num_new))
             budget -= num_new
             i += 1
 
+        new_requests: list[NewRequestData] = []
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+            budget = self._admit_waiting(budget, scheduled, new_requests)
+        self._preempted_req_ids += preempted
+        record = self._make_record(scheduled, new_requests, new_block_ids)
+        return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, record, preempted)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+    def _make_record(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
+                     new_block_ids: dict[str, tuple[int, ...]]) -> StepRecord:
+        finished, preempted = (), ()
+        if scheduled:  # an empty step never reaches the runner: keep the drops for the next one
+            finished, preempted = tuple(self._finished_req_ids), tuple(self._preempted_req_ids)
+            self._finished_req_ids.clear()
+            self._preempted_req_ids.clear()
+        return StepRecord(
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+            new_requests=tuple(new_requests),
+            req_ids=tuple([it.request.request_id for it in scheduled]),
+            num_computed_tokens=tuple([it.start_pos for it in scheduled]),
+            num_scheduled_tokens=tuple([it.num_new_tokens for it in scheduled]),
+            new_block_ids=new_block_ids,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+        """The request's new block ids, or None when it had to be preempted itself."""
         num_tokens = request.num_computed_tokens + num_new
-        while self.block_manager.allocate(request.request_id, num_tokens) is None:
+        while (block_ids := self.block_manager.allocate(request.request_id, num_tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+        return block_ids
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -127,7 +167,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+                       new_requests: list[NewRequestData]) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -143,6 +184,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._plan(request, num_new))
+            # new to the runner (a resumed request too: its old row was dropped with its blocks)
+            new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id)))
             budget -= num_new
         return budget
 
@@ -152,7 +195,6 @@ class Scheduler:
             request=request,
             start_pos=start,
             num_new_tokens=num_new,
-            block_ids=self.block_manager.block_ids(request.request_id),
             is_sampled=start + num_new == request.num_tokens,
         )
 

@@ -1,0 +1,93 @@
+"""The scheduler -> runner contract: one plain-data `StepRecord` per step (no torch, no live objects).
+
+Everything here is ints, floats, strs, tuples and dicts of those: a record pickles
+as-is, so the same contract can carry steps to runner processes (tensor-parallel
+workers) later. It carries deltas, not histories:
+
+- a request new to the runner (first scheduled, or resumed after a preemption)
+  comes once as `NewRequestData`: its tokens so far, block table and sampling inputs;
+- a request the runner already holds comes as its id, `num_computed_tokens`, the
+  number of tokens scheduled and, when it got some, its new block ids;
+- ids finished, aborted or preempted since the last record, so the runner drops them.
+
+Which token ids can the runner not know? Only a prompt, and after a preemption the
+outputs generated before it (both travel in `NewRequestData`). Every other token was
+sampled by the runner itself, which appends it to its own copy of the sequence;
+a chunked prefill only advances `num_computed_tokens` over tokens it already has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInputs:
+    """One sequence's sampling settings as plain numbers, sent once when it joins the runner."""
+
+    temperature: float
+    top_k: int  # 0 or -1 = off
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None  # this sequence's own stream (the n samples of a request differ)
+    min_tokens: int
+    suppressed_token_ids: tuple[int, ...]  # EOS (unless ignored) and stop ids, banned before min_tokens
+    num_logprobs: int | None  # top-k logprobs per sampled token; None = no logprobs at all
+    num_prompt_logprobs: int | None  # None = no prompt logprobs
+
+    @classmethod
+    def from_request(cls, request: Request) -> SamplingInputs:
+        p = request.params
+        suppressed = () if p.min_tokens == 0 else (
+            *(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
+        return cls(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                   p.frequency_penalty, request.seed, p.min_tokens, tuple(suppressed), p.logprobs,
+                   p.prompt_logprobs)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A sequence the runner does not hold: first scheduled, or resumed after a preemption."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # generated before a preemption; () on the first schedule
+    block_ids: tuple[int, ...]  # the whole block table (a cached prefix included)
+    sampling: SamplingInputs
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(request.request_id, tuple(request.prompt_token_ids), tuple(request.output_token_ids),
+                   tuple(block_ids), SamplingInputs.from_request(request))
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What the runner needs for one step. Apply in field order: drop, add, then run.
+
+    `req_ids` is the order of `StepPlan.scheduled` (the runner's outputs follow it);
+    a request's step samples a token when it reaches the end of its sequence.
+    """
+
+    finished_req_ids: tuple[str, ...]  # finished or aborted since the last record: forget them
+    preempted_req_ids: tuple[str, ...]  # preempted since the last record: drop their rows (blocks are gone)
+    new_requests: tuple[NewRequestData, ...]
+    req_ids: tuple[str, ...]  # [B] scheduled this step, new ones included
+    num_computed_tokens: tuple[int, ...]  # [B] tokens with K/V in the cache before this step
+    num_scheduled_tokens: tuple[int, ...]  # [B] tokens to compute this step
+    new_block_ids: dict[str, tuple[int, ...]]  # held requests that got blocks: ids to append
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
