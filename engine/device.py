@@ -47,7 +47,7 @@ def _cpu_available_bytes() -> int:
 
 
 def kv_cache_budget_bytes(device: torch.device) -> int:
-    """A sensible default pool size when the user gives none."""
+    """The most memory a default KV pool may take (engine/kv_pool.py picks its size within it)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * _GPU_MEMORY_SHARE)

@@ -21,6 +21,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_model_files
+from models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,14 @@ class StepFailed(RuntimeError):
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        before = process_uptime()  # the interpreter, imports and whatever ran before the engine
+        timer = PhaseTimer()
+        with timer.active():
+            self._build(args)
+        logger.info("engine start-up %s%s", timer.summary(),
+                    "" if before is None else f"; the process ran {before:.2f} s before it (imports)")
+
+    def _build(self, args: EngineArgs) -> None:
         args.validate()
         model_config = args.model_config()
         files = load_model_files(model_config)

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.device import kv_cache_budget_bytes, resolve_device, resolve_dtype
+from engine.device import resolve_device, resolve_dtype
 from engine.input_batch import InputBatch
+from engine.kv_pool import allocate_kv_pool
 from engine.sampler import Sampler
 from engine.step_record import StepRecord
-from models import hugepages, load_model
+from models import load_model
 from models.attention import Attention, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -54,30 +55,8 @@ class ModelRunner:
 
     # ---- set-up ------------------------------------------------------------
     def _allocate_kv_cache(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
-        if cache.num_kv_blocks is not None:
-            num_blocks = cache.num_kv_blocks
-        elif cache.kv_cache_memory is not None:
-            num_blocks = cache.kv_cache_memory // bytes_per_block
-        else:
-            # no more than the largest batch could ever use
-            max_useful = sched.max_num_seqs * -(-max_model_len // self.block_size) + 1
-            num_blocks = min(kv_cache_budget_bytes(self.device) // bytes_per_block, max_useful)
-        if num_blocks < 2:
-            raise ValueError(f"KV cache too small: {num_blocks} blocks of {bytes_per_block} bytes; "
-                             f"raise kv_cache_memory (got {cache.kv_cache_memory})")
-        for layer in self.attn_layers:
-            # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            if self.device.type == "cpu":  # scattered block reads: huge pages spare TLB misses
-                layer.kv_cache = hugepages.empty(shape, self.dtype).zero_()
-            else:
-                layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks - 1,
-                    self.block_size, (num_blocks - 1) * self.block_size,
-                    num_blocks * bytes_per_block / 2**20)
-        return num_blocks
+        """Size and allocate the pool (engine/kv_pool.py); returns the block count, null block included."""
+        return allocate_kv_pool(self.attn_layers, cache, sched, max_model_len, self.dtype, self.device)
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()

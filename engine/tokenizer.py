@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-
-import transformers
+from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
 from models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
+from models.timing import phase
+
+if TYPE_CHECKING:
+    import transformers
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +26,18 @@ class ModelFiles:
 
 
 def load_model_files(config: ModelConfig) -> ModelFiles:
-    if config.model is None:
-        model_path = ensure_default_model()
-        logger.info("no model given: serving the embedded default model at %s", model_path)
-    else:
-        model_path = resolve_model_path(config.model)
-    hf_config = transformers.AutoConfig.from_pretrained(model_path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+    with phase("model files"):
+        if config.model is None:
+            model_path = ensure_default_model()
+            logger.info("no model given: serving the embedded default model at %s", model_path)
+        else:
+            model_path = resolve_model_path(config.model)
+    with phase("config"):  # importing transformers' config machinery is most of it
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(model_path)
+    with phase("tokenizer"):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or model_path)
     model_limit = get_max_model_len(hf_config)
     max_model_len = config.max_model_len or model_limit
     if max_model_len > model_limit:
@@ -38,3 +46,4 @@ def load_model_files(config: ModelConfig) -> ModelFiles:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     return ModelFiles(model_path, hf_config, tokenizer, max_model_len, tuple(eos))
+

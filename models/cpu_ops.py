@@ -20,7 +20,6 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -134,13 +133,20 @@ def packed_linear_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int, 
     return (-(-n // 64), k // 2, 64, 2)
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor:
-    """[N, K] bf16 -> [ceil(N/64), K/2, 64, 2]: 64-column blocks, input features in pairs (K even)."""
+def pack_linear_weight(weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """[N, K] bf16 -> [ceil(N/64), K/2, 64, 2]: 64-column blocks, input features in pairs (K even),
+    the padding rows zero. Written into `out` when given (one strided copy, no temporaries)."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"pack_linear_weight needs an even number of input features, got {k}")
-    padded = F.pad(weight, (0, 0, 0, -n % 64))  # [N64, K]
-    return padded.view(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if out is None:
+        out = torch.empty(packed_linear_shape(weight.shape), dtype=weight.dtype, device=weight.device)
+    full, rem = divmod(n, 64)
+    out[:full].copy_(weight[: full * 64].view(full, 64, k // 2, 2).permute(0, 2, 1, 3))
+    if rem:  # the last block: its real rows, then zeros
+        out[full, :, rem:].zero_()
+        out[full, :, :rem].copy_(weight[full * 64 :].view(rem, k // 2, 2).permute(1, 0, 2))
+    return out
 
 
 def linear_bf16(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:

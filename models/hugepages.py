@@ -7,6 +7,10 @@ about 2x faster. Linux only hands out huge pages for anonymous memory that asked
 for them (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, a common
 default), so big buffers are allocated 2 MiB-aligned and `madvise(MADV_HUGEPAGE)`d
 before they are first written. Elsewhere this is a plain `torch.empty`.
+
+`zeros` is for buffers that must start zeroed but are mostly never written (the KV pool):
+a private anonymous mapping reads as zeros, and the OS supplies each (huge) page zeroed on
+first touch, so allocating gigabytes costs nothing until they are used.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import mmap
 import sys
 
 import torch
@@ -63,3 +68,21 @@ def arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
     buffer = empty((starts[-1],), torch.uint8)
     return [buffer[start : start + itemsize * math.prod(shape)].view(dtype).view(shape)
             for shape, start in zip(shapes, starts)]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A zero CPU tensor that writes nothing now: a private anonymous mapping, whose pages the
+    OS zeroes on first touch, 2 MiB-aligned and `MADV_HUGEPAGE`d. Off Linux, `torch.zeros`.
+    The mapping is unmapped when the last view of the tensor is freed."""
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to `region`
+    offset = -raw.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page: the mapping is page-aligned
+    if nbytes >= HUGE_PAGE:
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)  # advisory only
+        except (AttributeError, OSError):  # pragma: no cover - kernel without THP
+            pass
+    return raw[offset : offset + nbytes].view(dtype).view(shape)

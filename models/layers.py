@@ -253,12 +253,12 @@ def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
     # one huge-page arena (every decode step streams all of it), filled one matrix at a time
     slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
     for m, slot in zip(linears, slots):
-        slot.copy_(cpu_ops.pack_linear_weight(m.weight.detach()))
+        cpu_ops.pack_linear_weight(m.weight.detach(), out=slot)
         m.cpu_kernel_weight = slot
         m.cpu_kernel_bias = None if m.bias is None else m.bias.detach().float()
         m.weight.data = m.weight.data.new_empty(0)
     if lm_head is not None:
-        lm_head.cpu_lm_head_weight = slots[-1].copy_(cpu_ops.pack_linear_weight(lm_head.weight.detach()))
+        lm_head.cpu_lm_head_weight = cpu_ops.pack_linear_weight(lm_head.weight.detach(), out=slots[-1])
     return len(linears)
 
 

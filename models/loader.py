@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from models import cpu_ops
 from models.layers import default_weight_loader, pack_for_cpu
 from models.registry import get_model_class
+from models.timing import phase
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -153,12 +155,18 @@ def load_model(
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = cls(hf_config)
-    _materialize(model, dtype, device)
-    load_weights(model, model_dir)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        pack_for_cpu(model)
+    with phase("model"):
+        with torch.device("meta"):
+            model = cls(hf_config)
+        _materialize(model, dtype, device)
+    with phase("weights"):
+        load_weights(model, model_dir)
+    if device.type == "cpu":
+        with phase("kernels"):  # the cached library; a first build takes ~15-25 s
+            cpu_ops.load()
+        if dtype == torch.bfloat16:
+            with phase("CPU packing"):
+                pack_for_cpu(model)
     return model.eval()
 
 

@@ -117,6 +117,16 @@ def test_linear_bf16_strided_input_and_no_rows():
     assert cpu_ops.linear_bf16(x[:0], packed, None, 40).shape == (0, 40)
 
 
+@pytest.mark.parametrize("n", [5, 64, 70, 128])
+def test_pack_linear_weight_into_a_dirty_buffer_matches_a_fresh_pack(n):
+    w = torch.randn(n, 8).bfloat16()
+    padded = torch.cat([w, w.new_zeros(-n % 64, 8)])  # [N64, K]: the layout, the slow way
+    expected = padded.view(-1, 64, 4, 2).permute(0, 2, 1, 3).contiguous()
+    out = torch.full(cpu_ops.packed_linear_shape(w.shape), 7.0, dtype=torch.bfloat16)
+    assert cpu_ops.pack_linear_weight(w, out=out) is out
+    assert torch.equal(out, expected) and torch.equal(cpu_ops.pack_linear_weight(w), expected)
+
+
 @needs_kernels
 def test_pack_linear_weight_layout():
     w = torch.arange(70 * 4, dtype=torch.float32).view(70, 4).bfloat16()
