@@ -223,3 +223,4 @@ def server_checkpoint(tmp_path_factory):
 
 if sys.platform != "linux":  # /proc is how these tests find the core process
     pytestmark = pytest.mark.skip("needs Linux /proc")
+
