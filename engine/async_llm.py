@@ -32,6 +32,7 @@ from engine.config import EngineArgs, RuntimeInfo
 from engine.input_processor import load_tokenizer, process_prompt
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
+from models import built_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,11 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, wait: bool = True) -> None:
+        """Start the engine core process. With `wait=False` this returns at once (the core
+        loads while the caller does other start-up work); call `wait_ready()` before use."""
         args.validate()
+        self._args = args
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=_core_main, args=(args, child_conn, logging.getLogger().level),
@@ -64,22 +68,32 @@ class AsyncLLM:
         child_conn.close()
         atexit.register(self._kill_core)
         # a local tokenizer loads while the core starts (both mostly import modules: two cores)
-        local_path = args.tokenizer or args.model
-        early = (concurrent.futures.ThreadPoolExecutor(1).submit(load_tokenizer, local_path)
-                 if local_path and os.path.isdir(local_path) else None)
+        local_path = args.tokenizer or args.model or built_default_model()
+        self._early_tokenizer = (concurrent.futures.ThreadPoolExecutor(1).submit(load_tokenizer, local_path)
+                                 if local_path and os.path.isdir(local_path) else None)
+        self._streams: dict[str, _Stream] = {}
+        self._send_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._is_stopping = False
+        self._is_ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded the model (raises what its start-up raised)."""
+        if self._is_ready:
+            return
         try:
             self.info, self._stats = self._wait_ready()
         except BaseException:
             self._kill_core()
             raise
-        self.tokenizer = early.result() if early else load_tokenizer(args.tokenizer or self.info.model_path)
+        early = self._early_tokenizer
+        self.tokenizer = early.result() if early else load_tokenizer(self._args.tokenizer or self.info.model_path)
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
-        self._streams: dict[str, _Stream] = {}
-        self._send_lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._is_stopping = False
         self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
         self._reader.start()
+        self._is_ready = True
         logger.info("engine core running in process %d", self._process.pid)
 
     def _wait_ready(self) -> tuple[RuntimeInfo, EngineStats]:
@@ -102,7 +116,7 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._is_stopping and self._process.is_alive()
+        return self._is_ready and self._error is None and not self._is_stopping and self._process.is_alive()
 
     def stats(self) -> EngineStats:
         """The snapshot the core sent with its latest step (or command)."""
@@ -163,6 +177,8 @@ class AsyncLLM:
 
         await asyncio.to_thread(wait_for_exit, self._process, _STOP_TIMEOUT_S)
         self._conn.close()
+        if not self._is_ready:
+            return
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _send(self, message: tuple) -> None:

@@ -2,25 +2,28 @@
 
     from models import get_model_class, load_model, SUPPORTED_ARCHITECTURES
     from models.attention import AttentionMetadata, forward_context, Attention
+
+Names are imported lazily, so that `models.default_model`'s lookups (which the server
+process makes) do not import torch.
 """
 
-from models.loader import get_eos_token_ids, get_max_model_len, load_model, resolve_model_path
-from models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+import importlib
+
+_EXPORTS = {
+    "SUPPORTED_ARCHITECTURES": "models.registry",
+    "get_model_class": "models.registry",
+    "get_eos_token_ids": "models.loader",
+    "get_max_model_len": "models.loader",
+    "load_model": "models.loader",
+    "resolve_model_path": "models.loader",
+    "built_default_model": "models.default_model",
+    "ensure_default_model": "models.default_model",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
-def ensure_default_model(cache_dir: str | None = None) -> str:
-    """The built-in default model's directory (built on first use); see `models.default_model`."""
-    from models.default_model import ensure_default_model as ensure
-
-    return ensure(cache_dir)
-
-
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "ensure_default_model",
-    "get_eos_token_ids",
-    "get_max_model_len",
-    "get_model_class",
-    "load_model",
-    "resolve_model_path",
-]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

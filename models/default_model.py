@@ -44,8 +44,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_NAME = "default-model-v1"  # bump when the recipe changes: caches are keyed by it
 CORPUS_PATH = Path(__file__).with_name("default_corpus.txt")
@@ -88,14 +90,22 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
 
 
+def built_default_model(cache_dir: str | None = None) -> str | None:
+    """The default model's directory if it has been built, else None (cheap: no torch import)."""
+    root = Path(cache_dir) if cache_dir else default_cache_root()
+    final = root / DEFAULT_MODEL_NAME
+    return str(final) if (final / "model.safetensors").is_file() else None
+
+
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """Directory of the default model under `cache_dir` (default `$KVSERVE_CACHE_DIR` or
     `~/.cache/kvserve`), building it first if needed. Safe with concurrent callers: each
     builds in a private temp dir and renames it into place; the first rename wins."""
+    built = built_default_model(cache_dir)
+    if built is not None:
+        return built
     root = Path(cache_dir) if cache_dir else default_cache_root()
     final = root / DEFAULT_MODEL_NAME
-    if (final / "model.safetensors").is_file():
-        return str(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=root))
     try:
@@ -150,6 +160,7 @@ def _paragraphs(text: str) -> list[str]:
 def _training_stream(tokenizer, text: str) -> torch.Tensor:
     """The text the bigram statistics are counted on: documents separated by <|endoftext|>,
     then the same paragraphs as ChatML replies."""
+    import torch  # only building needs it: finding a built model must stay light
     eos = tokenizer.token_to_id("<|endoftext|>")
     pieces = []
     paragraphs = [p for p in _paragraphs(text) if len(p) > 80]
@@ -168,6 +179,7 @@ def _training_stream(tokenizer, text: str) -> torch.Tensor:
 
 def _bigram_logprobs(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Smoothed next-token log-probabilities [V, V], each row centered (softmax-invariant)."""
+    import torch  # only building needs it: finding a built model must stay light
     counts = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
     counts.index_put_((stream[:-1], stream[1:]), torch.ones(len(stream) - 1, dtype=torch.float64), accumulate=True)
     unigram = torch.bincount(stream, minlength=vocab_size).double() + 1.0
@@ -178,6 +190,7 @@ def _bigram_logprobs(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
     """HF-named fp32 weights: a bigram model in the embeddings/LM head, near-identity layers."""
+    import torch  # only building needs it: finding a built model must stay light
     vocab, hidden = config["vocab_size"], config["hidden_size"]
     logp = _bigram_logprobs(stream, vocab)  # [V, V]
     rank = hidden - 1
@@ -232,6 +245,7 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _write_checkpoint(out: Path, config: dict, tokenizer, state: dict[str, torch.Tensor]) -> None:
+    import torch  # only building needs it: finding a built model must stay light
     from safetensors.torch import save_file
 
     def write_json(name: str, obj: dict) -> None:

@@ -102,19 +102,28 @@ def log_startup(state: AppState) -> None:
                 state.config.host, state.config.port)
 
 
-def create_app(config: ServerConfig, engine: Any | None = None) -> FastAPI:
-    """The ASGI app. Without `engine`, an `AsyncLLM` is built from `config` at start-up and shut down at exit."""
+def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: bool = False) -> FastAPI:
+    """The ASGI app. Without `engine`, an `AsyncLLM` is built from `config` at start-up. An engine
+    the app owns (built here, or passed with `owns_engine=True`, e.g. one started early with
+    `AsyncLLM(..., wait=False)`) is awaited at start-up, shut down at exit, and watched: if it
+    dies, the server stops."""
     chat_template = load_chat_template(config.chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = engine is None
-        if owned:
+        owned = engine is None or owns_engine
+        if engine is None:
             from engine import AsyncLLM, EngineArgs
 
-            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()))
+            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
         else:
             the_engine = engine
+        if owned:
+            try:
+                await asyncio.to_thread(the_engine.wait_ready)
+            except BaseException:
+                await the_engine.shutdown()
+                raise
         state = build_state(config, the_engine, chat_template)
         app.state.kv = state
         log_startup(state)

@@ -91,12 +91,16 @@ EXIT_ENGINE_DIED = 1
 
 def serve(config: ServerConfig) -> int:
     """Run the server until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine import AsyncLLM, EngineArgs
+
+    # the engine core starts loading now, while this process imports the web stack
+    engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
     import uvicorn
 
     from server.app import create_app
 
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
+    app = create_app(config, engine=engine, owns_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=5))
     app.state.request_exit = lambda: setattr(server, "should_exit", True)
@@ -121,10 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args)
-    except ValueError as exc:
+        return serve(config)
+    except ValueError as exc:  # a bad setting (the engine validates its own before starting)
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
 
 
 if __name__ == "__main__":
