@@ -143,11 +143,8 @@ class OutputProcessor:
         child.cumulative_logprob += lp[1]
 
     def _add_prompt_logprobs(self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]) -> None:
-        for lp in entries:
-            entry = self._entry(lp)
-            req.prompt_logprobs.append(entry)  # the runner skips positions already scored
-            if req.sample_index == 0:
-                parent.pending_prompt_logprobs.append(entry)
+        if req.sample_index == 0:  # the n samples share the prompt; the runner scores each position once
+            parent.pending_prompt_logprobs.extend(self._entry(lp) for lp in entries)
 
     def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
         token_id, logprob, rank, top_ids, top_lps = lp
