@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_offline", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
     vocab_size = llm.engine.info.vocab_size
     _run(llm, [[5] * args.input_len], 4)  # warm-up
     runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
