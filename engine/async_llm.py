@@ -69,8 +69,11 @@ class AsyncLLM:
         atexit.register(self._kill_core)
         # a local tokenizer loads while the core starts (both mostly import modules: two cores)
         local_path = args.tokenizer or args.model or built_default_model()
-        self._early_tokenizer = (concurrent.futures.ThreadPoolExecutor(1).submit(load_tokenizer, local_path)
-                                 if local_path and os.path.isdir(local_path) else None)
+        self._early_tokenizer = None
+        if local_path and os.path.isdir(local_path):
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+            self._early_tokenizer = pool.submit(load_tokenizer, local_path)
+            pool.shutdown(wait=False)
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
         self._error: BaseException | None = None
@@ -85,11 +88,11 @@ class AsyncLLM:
             return
         try:
             self.info, self._stats = self._wait_ready()
+            early = self._early_tokenizer
+            self.tokenizer = early.result() if early else load_tokenizer(self._args.tokenizer or self.info.model_path)
         except BaseException:
             self._kill_core()
             raise
-        early = self._early_tokenizer
-        self.tokenizer = early.result() if early else load_tokenizer(self._args.tokenizer or self.info.model_path)
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
         self._reader.start()
@@ -157,12 +160,18 @@ class AsyncLLM:
                     raise stream.error
         finally:
             self._streams.pop(request_id, None)
-            if not is_finished and self.is_healthy:
-                self._send((messages.ABORT, request_id))
+            if not is_finished:
+                self._abort_now(request_id)
 
     async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
         if self.is_healthy:
-            self._send((messages.ABORT, request_id))
+            try:
+                self._send((messages.ABORT, request_id))
+            except EngineDeadError:
+                pass  # nothing left to abort
 
     async def shutdown(self) -> None:
         """Stop the core (it finishes its current step) and wait for the process to exit."""
@@ -171,7 +180,7 @@ class AsyncLLM:
         self._is_stopping = True
         try:
             self._send((messages.STOP,))
-        except OSError:
+        except EngineDeadError:
             pass
         from engine.core import wait_for_exit
 
@@ -183,8 +192,11 @@ class AsyncLLM:
 
     def _send(self, message: tuple) -> None:
         data = messages.encode(message)
-        with self._send_lock:
-            self._conn.send_bytes(data)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as e:  # the core died between the health check and this write
+            raise EngineDeadError("the engine core process is gone") from e
 
     def _kill_core(self) -> None:
         if self._process.is_alive():
