@@ -87,7 +87,7 @@ class AsyncLLM:
         if self._is_ready:
             return
         try:
-            self.info, self._stats = self._wait_ready()
+            self.info, self._stats = self._receive_ready()
             early = self._early_tokenizer
             self.tokenizer = early.result() if early else load_tokenizer(self._args.tokenizer or self.info.model_path)
         except BaseException:
@@ -99,7 +99,7 @@ class AsyncLLM:
         self._is_ready = True
         logger.info("engine core running in process %d", self._process.pid)
 
-    def _wait_ready(self) -> tuple[RuntimeInfo, EngineStats]:
+    def _receive_ready(self) -> tuple[RuntimeInfo, EngineStats]:
         while not self._conn.poll(_START_POLL_S):
             if not self._process.is_alive():
                 raise EngineDeadError(f"the engine core exited with code {self._process.exitcode} while starting")
@@ -140,8 +140,7 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
         arrival = time.monotonic()
-        builder = RequestOutputBuilder(request_id, processed.prompt, processed.prompt_token_ids, params.n,
-                                       params.logprobs is not None, params.prompt_logprobs is not None, arrival)
+        builder = processed.output_builder(request_id, arrival)
         stream = _Stream(asyncio.get_running_loop(), builder)
         self._streams[request_id] = stream
         is_finished = False

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import RuntimeInfo
+from engine.outputs import RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 
 
@@ -22,6 +23,12 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+
+    def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
+        """What folds this request's deltas into `RequestOutput`s."""
+        p = self.params
+        return RequestOutputBuilder(request_id, self.prompt, self.prompt_token_ids, p.n, p.logprobs is not None,
+                                    p.prompt_logprobs is not None, arrival_time)
 
 
 def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],

@@ -100,9 +100,7 @@ class LLMEngine:
         ]
         self.output_processor.add(request_id, children)
         if build_outputs:
-            self._builders[request_id] = RequestOutputBuilder(
-                request_id, processed.prompt, processed.prompt_token_ids, params.n, params.logprobs is not None,
-                params.prompt_logprobs is not None, arrival)
+            self._builders[request_id] = processed.output_builder(request_id, arrival)
         for child in children:
             self.scheduler.add(child)
 
