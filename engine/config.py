@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # models.attention.BACKENDS (no torch import here)
 _DEVICES_PREFIXES = ("auto", "cpu", "cuda")
 
 
@@ -27,6 +28,9 @@ class ModelConfig:
     device: str
     seed: int
     max_model_len: int | None  # None = the model's own limit
+    attention_backend: str = "auto"  # the device's best: cpu on CPU, triton on CUDA
+    enforce_eager: bool = False  # no CUDA graphs
+    gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -36,6 +40,13 @@ class ModelConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +90,13 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     max_model_len: int | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len)
+        return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,
+                           self.attention_backend, self.enforce_eager, self.gpu_memory_utilization)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.num_kv_blocks, self.enable_prefix_caching)

@@ -45,9 +45,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_path, hf_config, self.dtype, self.device)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend)
         self.vocab_size = hf_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_backend = self.attn_layers[0].backend
+        self.index_dtype = np.int32 if self.attn_backend.index_dtype == torch.int32 else np.int64
         self.num_kv_blocks = self._allocate_kv_cache(cache_config, scheduler_config, max_model_len)
         self.sampler = Sampler()
         self.batch = InputBatch(scheduler_config.max_num_seqs, max_model_len, self.block_size,
@@ -114,16 +116,21 @@ class ModelRunner:
         block_table = batch.block_table[:num_reqs, :max_blocks].copy()  # [B, max_blocks], 0-padded
         slot_mapping = block_table[req_idx, positions // bs] * bs + positions % bs
         seq_lens = computed + query_lens
+        index = self.index_dtype
+        positions_dev = self._to_device(positions)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            cu_seqlens_q=self._to_device(cu),
-            seq_lens=self._to_device(seq_lens),
-            block_table=self._to_device(block_table),
+            slot_mapping=self._to_device(slot_mapping.astype(index)),
+            positions=positions_dev,
+            cu_seqlens_q=self._to_device(cu.astype(index)),
+            seq_lens=self._to_device(seq_lens.astype(index)),
+            block_table=self._to_device(block_table.astype(index)),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             block_size=bs,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
         )
-        return self._to_device(input_ids), self._to_device(positions), meta, cu
+        return self._to_device(input_ids), positions_dev, meta, cu
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,

@@ -63,8 +63,7 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(num_heads, num_heads, head_dim, scale=scale)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, n] -> [T, n]
-        q, k, v = self.c_attn(x).split(self.n, dim=-1)  # 3 x [T, n]
-        return self.c_proj(self.attn(q, k, v))
+        return self.c_proj(self.attn(self.c_attn(x)))  # c_attn: q, k, v packed [T, 3n]
 
 
 class GPT2MLP(nn.Module):

@@ -1,5 +1,8 @@
 """Layers shared by the model files: norms, rotary embedding, activations, packed linears.
 
+Device-specific code lives elsewhere and is bound once at load: the fused small ops
+(`models/fused_ops.py`) and repacked matmul weights (`models/cpu_model.py`).
+
 Every parameter may carry a `weight_loader(param, loaded_weight[, shard_id])` attribute;
 `models/loader.py` calls it (or `default_weight_loader`) for each checkpoint tensor.
 Loaders check shapes and raise `ValueError` quoting both shapes.
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_ops, hugepages
+from models.fused_ops import TORCH_OPS, FusedOps
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -48,23 +51,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
-        self.shape = (hidden_size,)
+        self.ops: FusedOps = TORCH_OPS  # the device's, set at load
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden] -> [..., hidden]
-        if cpu_ops.use_fused_bf16_rows(x):
-            # one op, same roundings (in fp32 its sum order differs from HF's: keep PyTorch's)
-            return torch.ops.kvserve.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x, self.shape, None, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """The pre-norm residual step: (norm(residual + x), residual + x), the sum rounded to the
-        model dtype as `residual + x` is. The fused CPU op writes the sum into `residual`."""
-        if cpu_ops.use_fused_bf16_rows(x) and residual.is_contiguous() and residual.dtype == x.dtype:
-            return torch.ops.kvserve.add_rms_norm_(residual, x, self.weight, self.eps), residual
-        residual = residual + x
-        return self(residual), residual
+        model dtype as `residual + x` is (fused ops may write it into `residual`)."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -142,17 +137,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin_cache.index_select(0, positions)
 
 
-def apply_rotary_inplace(x: Tensor, cos_sin: Tensor, num_heads: int, head_dim: int) -> bool:
-    """Rotate the first `num_heads` heads of each row of x [T, >= num_heads * D] in place with
-    the fused CPU op (same numerics as `apply_rotary`); False (x untouched) where it does not apply."""
-    if x.stride(1) != 1 or not cpu_ops.use_fused(x) or not cos_sin.is_contiguous():
-        return False
-    if head_dim % 32 and x.shape[0] > cpu_ops.FUSED_MAX_ROWS:  # only the scalar path fits this head_dim
-        return False
-    torch.ops.kvserve.rotary_(x, cos_sin, num_heads, head_dim)
-    return True
-
-
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
     """x [T, num_heads, head_dim] (any strides), cos_sin [T, 2, head_dim] -> new [T, num_heads, head_dim]."""
     cos = cos_sin[:, None, 0]  # [T, 1, head_dim]
@@ -160,13 +144,6 @@ def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x2, x1]
     return x * cos + swapped * sin
-
-
-def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2 * I] -> [T, I]
-    if cpu_ops.use_fused_bf16_rows(x) and cpu_ops.has_fast_bf16():  # (no scalar fallback)
-        return torch.ops.kvserve.silu_and_mul(x)  # one op, same roundings
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -203,63 +180,14 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    # Set by `pack_for_cpu` (CPU, bf16): the weight in models.cpu_ops' layout (AVX512-BF16
-    # CPUs) or else in oneDNN's blocked layout; the plain weight is then freed.
-    cpu_kernel_weight: Tensor | None = None
-    cpu_kernel_bias: Tensor | None = None  # float32
-    cpu_onednn_weight: Tensor | None = None
+    # Set at load by a device module that repacks the weight for its own matmul (models/cpu_model.py);
+    # the plain weight is then freed.
+    packed: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
-        if self.cpu_kernel_weight is not None:
-            return cpu_ops.linear_bf16(x, self.cpu_kernel_weight, self.cpu_kernel_bias, self.out_features)
-        if self.cpu_onednn_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.cpu_onednn_weight, self.bias, "none", [None], "")
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
-
-
-def pack_for_cpu(model: nn.Module) -> int:
-    """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
-
-    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout, on
-    huge pages: their kernel beats oneDNN at every batch size here (docs/benchmarks.md).
-    Without them, oneDNN's blocked layout (it streams faster than F.linear's); that uses
-    a private oneDNN op, so anything unexpected keeps F.linear. The plain weight's
-    storage is released. Returns the number of layers packed.
-    """
-    linears = [m for m in model.modules() if isinstance(m, Linear)
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
-    if cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears):
-        return _pack_for_kernels(model, linears)
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None or not torch.backends.mkldnn.is_available():
-        return 0
-    try:
-        packed = [reorder(m.weight.detach(), None) for m in linears]
-    except RuntimeError:  # pragma: no cover - depends on the torch build
-        return 0
-    for m, weight in zip(linears, packed):
-        m.cpu_onednn_weight = weight
-        m.weight.data = m.weight.data.new_empty(0)
-    return len(linears)
-
-
-def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
-    lm_head = None
-    if getattr(model, "tie_word_embeddings", False):
-        vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
-        lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
-                        and emb.weight.shape[0] == vocab_size and emb.weight.dtype == torch.bfloat16), None)
-    weights = [m.weight for m in linears] + ([lm_head.weight] if lm_head is not None else [])
-    # one huge-page arena (every decode step streams all of it), filled one matrix at a time
-    slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
-    for m, slot in zip(linears, slots):
-        cpu_ops.pack_linear_weight(m.weight.detach(), out=slot)
-        m.cpu_kernel_weight = slot
-        m.cpu_kernel_bias = None if m.bias is None else m.bias.detach().float()
-        m.weight.data = m.weight.data.new_empty(0)
-    if lm_head is not None:
-        lm_head.cpu_lm_head_weight = cpu_ops.pack_linear_weight(lm_head.weight.detach(), out=slots[-1])
-    return len(linears)
 
 
 class PackedLinear(Linear):
@@ -298,7 +226,7 @@ class PackedLinear(Linear):
 class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; also serves as the tied LM head (`lm_head`)."""
 
-    cpu_lm_head_weight: Tensor | None = None  # set by `pack_for_cpu` for a tied head
+    packed_lm_head: Callable[[Tensor], Tensor] | None = None  # a tied head repacked at load
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -309,6 +237,6 @@ class VocabEmbedding(nn.Module):
         return F.embedding(ids, self.weight)
 
     def lm_head(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]
-        if self.cpu_lm_head_weight is not None:
-            return cpu_ops.linear_bf16(hidden, self.cpu_lm_head_weight, None, self.weight.shape[0])
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         return F.linear(hidden, self.weight)

@@ -14,17 +14,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import Attention
+from models.fused_ops import TORCH_OPS, FusedOps
 from models.layers import (
     Linear,
     PackedLinear,
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
-    apply_rotary,
-    apply_rotary_inplace,
     get_activation,
     rope_parameters,
-    silu_and_mul,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +55,7 @@ class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -76,22 +74,12 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             scale=self.head_dim**-0.5,
             sliding_window=sliding_window_for_layer(config, layer_idx),
+            rotary=rotary_emb,  # applied to q and k by the attention backend
         )
 
-    def rotate_qk(self, qkv: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-        """qkv [T, (H + 2 KvH) * D] -> rotated q [T, H*D], k [T, KvH*D] (views of one new tensor)."""
-        num_tokens = qkv.shape[0]
-        if apply_rotary_inplace(qkv, cos_sin, self.num_heads + self.num_kv_heads, self.head_dim):
-            return qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, cos_sin)  # [T, H + KvH, D], q and k rotated in one pass
-        return qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1)
-
-    def forward(self, x: Tensor, cos_sin: Tensor) -> Tensor:  # [T, hidden], [T, 2, D] -> [T, hidden]
+    def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KvH) * D]
-        q, k = self.rotate_qk(qkv, cos_sin)
-        v = qkv[:, self.q_size + self.kv_size :]  # [T, KvH * D]
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(qkv))
 
 
 class LlamaMLP(nn.Module):
@@ -103,24 +91,26 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
         act = getattr(config, "hidden_act", "silu")
         self.act = None if act == "silu" else get_activation(act)
+        self.ops: FusedOps = TORCH_OPS  # the device's, set at load
 
     def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act is None:
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, attention_cls: type[nn.Module]) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, attention_cls: type[nn.Module],
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, layer_idx)
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: Tensor, residual: Tensor | None, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         """x: the previous layer's MLP output (or the embeddings, with residual None), not yet
         added to the residual stream -> this layer's (MLP output, residual stream), [T, hidden]
         each. Deferring each add to the next norm lets one fused op do both."""
@@ -128,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos_sin), residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h), residual)
         return self.mlp(h), residual
 
 
@@ -138,15 +128,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
+        # (positions reach the rotary embedding through the attention metadata)
         x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rotary_emb(positions)  # [T, 2, D], gathered once for all layers
         for layer in self.layers:
-            x, residual = layer.forward(x, residual, cos_sin)  # skips nn.Module's hooks (~1 ms/step at batch 1)
+            x, residual = layer.forward(x, residual)  # skips nn.Module's hooks (~1 ms/step at batch 1)
         return self.norm.add_and_norm(x, residual)[0]
 
 

@@ -18,7 +18,9 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from models import cpu_ops
-from models.layers import default_weight_loader, pack_for_cpu
+from models.attention import Attention, select_backend
+from models.fused_ops import bind_ops, select_ops
+from models.layers import default_weight_loader
 from models.registry import get_model_class
 from models.timing import phase
 
@@ -150,9 +152,11 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def load_model(
-    model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str
+    model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
+    attention_backend: str = "auto",
 ) -> nn.Module:
-    """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`."""
+    """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
+    the device's attention backend and fused ops bound to its layers (chosen here, once)."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
     with phase("model"):
@@ -165,8 +169,15 @@ def load_model(
         with phase("kernels"):  # the cached library; a first build takes ~15-25 s
             cpu_ops.load()
         if dtype == torch.bfloat16:
+            from models.cpu_model import pack_for_cpu
+
             with phase("CPU packing"):
                 pack_for_cpu(model)
+    attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+    backend = select_backend(attention_backend, device, dtype, {layer.head_dim for layer in attn_layers})
+    for layer in attn_layers:
+        layer.backend = backend
+    bind_ops(model, select_ops(device, dtype, backend.name))
     return model.eval()
 
 

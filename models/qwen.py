@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 
-from models.layers import RMSNorm, apply_rotary
+from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -30,18 +29,17 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, rotary_emb)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # shared by all query heads
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def rotate_qk(self, qkv: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-        """qkv [T, (H + 2 KvH) * D] -> q [T, H*D], k [T, KvH*D], normalized per head then rotated."""
-        num_tokens = qkv.shape[0]
-        q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, -1))
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos_sin)  # [T, H + KvH, D]
-        return qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1)
+    def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KvH) * D]
+        q, k, _ = self.attn.split_qkv(qkv)
+        q.copy_(self.q_norm(q))  # per head, before the rotary embedding; written back into qkv
+        k.copy_(self.k_norm(k))
+        return self.o_proj(self.attn(qkv))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -142,9 +142,11 @@ def test_pack_linear_weight_layout():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 300])  # 300: past FUSED_MAX_ROWS (bf16 AVX-512 path only)
 def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
+    from models.cpu_model import CpuFusedOps
     from models.layers import RMSNorm
 
     norm = RMSNorm(576, eps=1e-5).to(dtype)
+    norm.ops = CpuFusedOps()
     with torch.no_grad():
         norm.weight.normal_()
     x = (torch.randn(rows, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
@@ -160,9 +162,11 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 9, 300])
 def test_add_and_norm_fuses_the_residual_add_exactly(rows):
+    from models.cpu_model import CpuFusedOps
     from models.layers import RMSNorm
 
     norm = RMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    norm.ops = CpuFusedOps()
     with torch.no_grad():
         norm.weight.normal_()
     residual = (torch.randn(rows, 576) * 3).bfloat16()
@@ -175,6 +179,7 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
                                atol=0, rtol=1 / 128)
     # fp32 keeps PyTorch's ops (their sum order is HF's)
     norm32 = RMSNorm(576, eps=1e-5)
+    norm32.ops = norm.ops
     with torch.no_grad():
         norm32.weight.copy_(norm.weight.float())
     r32, x32 = residual.float(), x.float()
@@ -186,8 +191,6 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_cache_matches_index_copy(dtype):
-    from models.attention import write_kv_cache
-
     kv_heads, head_dim, tokens = 3, 64, 37
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
     k = qkv[:, 9 * head_dim: 12 * head_dim].view(tokens, kv_heads, head_dim)  # strided rows, as in a layer
@@ -197,7 +200,7 @@ def test_write_kv_cache_matches_index_copy(dtype):
     ref = cache.clone()
     ref[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     ref[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-    write_kv_cache(cache[0], cache[1], k, v, slots)
+    torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, ref)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots + 160)
@@ -206,7 +209,7 @@ def test_write_kv_cache_matches_index_copy(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rotary_matches_apply_rotary(dtype):
-    from models.layers import RotaryEmbedding, apply_rotary, apply_rotary_inplace
+    from models.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, head_dim = 9, 3, 64
     rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(dtype)
@@ -215,7 +218,7 @@ def test_fused_rotary_matches_apply_rotary(dtype):
     qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim).to(dtype)
     ref = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(5, heads + kv_heads, head_dim), cos_sin)
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    assert apply_rotary_inplace(qkv, cos_sin, heads + kv_heads, head_dim)
+    torch.ops.kvserve.rotary_(qkv, cos_sin, heads + kv_heads, head_dim)
     torch.testing.assert_close(qkv[:, : (heads + kv_heads) * head_dim], ref.flatten(1), atol=0, rtol=0)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # values untouched
 
@@ -277,7 +280,7 @@ def test_greedy_argmax_matches_torch_including_ties(vocab):
 @needs_bf16
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 100), (64, 1536), (300, 1536)])
 def test_fused_silu_and_mul_matches_pytorch(rows, inter):
-    from models.layers import silu_and_mul
+    from models.fused_ops import TORCH_OPS
 
     x = (torch.randn(rows, 2 * inter) * 4).bfloat16()
     x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated and zero gates
@@ -286,7 +289,7 @@ def test_fused_silu_and_mul_matches_pytorch(rows, inter):
     got = torch.ops.kvserve.silu_and_mul(x)
     # ~1-ulp exp differences may flip a bf16 rounding: at most one bf16 step apart
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-6, rtol=1 / 128)
-    torch.testing.assert_close(silu_and_mul(x), got)
+    torch.testing.assert_close(TORCH_OPS.silu_and_mul(x), got)
 
 
 @needs_bf16

@@ -19,7 +19,7 @@ import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
 
-import models.attention
+import models.attention.torch_ref
 from models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
 from models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
 from models.loader import resolve_model_path
@@ -68,20 +68,28 @@ class PagedRunner:
             seq_lens.append(seq_len)
             tables.append(table)
         max_blocks = max(len(t) for t in tables) + 1  # + 1: trailing null-block padding
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
-            cu_seqlens_q=torch.tensor([0] + query_lens, device=dev).cumsum(0),
-            seq_lens=torch.tensor(seq_lens, device=dev),
-            block_table=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
+        meta = make_meta(self.model, query_lens, seq_lens, slots, positions,
+                         [t + [0] * (max_blocks - len(t)) for t in tables], bs, self.device)
         with torch.inference_mode(), forward_context(meta):
-            hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev))
+            hidden = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device))
             logits = self.model.compute_logits(hidden).float().cpu()
         return list(logits.split(query_lens))
+
+
+def make_meta(model, query_lens: list[int], seq_lens: list[int], slots: list[int], positions: list[int],
+              tables: list[list[int]], block_size: int, device: str = "cpu") -> AttentionMetadata:
+    """The runner's metadata, in the index dtype of the model's attention backend."""
+    index = next(m for m in model.modules() if isinstance(m, Attention)).backend.index_dtype
+
+    def t(values):
+        return torch.tensor(values, dtype=index, device=device)
+
+    return AttentionMetadata(
+        slot_mapping=t(slots), positions=torch.tensor(positions, device=device),
+        cu_seqlens_q=t([0] + query_lens).cumsum(0).to(index), seq_lens=t(seq_lens), block_table=t(tables),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=block_size,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
 def make_prompts(vocab_size: int, lens: list[int] = PROMPT_LENS, seed: int = 0) -> list[list[int]]:
@@ -102,14 +110,17 @@ def load_pair(path: Path, family: str, **overrides):
     return model, hf_model, config
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in ("cpu", "torch")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def family_models(request, checkpoint_dirs):
-    model_dir = checkpoint_dirs[request.param]  # conftest.py: one tiny checkpoint per family
+    """(family, attention backend): the CPU kernels' backend and the portable torch reference."""
+    family, backend = request.param
+    model_dir = checkpoint_dirs[family]  # conftest.py: one tiny checkpoint per family
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    model = load_model(model_dir, config, torch.float32, "cpu")
+    model = load_model(model_dir, config, torch.float32, "cpu", attention_backend=backend)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(config.vocab_size)
-    return request.param, model, config, prompts, hf_logits(hf_model, prompts)
+    return family, model, config, prompts, hf_logits(hf_model, prompts)
 
 
 def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -142,7 +153,7 @@ def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkey
     `cpu_chunk_bytes` shrinks the CPU decode chunking (normally 8 MiB) so that the
     decode rows are also attended in several SDPA calls."""
     if cpu_chunk_bytes is not None:
-        monkeypatch.setattr(models.attention, "CPU_DECODE_CHUNK_BYTES", cpu_chunk_bytes)
+        monkeypatch.setattr(models.attention.torch_ref, "CPU_DECODE_CHUNK_BYTES", cpu_chunk_bytes)
     _, model, _, prompts, want = family_models
     runner = PagedRunner(model, block_size=4, seed=2)
     chunk_sizes = [5 if i % 3 == 0 else 1 for i in range(len(prompts))]
@@ -187,17 +198,16 @@ def test_config_variants(tmp_path, family, overrides):
 
 
 def test_forward_context_restores_and_is_required():
-    meta = AttentionMetadata(torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]),
-                             torch.zeros(1, 1, dtype=torch.long), [1], [1], 4)
+    attn = Attention(2, 1, 4, scale=0.5)
+    meta = make_meta(attn, [1], [1], [0], [0], [[0]], 4)
     assert get_forward_context() is None
     with pytest.raises(KeyError):
         with forward_context(meta):
             assert get_forward_context() is meta
             raise KeyError
     assert get_forward_context() is None
-    attn = Attention(2, 1, 4, scale=0.5)
     with pytest.raises(RuntimeError, match="forward_context"):
-        attn(torch.zeros(1, 8), torch.zeros(1, 4), torch.zeros(1, 4))
+        attn(torch.zeros(1, 16))
 
 
 def test_unsupported_architecture_lists_supported():
@@ -370,9 +380,9 @@ def test_prefill_before_kv_cache_is_assigned(llama_dir):
     want = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32), prompts)
 
     def meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-        return AttentionMetadata(torch.zeros(sum(query_lens), dtype=torch.long),
-                                 torch.tensor([0] + query_lens).cumsum(0), torch.tensor(seq_lens),
-                                 torch.zeros(len(seq_lens), 4, dtype=torch.long), query_lens, seq_lens, 4)
+        positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+        return make_meta(model, query_lens, seq_lens, [0] * sum(query_lens), positions,
+                         [[0] * 4] * len(seq_lens), 4)
 
     with torch.inference_mode(), forward_context(meta([5, 9], [5, 9])):
         hidden = model(torch.tensor(prompts[0] + prompts[1]), torch.tensor([*range(5), *range(9)]))
@@ -382,7 +392,8 @@ def test_prefill_before_kv_cache_is_assigned(llama_dir):
 
 
 def test_cpu_packed_linear_matches_f_linear():
-    from models.layers import Linear, pack_for_cpu
+    from models.cpu_model import pack_for_cpu
+    from models.layers import Linear
 
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(torch.bfloat16)
@@ -393,7 +404,7 @@ def test_cpu_packed_linear_matches_f_linear():
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     if pack_for_cpu(layer) == 0:
         pytest.skip("neither kvserve's kernels nor oneDNN's linear packing are available")
-    assert (layer.cpu_kernel_weight is None) != (layer.cpu_onednn_weight is None)  # one layout
+    assert layer.packed is not None
     assert layer.weight.numel() == 0
     for rows in (x, x[:1]):  # any batch size works with one packing
         got = layer(rows).float()

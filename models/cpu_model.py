@@ -1,0 +1,101 @@
+"""What a model gets on the CPU at load: the C++ fused ops and its matmul weights repacked.
+
+Both use models/cpu_ops' kernels (built once, cached). `pack_for_cpu` runs after the
+weights are loaded; `CpuFusedOps` is bound to the model's norms and MLPs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from models import cpu_ops, hugepages
+from models.fused_ops import FusedOps
+from models.layers import Linear, VocabEmbedding
+
+
+class CpuFusedOps(FusedOps):
+    """The fused C++ ops for bf16 rows (same roundings as the torch ops); anything else, PyTorch."""
+
+    name = "cpu"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if cpu_ops.use_fused_bf16_rows(x):
+            # one op, same roundings (in fp32 its sum order differs from HF's: keep PyTorch's)
+            return torch.ops.kvserve.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        if cpu_ops.use_fused_bf16_rows(x) and residual.is_contiguous() and residual.dtype == x.dtype:
+            return torch.ops.kvserve.add_rms_norm_(residual, x, weight, eps), residual  # sum into residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        if cpu_ops.use_fused_bf16_rows(x) and cpu_ops.has_fast_bf16():  # (no scalar fallback)
+            return torch.ops.kvserve.silu_and_mul(x)  # one op, same roundings
+        return super().silu_and_mul(x)
+
+
+class KernelLinear:
+    """x @ W.T (+ bias) with W in models.cpu_ops' packed layout (AVX512-BF16 CPUs)."""
+
+    def __init__(self, packed: Tensor, bias: Tensor | None, out_features: int) -> None:
+        self.weight, self.bias, self.out_features = packed, bias, out_features
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return cpu_ops.linear_bf16(x, self.weight, self.bias, self.out_features)
+
+
+class OneDnnLinear:
+    """x @ W.T (+ bias) with W in oneDNN's blocked layout (it streams faster than F.linear's)."""
+
+    def __init__(self, packed: Tensor, bias: Tensor | None) -> None:
+        self.weight, self.bias = packed, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
+
+    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout, on
+    huge pages: their kernel beats oneDNN at every batch size here (docs/benchmarks.md).
+    Without them, oneDNN's blocked layout; that uses a private oneDNN op, so anything
+    unexpected keeps F.linear. The plain weight's storage is released. Returns the
+    number of layers packed.
+    """
+    linears = [m for m in model.modules() if isinstance(m, Linear)
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
+    if cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears):
+        return _pack_for_kernels(model, linears)
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if reorder is None or not torch.backends.mkldnn.is_available():
+        return 0
+    try:
+        packed = [reorder(m.weight.detach(), None) for m in linears]
+    except RuntimeError:  # pragma: no cover - depends on the torch build
+        return 0
+    for m, weight in zip(linears, packed):
+        m.packed = OneDnnLinear(weight, m.bias)
+        m.weight.data = m.weight.data.new_empty(0)
+    return len(linears)
+
+
+def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
+    lm_head = None
+    if getattr(model, "tie_word_embeddings", False):
+        vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
+        lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
+                        and emb.weight.shape[0] == vocab_size and emb.weight.dtype == torch.bfloat16), None)
+    weights = [m.weight for m in linears] + ([lm_head.weight] if lm_head is not None else [])
+    # one huge-page arena (every decode step streams all of it), filled one matrix at a time
+    slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
+    for m, slot in zip(linears, slots):
+        cpu_ops.pack_linear_weight(m.weight.detach(), out=slot)
+        m.packed = KernelLinear(slot, None if m.bias is None else m.bias.detach().float(), m.out_features)
+        m.weight.data = m.weight.data.new_empty(0)
+    if lm_head is not None:
+        packed = cpu_ops.pack_linear_weight(lm_head.weight.detach(), out=slots[-1])
+        lm_head.packed_lm_head = KernelLinear(packed, None, lm_head.weight.shape[0])
+    return len(linears)
