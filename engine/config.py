@@ -124,6 +124,8 @@ class RuntimeInfo:
     eos_token_ids: tuple[int, ...]
     num_kv_blocks: int  # including the null block
     block_size: int
+    attention_backend: str = "torch"  # the backend the loader chose
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs
 
     @property
     def kv_capacity_tokens(self) -> int:

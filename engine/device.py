@@ -8,7 +8,6 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
-_GPU_MEMORY_SHARE = 0.85  # of the free memory after the weights are loaded
 
 
 def resolve_device(device: str) -> torch.device:
@@ -47,8 +46,6 @@ def _cpu_available_bytes() -> int:
 
 
 def kv_cache_budget_bytes(device: torch.device) -> int:
-    """The most memory a default KV pool may take (engine/kv_pool.py picks its size within it)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * _GPU_MEMORY_SHARE)
+    """The most memory a default CPU KV pool may take (engine/kv_pool.py picks its size within it;
+    on CUDA the runner's memory profile gives the budget instead)."""
     return min(_cpu_available_bytes() // 4, _CPU_KV_CACHE_MAX_BYTES)

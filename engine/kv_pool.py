@@ -46,8 +46,9 @@ def bytes_per_block(layers: Sequence[KVLayer], block_size: int, dtype: torch.dty
 
 
 def num_blocks_for(cache: CacheConfig, sched: SchedulerConfig, max_model_len: int, block_bytes: int,
-                   device: torch.device) -> int:
-    """The pool's block count, including the null block 0; ValueError when fewer than 2."""
+                   device: torch.device, budget_bytes: int | None = None) -> int:
+    """The pool's block count, including the null block 0; ValueError when fewer than 2.
+    `budget_bytes`: what a memory profile left for the pool (default: `kv_cache_budget_bytes`)."""
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     elif cache.kv_cache_memory is not None:
@@ -55,7 +56,7 @@ def num_blocks_for(cache: CacheConfig, sched: SchedulerConfig, max_model_len: in
     else:
         blocks_per_seq = -(-max_model_len // cache.block_size)
         max_useful = sched.max_num_seqs * blocks_per_seq + 1  # what the largest batch could fill
-        budget = kv_cache_budget_bytes(device) // block_bytes
+        budget = (kv_cache_budget_bytes(device) if budget_bytes is None else budget_bytes) // block_bytes
         if device.type == "cpu":
             wanted_tokens = max(DEFAULT_CPU_KV_TOKENS, max_model_len)
             budget = min(budget, -(-wanted_tokens // cache.block_size) + 1)
@@ -67,10 +68,11 @@ def num_blocks_for(cache: CacheConfig, sched: SchedulerConfig, max_model_len: in
 
 
 def allocate_kv_pool(layers: Sequence[KVLayer], cache: CacheConfig, sched: SchedulerConfig,
-                     max_model_len: int, dtype: torch.dtype, device: torch.device) -> int:
+                     max_model_len: int, dtype: torch.dtype, device: torch.device,
+                     budget_bytes: int | None = None) -> int:
     """Size the pool, give each layer its zeroed `kv_cache`, return the block count (null block included)."""
     block_bytes = bytes_per_block(layers, cache.block_size, dtype)
-    num_blocks = num_blocks_for(cache, sched, max_model_len, block_bytes, device)
+    num_blocks = num_blocks_for(cache, sched, max_model_len, block_bytes, device, budget_bytes)
     with phase("KV pool"):
         for layer in layers:
             # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block

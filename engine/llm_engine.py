@@ -65,6 +65,8 @@ class LLMEngine:
             eos_token_ids=files.eos_token_ids,
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=cache_config.block_size,
+            attention_backend=self.runner.attn_backend.name,
+            cuda_graphs=self.runner.graphs is not None,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
@@ -73,8 +75,9 @@ class LLMEngine:
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("engine ready: %s (%s) on %s, dtype %s, max_model_len %d, KV cache %d tokens",
+        logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens",
                     files.model_path, self.info.architecture, self.info.device, self.info.dtype,
+                    self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
                     self.info.max_model_len, self.info.kv_capacity_tokens)
 
     # ---- requests ----------------------------------------------------------

@@ -17,13 +17,16 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device, resolve_dtype
 from engine.input_batch import InputBatch
 from engine.kv_pool import allocate_kv_pool
+from engine.memory_profile import profile_kv_budget
 from engine.sampler import Sampler
 from engine.step_record import StepRecord
 from models import load_model
 from models.attention import Attention, AttentionMetadata, forward_context
+from models.timing import phase
 
 logger = logging.getLogger(__name__)
 
@@ -42,23 +45,40 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int) -> None:
         self.device = resolve_device(model_config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's kernels and graphs go to cuda:N
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend)
         self.vocab_size = hf_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = self.attn_layers[0].backend
         self.index_dtype = np.int32 if self.attn_backend.index_dtype == torch.int32 else np.int64
-        self.num_kv_blocks = self._allocate_kv_cache(cache_config, scheduler_config, max_model_len)
+        self.staging = HostToDevice(self.device)
+        budget = None
+        if self.device.type == "cuda":
+            with phase("memory profile"):
+                budget = profile_kv_budget(
+                    self.model, self.vocab_size, scheduler_config.max_num_batched_tokens, self.max_num_seqs,
+                    max_model_len, self.block_size, self.attn_backend.index_dtype, self.dtype, self.device,
+                    model_config.gpu_memory_utilization).kv_budget
+        self.num_kv_blocks = allocate_kv_pool(self.attn_layers, cache_config, scheduler_config, max_model_len,
+                                              self.dtype, self.device, budget)
         self.sampler = Sampler()
         self.batch = InputBatch(scheduler_config.max_num_seqs, max_model_len, self.block_size,
                                 self.vocab_size, self.device)
-
-    # ---- set-up ------------------------------------------------------------
-    def _allocate_kv_cache(self, cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> int:
-        """Size and allocate the pool (engine/kv_pool.py); returns the block count, null block included."""
-        return allocate_kv_pool(self.attn_layers, cache, sched, max_model_len, self.dtype, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            if self.attn_backend.supports_cuda_graphs:
+                with phase("CUDA graphs"):
+                    self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-max_model_len // self.block_size),
+                                               self.block_size, max_model_len, self.attn_backend.index_dtype,
+                                               self.device)
+                    self.graphs.capture()
+            else:
+                logger.warning("attention backend %r cannot be captured: CUDA graphs off", self.attn_backend.name)
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()
@@ -69,22 +89,25 @@ class ModelRunner:
         num_reqs = len(step.req_ids)
         computed = np.array(step.num_computed_tokens, np.int64)  # [B]
         query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
-        input_ids, positions, meta, cu = self._prepare_inputs(computed, query_lens)
+        input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens)
         is_sampled = computed + query_lens == batch.num_tokens[:num_reqs]  # [B] reaches the end
         prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
                                                                               query_lens, cu)
         # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
-        # sampling tensors then apply as they are), then the prompt-logprob rows
-        rows = np.concatenate([cu[1:] - 1, prompt_rows])
+        # sampling tensors then apply as they are); prompt-logprob rows come after sampling
 
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)  # [T, hidden]
-            logits = self.model.compute_logits(hidden[self._to_device(rows)])  # [R, vocab]
+        if self.graphs is not None and self.graphs.can_run(meta, num_reqs):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)  # [T, hidden]
+        # each request's last row (no gather when every request has one row)
+        logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
 
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
-            out = self.sampler(logits[:num_reqs], batch.sampling_tensors(num_reqs))
+            out = self.sampler(logits, batch.sampling_tensors(num_reqs))
             token_ids = out.sampled_token_ids.cpu().numpy()  # [B] the one device->host sync
             if is_sampled.all():
                 sampled = token_ids.tolist()
@@ -96,11 +119,19 @@ class ModelRunner:
                 batch.append_sampled(sampled_rows, token_ids[sampled_rows], out.sampled_token_ids,
                                      self._to_device(is_sampled.astype(np.float32)))
             logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out)
-        prompt_lps = self._prompt_logprobs(logits[num_reqs:], prompt_targets, prompt_owners)
+        prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
         return RunnerOutput(sampled, logprobs, prompt_lps)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _prompt_logprob_chunk(self, hidden: torch.Tensor, rows: np.ndarray, targets: list[int], k: int):
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._to_device(rows)]).float(), dim=-1)
+        target_t = torch.tensor(targets, device=logprobs.device)
+        target_lp = logprobs.gather(1, target_t[:, None])  # [R, 1]
+        ranks = (logprobs > target_lp).sum(-1) + 1
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_t[:, None][:, :0])
+        return [t.tolist() for t in (target_lp[:, 0], ranks, top_lp, top_ids)]
 
     def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray):
         """Flat step tensors for rows 0..B-1 of the batch, gathered with numpy (no per-token loop)."""
@@ -117,20 +148,15 @@ class ModelRunner:
         slot_mapping = block_table[req_idx, positions // bs] * bs + positions % bs
         seq_lens = computed + query_lens
         index = self.index_dtype
-        positions_dev = self._to_device(positions)
+        ids_dev, positions_dev, last_rows = self.staging.copy([input_ids, positions, cu[1:] - 1], np.int64)
+        slots_dev, cu_dev, seq_lens_dev, table_dev = self.staging.copy([slot_mapping, cu, seq_lens, block_table],
+                                                                       index, second=True)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping.astype(index)),
-            positions=positions_dev,
-            cu_seqlens_q=self._to_device(cu.astype(index)),
-            seq_lens=self._to_device(seq_lens.astype(index)),
-            block_table=self._to_device(block_table.astype(index)),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_size=bs,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=slots_dev, positions=positions_dev, cu_seqlens_q=cu_dev, seq_lens=seq_lens_dev,
+            block_table=table_dev, query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            block_size=bs, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
         )
-        return self._to_device(input_ids), positions_dev, meta, cu
+        return ids_dev, positions_dev, last_rows, meta, cu
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
@@ -172,16 +198,17 @@ class ModelRunner:
             batch.num_prompt_logprobs_done[req_id] = last
         return np.array(rows, np.int64), targets, owners
 
-    def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], owners) -> dict[str, list]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, targets: list[int],
+                         owners) -> dict[str, list]:
+        """Logprobs of the next prompt token at `rows` of `hidden`, in chunks of max_num_seqs rows so
+        that no step needs more memory than the sampler's (what the memory profile measured)."""
         if not owners:
             return {}
         k = max(kk for _, kk, _ in owners)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
-        target_t = torch.tensor(targets, device=logits.device)
-        target_lp = logprobs.gather(1, target_t[:, None])  # [R, 1]
-        ranks = (logprobs > target_lp).sum(-1) + 1
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_t[:, None][:, :0])
-        target_lp, ranks, top_lp, top_ids = (t.tolist() for t in (target_lp[:, 0], ranks, top_lp, top_ids))
+        chunk = self.max_num_seqs
+        parts = [self._prompt_logprob_chunk(hidden, rows[i:i + chunk], targets[i:i + chunk], k)
+                 for i in range(0, len(rows), chunk)]
+        target_lp, ranks, top_lp, top_ids = ([x for part in parts for x in part[j]] for j in range(4))
         result, row = {}, 0
         for req_id, kk, count in owners:
             result[req_id] = [
@@ -189,3 +216,33 @@ class ModelRunner:
                 for r in range(row, row + count)]
             row += count
         return result
+
+
+class HostToDevice:
+    """The step's small host arrays onto the device. On the CPU, zero-copy views. On CUDA, packed
+    into a persistent pinned buffer and moved with one non-blocking copy per group (the buffer is
+    reused next step: the step's own device-to-host sync has finished the copy by then)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: dict[tuple, torch.Tensor] = {}
+        self._dev: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, arrays: list[np.ndarray], dtype, second: bool = False) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        key = (np.dtype(dtype).str, second)
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        host = self._host.get(key)
+        if host is None or host.numel() < total:
+            torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
+            capacity = max(total, 2 * (0 if host is None else host.numel()), 4096)
+            host = self._host[key] = torch.empty(capacity, dtype=torch_dtype, pin_memory=True)
+            self._dev[key] = torch.empty(capacity, dtype=torch_dtype, device=self.device)
+        flat, dev = host.numpy(), self._dev[key]
+        offsets = np.cumsum([0, *sizes])
+        for a, start, stop in zip(arrays, offsets[:-1], offsets[1:]):
+            flat[start:stop] = a.ravel()
+        dev[:total].copy_(host[:total], non_blocking=True)
+        return [dev[start:stop].view(a.shape) for a, start, stop in zip(arrays, offsets[:-1], offsets[1:])]

@@ -75,6 +75,12 @@ class ServerConfig(BaseSettings):
     max_model_len: int | None = Field(None, gt=0, description="Context length limit (default: the model's).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     seed: int = Field(0, description="Engine random seed.")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), "
+        "cpu, triton.")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
 
     # --- HTTP server ---
     host: str = Field("127.0.0.1", description="Address to bind.")
@@ -118,5 +124,6 @@ class ServerConfig(BaseSettings):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.EngineArgs`."""
         names = ("model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len")
+                 "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len",
+                 "attention_backend", "enforce_eager", "gpu_memory_utilization")
         return {name: getattr(self, name) for name in names}

@@ -110,8 +110,9 @@ def test_portable_path_matches_transformers(checkpoint_dirs, family, without_cpu
     assert_no_leaks(llm)
 
 
-def test_prompt_logprobs_match_transformers(llama_dir):
-    llm = make_llm(llama_dir, max_num_batched_tokens=8)  # chunked: prompt scored over steps
+@pytest.mark.parametrize("max_num_seqs", [256, 2])  # 2: prompt rows scored in chunks of 2 (bounded memory)
+def test_prompt_logprobs_match_transformers(llama_dir, max_num_seqs):
+    llm = make_llm(llama_dir, max_num_batched_tokens=8, max_num_seqs=max_num_seqs)  # chunked prefill too
     prompts = make_prompts(llm.engine.info.vocab_size)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     model = hf_model(llama_dir)
@@ -289,8 +290,14 @@ def test_request_that_can_never_fit_the_kv_cache(llama_dir):
     (dict(dtype="int8"), "dtype"),
     (dict(device="tpu"), "device"),
     (dict(max_model_len=10**6), "max_model_len"),
+    (dict(attention_backend="flash"), "attention_backend"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(enforce_eager="yes"), "enforce_eager"),
+    (dict(device="cpu", attention_backend="triton"), "triton"),
 ])
-def test_bad_engine_args(llama_dir, kwargs, match):
+def test_bad_engine_args(llama_dir, kwargs, match, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the Triton tests set it)
     with pytest.raises(ValueError, match=match):
         LLM(llama_dir, **kwargs)
 
