@@ -11,7 +11,10 @@ that is not read coalesces what arrives: its memory grows with its output, never
 the number of steps.
 
 If the core process dies (crash, OOM kill, the loop raising), the pipe closes at once:
-every open stream fails with `EngineDeadError` and `is_healthy` turns False.
+every open stream fails with `EngineDeadError` and `is_healthy` turns False. So does the
+core deciding it is broken (`max_consecutive_step_failures` failed steps in a row). A
+request started after that fails at once, never waits for a core that is gone.
+`shutdown()` ends the streams still open with `EngineShutDownError`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped on an unrecoverable error; the engine serves no more requests."""
 
 
+class EngineShutDownError(EngineDeadError):
+    """The engine was shut down on purpose (e.g. the server's drain period ran out)."""
+
+
 @dataclass(slots=True)
 class _Stream:
     """One request's state on the event loop's side (touched only in its loop's thread)."""
@@ -55,15 +62,20 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, wait: bool = True) -> None:
+    def __init__(self, args: EngineArgs, wait: bool = True, max_consecutive_step_failures: int = 3) -> None:
         """Start the engine core process. With `wait=False` this returns at once (the core
-        loads while the caller does other start-up work); call `wait_ready()` before use."""
+        loads while the caller does other start-up work); call `wait_ready()` before use.
+        After `max_consecutive_step_failures` failed steps in a row the core declares itself dead."""
         args.validate()
+        if isinstance(max_consecutive_step_failures, bool) or not isinstance(max_consecutive_step_failures, int) \
+                or max_consecutive_step_failures < 1:
+            raise ValueError(f"max_consecutive_step_failures must be an integer >= 1, "
+                             f"got {max_consecutive_step_failures!r}")
         self._args = args
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_core_main, args=(args, child_conn, logging.getLogger().level),
-                                    name="kvserve-core")
+        self._process = ctx.Process(target=_core_main, name="kvserve-core", args=(
+            args, child_conn, logging.getLogger().level, max_consecutive_step_failures))
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
@@ -121,6 +133,11 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._is_ready and self._error is None and not self._is_stopping and self._process.is_alive()
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine died; None while it runs and after a requested `shutdown()`."""
+        return self._error
+
     def stats(self) -> EngineStats:
         """The snapshot the core sent with its latest step (or command)."""
         return self._stats
@@ -145,6 +162,9 @@ class AsyncLLM:
         self._streams[request_id] = stream
         is_finished = False
         try:
+            if not self.is_healthy:  # it died after the check above, maybe after failing every stream
+                is_finished = True
+                raise EngineDeadError("the engine is not running") from self._error
             self._send((messages.ADD, request_id, processed, arrival))
             while not is_finished:
                 if not builder.has_news and stream.error is None:
@@ -183,11 +203,10 @@ class AsyncLLM:
             pass
         from engine.core import wait_for_exit
 
+        if self._is_ready:  # open streams end now, not after the core's current step
+            self._fail_all(EngineShutDownError("the engine was shut down"))
         await asyncio.to_thread(wait_for_exit, self._process, _STOP_TIMEOUT_S)
         self._conn.close()
-        if not self._is_ready:
-            return
-        self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _send(self, message: tuple) -> None:
         data = messages.encode(message)
@@ -215,7 +234,7 @@ class AsyncLLM:
                 self._error = EngineDeadError(f"the engine core process exited (code {self._process.exitcode})")
         if self._error is not None:
             logger.error("%s", self._error)
-        self._fail_all(self._error or EngineDeadError("the engine was shut down"))
+        self._fail_all(self._error or EngineShutDownError("the engine was shut down"))
 
     def _dispatch(self, message: tuple) -> bool:
         """Route one message from the core; False when the core is dead."""
@@ -254,14 +273,14 @@ class AsyncLLM:
 def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
     for stream, item in batch:
         if isinstance(item, BaseException):
-            stream.error = item
+            stream.error = stream.error or item  # a request's own step error outlives DEAD's that follows
         else:
             stream.builder.add(item)
         stream.wakeup.set()
 
 
-def _core_main(args: EngineArgs, conn, log_level: int) -> None:
+def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int) -> None:
     from engine.core import run_engine_core
 
-    run_engine_core(args, conn, log_level)
+    run_engine_core(args, conn, log_level, max_consecutive_step_failures)
 

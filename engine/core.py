@@ -15,6 +15,11 @@ The core ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the w
 process group, and the server must be able to drain its streams first. It stops when
 told (`stop`), or when the pipe closes because the server process is gone (then it
 exits at once, so nothing is left behind even after a SIGKILL of the server).
+
+A step that raises fails only its own requests; `max_consecutive_step_failures` failed
+steps in a row (a sticky device error) mean the engine is dead: the core sends DEAD and
+exits with code 1. `KVSERVE_FAULT_STEPS` (read once here, for tests and drills) makes the
+runner raise on chosen steps; see `parse_fault_steps`.
 """
 
 from __future__ import annotations
@@ -34,30 +39,79 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking again
 _EXIT_GRACE_S = 5.0  # after the server vanished, how long a running step may take before we exit anyway
+FAULT_ENV = "KVSERVE_FAULT_STEPS"
 
 
-def run_engine_core(args: EngineArgs, conn: Connection, log_level: int) -> None:
+class InjectedFault(RuntimeError):
+    """Raised by the runner on the steps `KVSERVE_FAULT_STEPS` names (a simulated device error)."""
+
+
+class EngineDied(RuntimeError):
+    """Too many consecutive steps failed: the engine is treated as broken."""
+
+
+def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
+                    max_consecutive_step_failures: int = 3) -> None:
     """Process entry point (spawned by `AsyncLLM`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
+        fault_steps = parse_fault_steps(os.environ.get(FAULT_ENV, ""))
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
+        if fault_steps is not None:
+            inject_step_faults(engine.runner, *fault_steps)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
         logger.exception("engine start-up failed")
         conn.send_bytes(messages.encode((messages.FAILED, _picklable(e))))
         conn.close()
         os._exit(1)
     conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
-    EngineCore(engine, conn).run()
+    EngineCore(engine, conn, max_consecutive_step_failures).run()
+
+
+def parse_fault_steps(spec: str) -> tuple[int, int | None] | None:
+    """`KVSERVE_FAULT_STEPS`: `N` fails step N (steps count from 1), `N-M` steps N to M, `N+` step N
+    and every later one; empty: no faults. Returns (first, last or None)."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    try:
+        if spec.endswith("+"):
+            steps = (int(spec[:-1]), None)
+        else:
+            first, dash, last = spec.partition("-")
+            steps = (int(first), int(last) if dash else int(first))
+    except ValueError:
+        steps = (0, 0)
+    if steps[0] < 1 or (steps[1] is not None and steps[1] < steps[0]):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected N, N-M or N+ with 1 <= N <= M")
+    return steps
+
+
+def inject_step_faults(runner, first: int, last: int | None) -> None:
+    """Make `runner.execute` raise `InjectedFault` on steps first..last (None: forever)."""
+    execute = runner.execute
+    num_steps = 0
+
+    def faulty_execute(record):
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps >= first and (last is None or num_steps <= last):
+            raise InjectedFault(f"injected fault in step {num_steps} ({FAULT_ENV})")
+        return execute(record)
+
+    runner.execute = faulty_execute
+    logger.warning("%s is set: steps %d to %s will raise", FAULT_ENV, first, "the end" if last is None else last)
 
 
 class EngineCore:
-    def __init__(self, engine, conn: Connection) -> None:
+    def __init__(self, engine, conn: Connection, max_consecutive_step_failures: int = 3) -> None:
         self.engine = engine
         self.conn = conn
+        self.max_consecutive_step_failures = max_consecutive_step_failures
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.is_stopping = False
 
@@ -93,8 +147,15 @@ class EngineCore:
             deltas = self.engine.step_deltas()
         except StepFailed as e:
             logger.exception("step failed; failing its requests: %s", e.request_ids)
-            return (messages.FAILED_REQUESTS, e.request_ids, f"internal error: {e.__cause__!r}",
-                    self.engine.stats())
+            failed = (messages.FAILED_REQUESTS, e.request_ids, f"internal error: {e.__cause__!r}",
+                      self.engine.stats())
+            num_failures = self.engine.num_consecutive_step_failures
+            if num_failures >= self.max_consecutive_step_failures:
+                self._send(failed)  # these requests get their own step's error; the rest get DEAD
+                raise EngineDied(f"{num_failures} consecutive steps failed "
+                                 f"(max_consecutive_step_failures={self.max_consecutive_step_failures}); "
+                                 f"the last with {e.__cause__!r}") from e
+            return failed
         return (messages.STEP, deltas, self.engine.stats())
 
     def _drain_inbox(self, block: bool) -> bool:

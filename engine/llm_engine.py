@@ -75,6 +75,7 @@ class LLMEngine:
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_consecutive_step_failures = 0  # a sticky device error fails every step; the core counts on this
         logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens",
                     files.model_path, self.info.architecture, self.info.device, self.info.dtype,
                     self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
@@ -167,10 +168,12 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())
         except Exception as e:
             # fail only the requests of this step (freeing their blocks); the engine goes on
+            self.num_consecutive_step_failures += 1
             parent_ids = list(dict.fromkeys(item.request.parent_id for item in plan.scheduled))
             for rid in parent_ids:
                 self.abort(rid)
             raise StepFailed(parent_ids) from e
+        self.num_consecutive_step_failures = 0
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         return outputs
