@@ -22,6 +22,12 @@ Known limit: SentencePiece `ByteFallback` decoders turn *every* byte of an
 invalid run of <0xNN> tokens into U+FFFD, so an invalid byte can change text
 that was valid (and already streamed) a moment earlier. Streamed text can then
 differ from a full decode, but only for invalid UTF-8, which models rarely emit.
+
+Stop strings are matched by `StopMatcher`, one KMP automaton per stop string fed
+only the new text of each update: a step costs O(new text) per stop string
+(amortized; O(new text + longest stop) at worst), never O(text so far x stop
+length). Only the not-yet-emitted tail of the text is kept as a string; emitted
+deltas are joined on demand, so appending is not quadratic either.
 """
 
 from __future__ import annotations
@@ -54,8 +60,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._skip_special_tokens = skip_special_tokens
-        self._stop = [s for s in stop if s]
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._stop = StopMatcher(stop) if any(stop) else None
         self._include_stop_str = include_stop_str
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -63,13 +68,19 @@ class IncrementalDetokenizer:
             context = []  # the prompt ends mid-character: decode the output on its own
         self._ids: list[int] = context  # decode window: ids[0:read] already emitted
         self._read_offset = len(context)
-        self._text = ""  # all decoded output text (truncated at a stop string)
+        self._pending = ""  # decoded text not emitted yet: the held-back tail
+        self._emitted: list[str] = []  # every delta returned so far
         self._is_done = False
         self._token_texts: dict[int, str] = {}
         self._anchor: tuple[list[int], str] | None = None
-
-        self.output_text = ""  # what update() has returned so far
         self.stop_reason: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """What update() has returned so far."""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
         """Add generated ids; return the text that is now safe to emit ("" if none).
@@ -79,15 +90,23 @@ class IncrementalDetokenizer:
         """
         if self._is_done:
             return ""
-        old_len = len(self._text)
-        self._text += self._decode_new(new_token_ids, flush=finished)
-        if self._stop and self._truncate_at_stop(old_len):
-            finished = True
-        end = len(self._text)
-        if not finished and not self._include_stop_str:
-            end -= self._num_held_chars()
-        delta = self._text[len(self.output_text) : end]
-        self.output_text += delta
+        new_text = self._decode_new(new_token_ids, flush=finished)
+        text = self._pending + new_text  # the held tail (at most the longest stop - 1) + new
+        if self._stop is not None and new_text:
+            match = self._stop.feed(new_text)
+            if match is not None:
+                stop_end, stop = match  # the stop ends at new_text[stop_end]
+                end = len(text) - len(new_text) + stop_end
+                # without include_stop_str the whole stop is in `text`: its head was held back
+                text = text[: end if self._include_stop_str else end - len(stop)]
+                self.stop_reason = stop
+                finished = True
+        end = len(text)
+        if not finished and not self._include_stop_str and self._stop is not None:
+            end -= self._stop.num_held_chars
+        delta, self._pending = text[:end], text[end:]
+        if delta:
+            self._emitted.append(delta)
         self._is_done = finished
         return delta
 
@@ -138,32 +157,75 @@ class IncrementalDetokenizer:
                 return text[len(anchor_text) :]
         return self._decode([token_id], skip_special_tokens=False)
 
-    # ---- stop strings ----
 
-    def _truncate_at_stop(self, old_len: int) -> bool:
-        """Cut the text at the stop string that completes first; True if one matched.
+class StopMatcher:
+    """Finds the first stop string in a text fed piece by piece, in time linear in the text.
 
-        Only text from old_len - (len(stop) - 1) on can hold a new match: anything
-        earlier was checked by a previous update.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stop:
-            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if start != -1:
-                match = (start + len(stop), start, stop)
-                best = match if best is None else min(best, match)
-        if best is None:
-            return False
-        end, start, stop = best
-        self._text = self._text[: end if self._include_stop_str else start]
-        self.stop_reason = stop
-        return True
+    One Knuth-Morris-Pratt automaton per stop string: its state is the length of the
+    longest suffix of the text fed so far that is a proper prefix of that stop. So
+    `num_held_chars` (the longest tail that could still become a stop) is the largest
+    state, and a match is found when a state reaches its stop's length. Each feed
+    looks at each new character once per stop (a C-level `find` skips to the stop's
+    first character while no match is in progress), plus failure-link steps that are
+    O(1) amortized and O(longest stop) in one feed at worst.
+    """
 
-    def _num_held_chars(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self._text
-        for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(stop.startswith(tail) for stop in self._stop):
-                return k
-        return 0
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._failure = [_failure_links(s) for s in self.stops]
+        self._states = [0] * len(self.stops)
+        self.num_chars_scanned = 0  # characters looked at by every feed (for tests)
+
+    @property
+    def num_held_chars(self) -> int:
+        return max(self._states, default=0)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Advance over `text`; if a stop string completes in it, `(end, stop)` with
+        `text[:end]` ending in `stop`: the one that ends first, the longest on a tie
+        (the earliest start). After a match the matcher must not be fed again."""
+        best: tuple[int, str] | None = None
+        for i, stop in enumerate(self.stops):
+            end = self._advance(i, text)
+            if end is not None and (best is None or (end, -len(stop)) < (best[0], -len(best[1]))):
+                best = (end, stop)
+        return best
+
+    def _advance(self, i: int, text: str) -> int | None:
+        stop, failure, state = self.stops[i], self._failure[i], self._states[i]
+        pos, num_scanned = 0, 0
+        while pos < len(text):
+            if state == 0:  # no match in progress: jump to the next possible start
+                found = text.find(stop[0], pos)
+                num_scanned += (found if found >= 0 else len(text)) - pos
+                if found < 0:
+                    break
+                pos = found
+            char = text[pos]
+            while state and stop[state] != char:
+                state = failure[state - 1]
+                num_scanned += 1
+            if stop[state] == char:
+                state += 1
+            pos += 1
+            num_scanned += 1
+            if state == len(stop):
+                self._states[i] = state
+                self.num_chars_scanned += num_scanned
+                return pos
+        self._states[i] = state
+        self.num_chars_scanned += num_scanned
+        return None
+
+
+def _failure_links(stop: str) -> list[int]:
+    """KMP failure function: links[k] is the longest proper border of stop[:k + 1]."""
+    links = [0] * len(stop)
+    k = 0
+    for j in range(1, len(stop)):
+        while k and stop[j] != stop[k]:
+            k = links[k - 1]
+        if stop[j] == stop[k]:
+            k += 1
+        links[j] = k
+    return links

@@ -297,3 +297,77 @@ def test_stop_strings_random(include):
                 assert not any(s in emitted for s in stops)
         assert emitted == detok.output_text == expected, (pieces, stops)
         assert detok.stop_reason == reason
+
+
+def reference_deltas(pieces: list[str], stops: list[str], include: bool, finish: bool) -> tuple[list[str], str | None]:
+    """The quadratic algorithm the detokenizer used before StopMatcher (the oracle):
+    search the whole text, hold back the longest tail that is a proper stop prefix."""
+    text, emitted, deltas, max_len = "", "", [], max(len(s) for s in stops)
+    for n, piece in enumerate(pieces):
+        finished = finish and n == len(pieces) - 1
+        old_len, text = len(text), text + piece
+        found = [(start + len(s), start, s) for s in stops
+                 if (start := text.find(s, max(0, old_len - len(s) + 1))) != -1]
+        if found:
+            end, start, stop = min(found)
+            text, finished = text[: end if include else start], True
+        end = len(text)
+        if not finished and not include:
+            end -= next((k for k in range(min(max_len - 1, len(text)), 0, -1)
+                         if any(s.startswith(text[-k:]) for s in stops)), 0)
+        deltas.append(text[len(emitted) : end])
+        emitted += deltas[-1]
+        if finished:
+            return deltas, stop if found else None
+    return deltas, None
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("finish", [False, True])
+def test_stop_deltas_identical_to_the_quadratic_algorithm(include, finish):
+    """Every delta (hold-back included) is what the old whole-text search returned."""
+    rng = random.Random(7)
+    pool = ["abc", "bb", "c a", "aaa", "ba c", "b", "abab", "aabaa", "aaab", "cabcab", "a" * 7]
+    for _ in range(1500):
+        text = "".join(rng.choice("abc ") for _ in range(rng.randrange(1, 60)))
+        stops = rng.sample(pool, rng.randrange(1, 5))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 20))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        detok, deltas = run_stop(pieces, stops, include=include, finish=finish)
+        assert (deltas, detok.stop_reason) == reference_deltas(pieces, stops, include, finish), (pieces, stops)
+
+
+def test_stop_scan_is_linear_in_new_text():
+    """16 stop strings of 10,000 characters over ~3,000 steps: each update looks at its new
+    characters (plus failure-link steps bounded by the longest stop), never at the whole
+    text or the whole stop strings (the old hold-back check copied up to 10k-character tails)."""
+    rng = random.Random(3)
+    stops = ["".join(rng.choice("ab ") for _ in range(10_000)) for _ in range(15)] + ["ab " * 3333 + "x"]
+    tok = CharTokenizer([])
+    detok = IncrementalDetokenizer(tok, [], True, stops)
+    matcher = detok._stop
+    text = "ab " * 3000   # the last stop's partial match grows to 9,000 characters
+    total_new, max_per_step, pos = 0, 0, 0
+    while pos < len(text):
+        piece = text[pos : pos + rng.randrange(1, 6)]
+        pos += len(piece)
+        before = matcher.num_chars_scanned
+        detok.update(tok.ids(piece))
+        max_per_step = max(max_per_step, matcher.num_chars_scanned - before)
+        total_new += len(piece)
+    assert detok.stop_reason is None
+    assert matcher.num_held_chars == len(text)  # all of it could still become the last stop
+    assert detok.output_text == ""
+    # amortized: at most 2 looks per new character per stop string (KMP's bound)
+    assert matcher.num_chars_scanned <= 2 * len(stops) * total_new
+    assert max_per_step <= len(stops) * (3 + 10_000)
+
+
+def test_stop_held_tail_is_all_that_is_kept():
+    tok = CharTokenizer([])
+    detok = IncrementalDetokenizer(tok, [], True, ["xyz" * 100])
+    for _ in range(1000):
+        detok.update(tok.ids("hello "))
+    assert detok._pending == "" and len(detok.output_text) == 6000
+    detok.update(tok.ids("xyzxy"))
+    assert detok._pending == "xyzxy"
