@@ -243,6 +243,7 @@ class InputBatch:
             no_min_p=not self.min_p[:n].any(),
             no_penalties=no_penalties,
             max_top_k=int(top_k.max()) if top_k.any() else None,
+            top_p_rows_have_top_k=bool((top_k[self.top_p[:n] < 1.0] > 0).all()),
             needs_logprobs=bool((num_logprobs != _NO_LOGPROBS).any()),
             prompt_mask=None if no_penalties else self.prompt_mask[:n],
             output_counts=None if no_penalties else self.output_counts[:n],

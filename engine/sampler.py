@@ -11,7 +11,9 @@ when no row in the batch needs it):
    presence (- p if the token occurs in the output).
 4. greedy rows (temperature < 1e-5) take argmax here, of the penalized logits.
 5. temperature, then top-k, then top-p (on the top-k-renormalized distribution),
-   then min-p (relative to the most likely token).
+   then min-p (relative to the most likely token). Only top-p sorts, and only the
+   [B, max_top_k] candidates when every top-p row also has a top_k; greedy and
+   top-k-only batches never sort the vocabulary.
 6. exponential race: argmax(probs / q), q ~ Exp(1). Unseeded rows draw q from
    the global torch generator; seeded rows use a counter-based hash of
    (seed, step, token index), so their tokens depend neither on the batch
@@ -64,6 +66,7 @@ class SamplingTensors:
     no_penalties: bool
     max_top_k: int | None = None  # largest active top_k (host); None = unknown, use V
     needs_logprobs: bool = True  # False: no row asked for logprobs, skip computing them
+    top_p_rows_have_top_k: bool = False  # every row with top_p < 1 has a top_k: top-p sorts [B, max_top_k]
     # penalty state kept on the device by the runner's InputBatch (used instead of the id lists)
     prompt_mask: Tensor | None = None  # [B, V] bool, token occurs in the prompt
     output_counts: Tensor | None = None  # [B, V] float32, occurrences in the output
@@ -144,6 +147,7 @@ class SamplingTensors:
             no_penalties=no_penalties,
             max_top_k=max(top_k) if any(top_k) else None,
             needs_logprobs=needs_logprobs or max_num_logprobs > 0,
+            top_p_rows_have_top_k=all(k > 0 for k, p in zip(top_k, top_p) if p < 1.0),
         )
 
 
@@ -251,13 +255,21 @@ def apply_penalty_state(
 
 
 def apply_top_k_top_p(
-    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, max_top_k: int | None = None
+    logits: Tensor,
+    top_k: Tensor | None,
+    top_p: Tensor | None,
+    max_top_k: int | None = None,
+    top_p_rows_have_top_k: bool = False,
 ) -> Tensor:
     """In place: keep each row's top_k logits (0 = all), then the smallest set of the
     most likely remaining tokens whose probability reaches top_p (1 = all).
 
-    Ties at the k-th value are all kept. Top-k alone uses `torch.topk` for a
-    threshold; with top-p there is one full sort.
+    Top-k alone uses `torch.topk(max_top_k)` for a threshold and keeps every tie at
+    the k-th value. With top-p, the tokens are ordered by logit, ties by token id (a
+    stable sort), and top-k keeps the first k of that order. That order is found by
+    sorting the whole vocabulary, or, when the host knows that every row with
+    top_p < 1 also has a top_k (`top_p_rows_have_top_k`) and passes `max_top_k`,
+    by sorting only [B, max_top_k] candidates; both give the same tokens.
     """
     vocab_size = logits.shape[1]
     if top_k is None and top_p is None:
@@ -269,17 +281,49 @@ def apply_top_k_top_p(
         kth = values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])  # [B, 1]
         kth.masked_fill_(k_off[:, None], float("-inf"))
         return logits.masked_fill_(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    if top_k is not None and max_top_k is not None and top_p_rows_have_top_k:
+        return _top_p_within_top_k(logits, top_k, top_p, min(max_top_k, vocab_size))
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tensor) -> Tensor:
+    """`apply_top_k_top_p` with top-p by one stable sort of the whole vocabulary. [B, V], in place."""
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
     if top_k is not None:
         k = torch.where(top_k <= 0, vocab_size, top_k)
         positions = torch.arange(vocab_size, device=logits.device)
         sorted_logits.masked_fill_(positions[None, :] >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] exclusive cumulative probability
-    p = torch.where(top_p >= 1.0, float("inf"), top_p)  # rounding must not cut p = 1 rows
-    drop_sorted = (mass_before >= p[:, None]) | (sorted_logits == float("-inf"))
+    drop_sorted = _top_p_drop(sorted_logits, top_p)
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
     return logits.masked_fill_(drop, float("-inf"))
+
+
+def _top_p_within_top_k(logits: Tensor, top_k: Tensor, top_p: Tensor, kmax: int) -> Tensor:
+    """`apply_top_k_top_p` sorting only [B, kmax] candidates: every row with top_p < 1 has
+    0 < top_k <= kmax; rows with no top_k (and so top_p = 1) are left alone. [B, V], in place."""
+    has_k = top_k > 0  # [B]
+    k = top_k.clamp(1, kmax)[:, None]  # [B, 1]
+    kth = logits.topk(kmax, dim=-1).values.gather(1, k - 1)  # [B, 1] the k-th largest logit
+    above = logits > kth  # [B, V]
+    at_kth = logits == kth
+    # the stable sort's first k: all tokens above the k-th value, then the lowest ids equal to it
+    in_top_k = above | (at_kth & (at_kth.cumsum(dim=-1, dtype=torch.int32) <= k - above.sum(-1, keepdim=True)))
+    values, ids = logits.masked_fill(~in_top_k, float("-inf")).topk(kmax, dim=-1)  # [B, kmax], top-k ⊆ ids
+    ids, by_id = ids.sort(dim=-1)  # order the candidates as the stable sort does: by value, ties by id
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    keep = torch.zeros_like(in_top_k).scatter_(1, ids, ~_top_p_drop(values, top_p))
+    return logits.masked_fill_(~keep & has_k[:, None], float("-inf"))
+
+
+def _top_p_drop(sorted_logits: Tensor, top_p: Tensor) -> Tensor:
+    """[B, N] logits sorted descending (-inf = already dropped) -> [B, N] bool, True where
+    top-p drops the token: the probability mass before it already reaches top_p."""
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, N] exclusive cumulative probability
+    p = torch.where(top_p >= 1.0, float("inf"), top_p)  # rounding must not cut p = 1 rows
+    return (mass_before >= p[:, None]) | (sorted_logits == float("-inf"))
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
@@ -299,6 +343,7 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
             None if t.no_top_k else t.top_k,
             None if t.no_top_p else t.top_p,
             t.max_top_k,
+            t.top_p_rows_have_top_k,
         )
     if not t.no_min_p:
         apply_min_p(x, t.min_p)

@@ -3,10 +3,14 @@ import dataclasses
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from engine.sampler import (
     Sampler,
     SamplingTensors,
+    _top_k_top_p_sorted,
     apply_penalties,
+    apply_top_k_top_p,
     hash_exponential,
     hash_uniform,
     mix64,
@@ -434,3 +438,95 @@ def test_cuda_matches_cpu_and_never_syncs():
         hash_uniform(torch.arange(4).cuda(), torch.arange(4).cuda(), 1000).cpu(),
         hash_uniform(torch.arange(4), torch.arange(4), 1000),
     )
+
+
+# ---- top-k / top-p without a full-vocabulary sort ----
+
+
+class SortRecorder(TorchDispatchMode):
+    """Records the last-dim sizes that aten sort and topk are asked to order."""
+
+    def __init__(self):
+        super().__init__()
+        self.sorted_sizes, self.topk_sizes = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "sort":
+            self.sorted_sizes.append(args[0].shape[-1])
+        elif name == "topk":
+            self.topk_sizes.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def tie_heavy_logits(num_reqs: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """Logits with many exact ties (bf16 has 8 significant bits, like real bf16 logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_reqs, vocab_size, generator=gen) * 2).bfloat16().float()
+
+
+def mixed_batch(vocab_size: int, seed: int, **kw) -> SamplingTensors:
+    """Rows with top-k + top-p, top-k only, and neither (random or greedy), all seeded."""
+    top_k = [5, 1, 17, 40, 3, 0, 0, 9, 17, 2]
+    top_p = [0.9, 0.5, 0.3, 0.999, 1.0, 1.0, 1.0, 0.05, 0.7, 0.6]
+    temperature = [1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 0.0, 2.0, 1.0, 0.5]
+    return SamplingTensors.from_lists(
+        vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
+        seeds=[seed + i for i in range(len(top_k))], **kw)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_within_top_k_keeps_the_full_sorts_tokens(seed):
+    """Sorting only the [B, max_top_k] candidates drops exactly what the full stable sort drops,
+    ties at the k-th value and at the top-p boundary included."""
+    vocab_size = 300
+    t = mixed_batch(vocab_size, seed)
+    assert t.top_p_rows_have_top_k and t.max_top_k == 40
+    logits = tie_heavy_logits(len(t.top_k), vocab_size, seed)
+    logits[0, :10] = logits[0].max() + 1  # 10 tokens tie for first place under top_k=5
+    logits[4, 100:] = float("-inf")  # a row with -inf logits (e.g. suppressed tokens)
+    fast = apply_top_k_top_p(logits.clone(), t.top_k, t.top_p, t.max_top_k, True)
+    full = _top_k_top_p_sorted(logits.clone(), t.top_k, t.top_p)
+    assert torch.equal(fast, full)
+    assert torch.equal(fast[5], logits[5]) and torch.equal(fast[6], logits[6])  # rows with neither
+    kept = (fast > float("-inf")).sum(dim=-1)
+    assert kept[0] == 5 and (kept[:5] <= t.top_k[:5]).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sampler_tokens_equal_with_and_without_the_full_sort(seed):
+    vocab_size = 300
+    t = mixed_batch(vocab_size, seed, max_num_logprobs=2)
+    logits = tie_heavy_logits(len(t.top_k), vocab_size, seed + 10)
+    fast = sampler(logits, t)
+    full = sampler(logits, dataclasses.replace(t, top_p_rows_have_top_k=False))
+    assert torch.equal(fast.sampled_token_ids, full.sampled_token_ids)
+    assert torch.equal(fast.sampled_logprobs, full.sampled_logprobs)
+
+
+def test_top_p_without_top_k_on_some_row_still_sorts_everything():
+    t = tensors(50, 3, top_k=[4, 0, 0], top_p=[0.8, 0.6, 1.0])
+    assert not t.top_p_rows_have_top_k
+    recorder = SortRecorder()
+    with recorder:
+        sampler(torch.randn(3, 50), t)
+    assert 50 in recorder.sorted_sizes
+
+
+@pytest.mark.parametrize("kind", ["greedy", "top_k", "top_k_and_top_p", "mixed_greedy_top_k"])
+def test_no_full_vocabulary_sort(kind):
+    vocab_size, num_reqs = 500, 4
+    settings = {
+        "greedy": dict(temperature=[0.0] * num_reqs),
+        "top_k": dict(top_k=[3, 8, 0, 1]),
+        "top_k_and_top_p": dict(top_k=[3, 8, 0, 20], top_p=[0.5, 0.9, 1.0, 0.8]),
+        "mixed_greedy_top_k": dict(temperature=[0.0, 1.0, 0.0, 0.8], top_k=[0, 5, 0, 7], top_p=[1.0, 0.5, 1.0, 1.0]),
+    }[kind]
+    t = tensors(vocab_size, num_reqs, max_num_logprobs=3, **settings)
+    recorder = SortRecorder()
+    with recorder:
+        out = sampler(torch.randn(num_reqs, vocab_size), t)
+    assert out.sampled_token_ids.shape == (num_reqs,)
+    assert vocab_size not in recorder.sorted_sizes
+    assert vocab_size not in recorder.topk_sizes
+    assert all(n <= 20 for n in recorder.sorted_sizes + recorder.topk_sizes)
