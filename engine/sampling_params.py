@@ -20,6 +20,20 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest number of top logprobs a request may ask for (OpenAI's top_logprobs cap).
 MAX_NUM_LOGPROBS = 20
+# Bounds on stop conditions (docs/server.md, "Limits"): OpenAI allows 4 stop sequences, vLLM
+# sets no bound. Matching costs O(new text) per stop string per step, the text held back
+# while streaming is up to the longest stop - 1 characters, and each stop string costs its
+# length in failure links: 16 strings of 4,096 characters in all cover real end markers.
+MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 4096
+MAX_NUM_STOP_TOKEN_IDS = 256
+# The sampler runs in float32, where 1e-50 is 0 and 1e39 is inf: a top_p of 0 or a penalty of
+# 0 or inf turns every logit into -inf or NaN and every token into the first (end of text).
+# top_p below MIN_TOP_P is raised to it, which keeps its meaning: any top_p <= 1 / vocab_size
+# keeps only the most likely token. repetition_penalty outside the range is refused.
+MIN_TOP_P = 1e-8
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
 
 
 @dataclass(slots=True)
@@ -59,7 +73,7 @@ class SamplingParams:
         """Check every field, normalizing types in place; raise ValueError naming the field and value."""
         self.n = _int("n", self.n, lo=1)
         self.temperature = _float("temperature", self.temperature, lo=0.0)
-        self.top_p = _float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        self.top_p = max(_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0), MIN_TOP_P)
         self.top_k = _int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
@@ -73,6 +87,9 @@ class SamplingParams:
             )
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids accepts at most {MAX_NUM_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
@@ -85,6 +102,11 @@ class SamplingParams:
         self.repetition_penalty = _float(
             "repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True
         )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
+                f"{MAX_REPETITION_PENALTY:g} (float32 sampling), got {self.repetition_penalty}"
+            )
         self.presence_penalty = _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         self.frequency_penalty = _float(
             "frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0
@@ -160,6 +182,10 @@ def _stop_list(stop: object) -> list[str]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+    num_chars = sum(len(s) for s in stop)
+    if len(stop) > MAX_NUM_STOP or num_chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop accepts at most {MAX_NUM_STOP} strings of {MAX_STOP_CHARS} characters "
+                         f"in all, got {len(stop)} strings of {num_chars} characters")
     return list(stop)
 
 
