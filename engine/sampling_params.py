@@ -16,10 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured_output import StructuredOutputs
+
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest number of top logprobs a request may ask for (OpenAI's top_logprobs cap).
 MAX_NUM_LOGPROBS = 20
+# OpenAI's logit_bias range
+MAX_ABS_LOGIT_BIAS = 100.0
 # Bounds on stop conditions (docs/server.md, "Limits"): OpenAI allows 4 stop sequences, vLLM
 # sets no bound. Matching costs O(new text) per stop string per step, the text held back
 # while streaming is up to the longest stop - 1 characters, and each stop string costs its
@@ -45,6 +49,10 @@ class SamplingParams:
     `stop` may be given as a single string; it is stored as a list.
     `min_tokens` forbids EOS and `stop_token_ids` until that many tokens exist
     (stop *strings* are still honoured, as in vLLM).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
+    (engine/structured_output.py; a dict is turned into `StructuredOutputs`); `logit_bias` maps
+    token ids to a bias in [-100, 100] added to their logits (ids are checked against the
+    vocabulary when the request is added).
     """
 
     n: int = 1
@@ -65,6 +73,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +125,8 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -198,3 +210,30 @@ def _token_id_list(name: str, ids: object) -> list[int]:
         if not _is_int(i) or i < 0:
             raise ValueError(f"{name} must contain only non-negative ints, got {i!r}")
     return list(ids)
+
+
+def _structured_outputs(value: object) -> StructuredOutputs | None:
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputs(**value)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+    raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict, got {value!r}")
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """Token id -> bias; JSON's string keys ("50256") are accepted and made ints."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    result = {}
+    for key, value in bias.items():
+        token_id = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        result[token_id] = _float(f"logit_bias[{key!r}]", value, lo=-MAX_ABS_LOGIT_BIAS,
+                                  hi=MAX_ABS_LOGIT_BIAS)
+    return result or None

@@ -17,28 +17,33 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import package_version
 from server.chat import load_chat_template, render_chat
 from server.config import ServerConfig
-from server.errors import APIError, bad_request, install_error_handlers, internal_error
+from server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
 from server.logprobs import TokenText
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizerInfoResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.openapi import errors, install_openapi, streamed
 from server.serving import Admission, Serving
 from server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
+from server.tokenizer_info import tokenizer_info
 from server.validation import (
     ModelLimits,
     ValidatedRequest,
@@ -115,7 +120,8 @@ def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: boo
         if engine is None:
             from engine import AsyncLLM, EngineArgs
 
-            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
+            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
+                                  max_consecutive_step_failures=config.max_consecutive_step_failures)
         else:
             the_engine = engine
         if owned:
@@ -129,7 +135,8 @@ def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: boo
         log_startup(state)
         tasks = [asyncio.create_task(state.metrics.run_stats_logger(config.stats_log_interval))]
         if owned:
-            tasks.append(asyncio.create_task(_exit_when_engine_dies(app, the_engine)))
+            tasks.append(asyncio.create_task(_exit_when_engine_dies(app, the_engine,
+                                                                    config.keep_alive_on_engine_death)))
         try:
             yield
         finally:
@@ -141,6 +148,7 @@ def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: boo
     app = FastAPI(title="kvserve", version=package_version(), lifespan=lifespan)
     install_error_handlers(app)
     _add_routes(app)
+    install_openapi(app, has_api_key=bool(config.api_key))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -150,16 +158,22 @@ def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: boo
     return app
 
 
-async def _exit_when_engine_dies(app: FastAPI, engine: Any) -> None:
+async def _exit_when_engine_dies(app: FastAPI, engine: Any, keep_alive: bool = False) -> None:
     """A dead engine never recovers: fail fast so that an orchestrator restarts the server.
 
     `/health` answers 503 from the moment the engine is dead; the CLI sets
-    `app.state.request_exit` and exits non-zero once uvicorn has stopped.
+    `app.state.request_exit` and exits non-zero once uvicorn has stopped (unless
+    `keep_alive`: `--keep-alive-on-engine-death`). An engine stopped by the drain is not dead.
     """
     while engine.is_healthy:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
-    logger.error("the engine is dead; shutting the server down")
+    if app.state.kv.admission.is_closed and engine.error is None:
+        return  # the server is shutting down (server.drain) and stopped the engine itself
     app.state.engine_failed = True
+    if keep_alive:
+        logger.error("the engine is dead; --keep-alive-on-engine-death keeps the server up (/health 503)")
+        return
+    logger.error("the engine is dead; shutting the server down")
     request_exit = getattr(app.state, "request_exit", None)
     if request_exit is not None:
         request_exit()
@@ -197,9 +211,9 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request)
         return Response(status_code=499)
     except APIError:
         raise
-    except Exception as exc:   # fail this request only; the server goes on
+    except Exception:   # fail this request only; the server goes on
         logger.exception("request %s failed", vreq.request_id)
-        return internal_error(exc).response()
+        return internal_error(vreq.request_id).response()
     finally:
         if not is_handed_over:
             await outputs.aclose()
@@ -210,12 +224,16 @@ def _add_routes(app: FastAPI) -> None:
     def kv(request: Request) -> AppState:
         return request.app.state.kv
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={
+        **streamed(CompletionResponse, "`data: {CompletionResponse}` events, then `data: [DONE]`"),
+        **errors(400, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = kv(request)
         return await run_request(state, validate_completion(body, state.limits, state.tokenizer), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        **streamed(ChatCompletionResponse, "`data: {ChatCompletionChunk}` events, then `data: [DONE]`"),
+        **errors(400, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = kv(request)
         return await run_request(state, validate_chat(body, state.limits, state.tokenizer), request)
@@ -225,19 +243,23 @@ def _add_routes(app: FastAPI) -> None:
         state = kv(request)
         return ModelList(data=[_model_card(state, name) for name in state.limits.served_model_names])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=errors(404))
     async def model(model: str, request: Request) -> ModelCard:
         state = kv(request)
         check_model(model, state.limits)
         return _model_card(state, model)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}},
+                                   **errors(503)})
     async def health(request: Request) -> Response:
-        if kv(request).engine.is_healthy:
+        state = kv(request)
+        if state.admission.is_closed:
+            raise shutting_down()   # load balancers stop sending while the server drains
+        if state.engine.is_healthy:
             return JSONResponse({"status": "ok"})
         raise APIError(503, "the engine loop has stopped", code="engine_dead")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         return Response(kv(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -245,7 +267,7 @@ def _add_routes(app: FastAPI) -> None:
     async def version() -> dict[str, str]:
         return {"version": package_version()}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=errors(400, 404, 413))
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         state = kv(request)
         check_model(body.model, state.limits)
@@ -259,7 +281,7 @@ def _add_routes(app: FastAPI) -> None:
             tokens = state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         return TokenizeResponse(tokens=list(tokens), count=len(tokens), max_model_len=state.limits.max_model_len)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, 404, 413))
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         state = kv(request)
         check_model(body.model, state.limits)
@@ -267,6 +289,11 @@ def _add_routes(app: FastAPI) -> None:
             if not 0 <= token_id < state.limits.vocab_size:
                 raise bad_request(f"token id {token_id} is outside the vocabulary", param="tokens")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info(request: Request) -> TokenizerInfoResponse:
+        state = kv(request)
+        return tokenizer_info(state.tokenizer, state.limits.chat_template, state.limits.max_model_len)
 
 
 def _model_card(state: AppState, name: str) -> ModelCard:

@@ -4,13 +4,18 @@ Request models check types and ranges only; `server.validation` turns a parsed r
 into the engine-facing `ValidatedRequest` (tokenized, length-checked). Unknown request
 fields are ignored, as most OpenAI-compatible servers do; fields whose meaning we cannot
 honour (`suffix`, `logit_bias`, `tools`, structured `response_format`) are rejected there.
+
+A lone UTF-16 surrogate in any request string (`"a\\ud800b"`: JSON allows it, UTF-8 cannot
+encode it, JavaScript produces it by slicing an emoji) is replaced by U+FFFD before anything
+reads the request, as OpenAI does: the tokenizer and the JSON encoder never see it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -21,8 +26,29 @@ TokenIds = list[StrictInt]
 Stop = StrictStr | list[StrictStr]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a valid pair is one code point once JSON is parsed
+
+
+def replace_lone_surrogates(value: Any) -> Any:
+    """`value` (parsed JSON) with every lone surrogate in its strings and keys replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value) if _LONE_SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if value and isinstance(value[0], (int, float)):   # token ids: no strings to fix (or a type error)
+            return value
+        return [replace_lone_surrogates(v) for v in value]
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replace_lone_surrogates(cls, data: Any) -> Any:
+        return replace_lone_surrogates(data)
 
 
 class StreamOptions(_Request):
@@ -212,3 +238,30 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """`GET /tokenizer_info`: the tokenizer's configuration (as vLLM serves it: `tokenizer_config.json`'s
+    fields, file paths left out) plus what lm-eval's remote tokenizer reads."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    model_max_length: int
+    chat_template: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (OpenAI's shape)."""
+
+    error: ErrorInfo

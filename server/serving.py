@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from server.errors import APIError, bad_request, internal_error
-from server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from server.errors import APIError, bad_request, internal_error, shutting_down
+from server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from server.metrics import ServerMetrics
 from server.protocol import (
     ChatChoice,
@@ -34,9 +34,12 @@ from server.streaming import DONE_EVENT, sse_event
 from server.validation import ValidatedRequest, param_for_message
 
 try:
-    from engine import EngineDeadError
+    from engine import EngineDeadError, EngineShutDownError
 except ImportError:  # not part of the documented contract; only used to answer 503 instead of 500
     class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
+        pass
+
+    class EngineShutDownError(EngineDeadError):  # type: ignore[no-redef]
         pass
 
 logger = logging.getLogger("kvserve.server")
@@ -48,6 +51,7 @@ class Admission:
 
     Counts the sequences (prompts x n) of HTTP requests in flight; those beyond `max_num_seqs`
     must queue. The engine's own `num_waiting` also counts (e.g. when KV blocks, not seats, run out).
+    Once closed (the server is shutting down), every request is refused with 503.
     """
 
     def __init__(self, engine: Any, max_queue: int | None, max_num_seqs: int) -> None:
@@ -55,8 +59,14 @@ class Admission:
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
         self.num_in_flight = 0
+        self.is_closed = False
+
+    def close(self) -> None:
+        self.is_closed = True
 
     def reserve(self, vreq: ValidatedRequest) -> int:
+        if self.is_closed:
+            raise shutting_down()
         num_seqs = len(vreq.prompts) * vreq.num_choices
         if self.max_queue is not None:
             num_queued = max(self.num_in_flight + num_seqs - self.max_num_seqs, 0)
@@ -146,8 +156,12 @@ class Serving:
                 yield out
         except ValueError as exc:   # the engine refused the request
             raise bad_request(str(exc), param=param_for_message(str(exc))) from None
-        except EngineDeadError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from None
+        except EngineShutDownError:
+            raise shutting_down() from None
+        except EngineDeadError as exc:   # its cause goes to the log, not to the client
+            logger.warning("request %s: %s", vreq.request_id, exc)
+            raise APIError(503, f"the engine is not running (request id {vreq.request_id})", code="engine_dead",
+                           headers={"X-Request-Id": vreq.request_id}) from None
         finally:
             if hasattr(stream, "aclose"):
                 await stream.aclose()
@@ -182,7 +196,8 @@ class Serving:
             ).model_dump(mode="json")
         return CompletionResponse(
             id=vreq.request_id, created=created, model=vreq.model_name, usage=usage,
-            choices=[self._completion_choice(vreq, i, c, prompt_logprobs.get(i), first=True, whole=True)
+            choices=[self._completion_choice(vreq, i, c, prompt_logprobs.get(i), first=True, whole=True,
+                                             offsets=self._text_offsets(vreq, i))
                      for (i, _), c in sorted(choices.items())],
         ).model_dump(mode="json")
 
@@ -201,8 +216,9 @@ class Serving:
                           finish_reason=_finish_reason(choice))
 
     def _completion_choice(self, vreq: ValidatedRequest, prompt_idx: int, choice: Any, prompt_logprobs: Any,
-                           first: bool, whole: bool, text_offset: int = 0) -> CompletionChoice:
-        """A choice from the whole output (`whole`) or from its delta; `first` adds the echoed prompt."""
+                           first: bool, whole: bool, offsets: TextOffsets) -> CompletionChoice:
+        """A choice from the whole output (`whole`) or from its delta; `first` adds the echoed prompt.
+        `offsets` (one per choice, kept across a stream's chunks) places the generated tokens."""
         prompt = vreq.prompts[prompt_idx]
         text, token_ids, logprobs = "", [], []
         if not vreq.is_scoring_only:
@@ -215,14 +231,19 @@ class Serving:
             result = CompletionLogprobs()
             if echo:
                 result = completion_logprobs(prompt.token_ids, prompt_logprobs or [None] * len(prompt.token_ids),
-                                             vreq.num_logprobs, self.token_text, 0)
-                text_offset = len(prompt.text)
-            generated = completion_logprobs(token_ids, logprobs, vreq.num_logprobs, self.token_text, text_offset)
+                                             vreq.num_logprobs, self.token_text,
+                                             TextOffsets(self.token_text, False, text=prompt.text))
+            generated = completion_logprobs(token_ids, logprobs, vreq.num_logprobs, self.token_text, offsets)
             for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(result, field).extend(getattr(generated, field))
         return CompletionChoice(index=prompt_idx * vreq.num_choices + choice.index,
                                 text=(prompt.text if echo else "") + text, logprobs=result,
                                 finish_reason=_finish_reason(choice))
+
+    def _text_offsets(self, vreq: ValidatedRequest, prompt_idx: int) -> TextOffsets:
+        """Offsets of a choice's generated tokens: they follow the echoed prompt, if any."""
+        start = len(vreq.prompts[prompt_idx].text) if vreq.is_echo else 0
+        return TextOffsets(self.token_text, vreq.params.skip_special_tokens, start=start)
 
     # ------------------------------------------------------------------ streaming
 
@@ -237,9 +258,9 @@ class Serving:
                     yield sse_event(chunk.model_dump_json(exclude=exclude))
         except APIError as exc:
             yield sse_event(exc.body())
-        except Exception as exc:
+        except Exception:
             logger.exception("request %s failed mid-stream", vreq.request_id)
-            yield sse_event(internal_error(exc).body())
+            yield sse_event(internal_error(vreq.request_id).body())
         yield DONE_EVENT
 
     async def _completion_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
@@ -247,7 +268,7 @@ class Serving:
         created = int(time.time())
         started: set[tuple[int, int]] = set()
         finals: dict[tuple[int, int], Any] = {}
-        text_offsets: dict[tuple[int, int], int] = {}
+        text_offsets: dict[tuple[int, int], TextOffsets] = {}
         prompt_logprobs: dict[int, Any] = {}
         async for i, out in outputs:
             if getattr(out, "prompt_logprobs", None) is not None:
@@ -258,9 +279,10 @@ class Serving:
                     continue
                 is_first = key not in started
                 started.add(key)
+                if is_first:
+                    text_offsets[key] = self._text_offsets(vreq, i)
                 c = self._completion_choice(vreq, i, choice, prompt_logprobs.get(i), first=is_first, whole=False,
-                                            text_offset=text_offsets.get(key, 0))
-                text_offsets[key] = text_offsets.get(key, 0) + len(c.text)
+                                            offsets=text_offsets[key])
                 if choice.finish_reason is not None:
                     finals[key] = choice
                 if c.text or c.finish_reason or (c.logprobs and c.logprobs.tokens):

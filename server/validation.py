@@ -73,6 +73,8 @@ def check_model(name: str | None, limits: ModelLimits) -> str:
 
 
 def _check_common(req: SamplingFields, limits: ModelLimits) -> None:
+    if req.stream_options is not None and not req.stream:   # OpenAI refuses it too
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -192,6 +194,8 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
     """Check a /v1/chat/completions request, render its messages and tokenize them."""
     model_name = check_model(req.model, limits)
     _check_common(req, limits)
+    if req.tool_choice is not None and not req.tools:   # OpenAI refuses it too
+        raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
     if req.tools and req.tool_choice != "none":
         raise bad_request("tools are not supported", param="tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
