@@ -193,3 +193,17 @@ def test_ops_are_registered_custom_ops_with_fake_impls():
     torch.library.opcheck(torch.ops.kvserve.triton_rotary_and_cache_write,
                           (q, k, v, rope(8, torch.float32), torch.tensor([1, 2]), cache, cache.clone(),
                            torch.tensor([3, -1], dtype=torch.int32)))
+
+
+def test_bench_kernels_elementwise_table_runs_on_the_cpu(capsys):
+    """loadtest/bench_kernels' GPU table, smoke-tested here with tiny sizes (timings are not checked)."""
+    from loadtest import bench_kernels
+
+    results = bench_kernels.bench_elementwise("cpu", rows=(1, 3), impls=("eager", "triton"), hidden=96,
+                                              intermediate=40, dtype=torch.float32, calls=2)
+    assert [(op, rows, impl) for op, rows, impl, _ in results] == [
+        (op, rows, impl) for rows in (1, 3) for op in ("add_rms_norm", "silu_and_mul") for impl in ("eager", "triton")]
+    out = capsys.readouterr().out
+    assert "triton us (GB/s)" in out and out.count("silu_and_mul") == 2
+    if not torch.cuda.is_available():
+        assert bench_kernels.main(["--device", "cuda"]) == 1
