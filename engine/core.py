@@ -139,6 +139,8 @@ class EngineCore:
                     self._send((messages.STATS, engine.stats()))
                 continue
             self._send(self._step())
+            for request_id, message in engine.take_rejected():  # a grammar failed to compile
+                self._send((messages.REJECTED, request_id, message))
 
     def _step(self) -> tuple:
         from engine.llm_engine import StepFailed

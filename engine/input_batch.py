@@ -54,6 +54,8 @@ class InputBatch:
         # every per-row array above: compaction moves them all
         self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = []  # [n] (token id, bias) pairs
+        self.rows_version = 0  # bumped whenever rows join, leave or move (caches key on it)
         # prompt positions already scored, per request: survives a preemption (the recompute
         # must not score them twice), dropped when the request finishes
         self.num_prompt_logprobs_done: dict[str, int] = {}
@@ -114,8 +116,10 @@ class InputBatch:
                 self.prompt_mask[first:num_new] = self.prompt_mask.index_select(0, idx)
         self.req_ids = [self.req_ids[i] for i in order]
         self.suppressed = [self.suppressed[i] for i in order]
+        self.logit_bias = [self.logit_bias[i] for i in order]
         self.row_of = {r: i for i, r in enumerate(self.req_ids)}
         self._sampling = None
+        self.rows_version += 1
 
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.row_of:  # cannot happen with a consistent scheduler; stay correct anyway
@@ -134,6 +138,7 @@ class InputBatch:
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
         self._sampling = None
+        self.rows_version += 1
 
     def _write_sampling(self, row: int, new: NewRequestData) -> None:
         s = new.sampling
@@ -151,6 +156,7 @@ class InputBatch:
         self.num_logprobs[row] = _NO_LOGPROBS if s.num_logprobs is None else s.num_logprobs
         self.num_prompt_logprobs[row] = _NO_LOGPROBS if s.num_prompt_logprobs is None else s.num_prompt_logprobs
         self.suppressed.append(s.suppressed_token_ids)
+        self.logit_bias.append(s.logit_bias)
         if s.has_penalties or self.output_counts is not None:
             self._ensure_penalty_rows(row + 1)
         if self.output_counts is not None:

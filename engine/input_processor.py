@@ -37,6 +37,9 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     params.validate()  # the caller may have mutated a validated object
+    bad_bias = [t for t in params.logit_bias or () if t >= info.vocab_size]
+    if bad_bias:
+        raise ValueError(f"logit_bias token ids must be in [0, {info.vocab_size}), got {bad_bias[:5]}")
     if isinstance(prompt, str):
         text, token_ids = prompt, tokenizer.encode(prompt)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from engine.config import EngineArgs, RuntimeInfo
 from engine.input_processor import ProcessedPrompt, process_prompt
@@ -20,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_model_files
 from models.timing import PhaseTimer, process_uptime
 
@@ -72,6 +74,9 @@ class LLMEngine:
                                           cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # constrained requests wait there (not in the scheduler) while their grammar compiles
+        self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -105,6 +110,9 @@ class LLMEngine:
         self.output_processor.add(request_id, children)
         if build_outputs:
             self._builders[request_id] = processed.output_builder(request_id, arrival)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, children, params.structured_outputs)
+            return
         for child in children:
             self.scheduler.add(child)
 
@@ -123,16 +131,41 @@ class LLMEngine:
         return outputs[0] if outputs else None
 
     def abort_delta(self, request_id: str) -> RequestDelta | None:
+        self.structured.abort(request_id)
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.has_pending
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(request id, error) of requests failed since the last call: their grammar did not compile.
+        They produce no output; the engine core reports them as rejected (a ValueError)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def _admit_compiled(self) -> None:
+        """Queue the constrained requests whose grammar is ready; drop those whose compile failed."""
+        if not self.structured.has_pending:
+            return
+        if not self.scheduler.has_unfinished():
+            self.structured.wait(0.05)  # nothing else to run: wait a little for a compile, not spin
+        ready, failed = self.structured.take_ready()
+        for child in ready:
+            self.scheduler.add(child)
+        for request_id, message in failed:
+            self.output_processor.parents.pop(request_id, None)
+            self._rejected.append((request_id, message))
 
     # ---- one step ----------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One step; an output for every request that produced something (or that finished)."""
+        """One step; an output for every request that produced something (or that finished).
+        Raises ValueError (before running the step) for a request whose grammar failed to compile."""
+        self._admit_compiled()
+        for request_id, message in self.take_rejected():
+            if self._builders.pop(request_id, None) is not None:
+                raise ValueError(f"request {request_id!r}: {message}")
         return self._fold(self.step_deltas(), finished_only)
 
     def _fold(self, deltas: list[RequestDelta], finished_only: bool = False) -> list[RequestOutput]:
@@ -150,6 +183,7 @@ class LLMEngine:
 
     def step_deltas(self) -> list[RequestDelta]:
         """One step; a `RequestDelta` (what is new) for every request that produced something."""
+        self._admit_compiled()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -162,7 +196,9 @@ class LLMEngine:
             self.prompt_tokens_total += max(0, min(item.start_pos + item.num_new_tokens,
                                                    req.num_prompt_tokens) - item.start_pos)
         try:
-            result = self.runner.execute(plan.record)
+            grammar = self.structured.step_bitmask(plan)
+            result = self.runner.execute(plan.record if grammar is None else replace(plan.record, grammar=grammar))
+            self.structured.accept_tokens(plan, result.sampled_token_ids)  # before update: it checks is_terminated
             finished = self.scheduler.update(plan, result.sampled_token_ids)
             self.generation_tokens_total += sum(t is not None for t in result.sampled_token_ids)
             outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())

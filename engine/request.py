@@ -36,7 +36,7 @@ class Request:
         "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time",
+        "finished_time", "structured",
     )
 
     def __init__(
@@ -70,6 +70,8 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        # structured outputs: this sequence's grammar matcher (engine/structured_output.py), set in the core
+        self.structured = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device, resolve_dtype
 from engine.input_batch import InputBatch
 from engine.kv_pool import allocate_kv_pool
+from engine.logits_processors import LogitsProcessors
 from engine.memory_profile import profile_kv_budget
 from engine.sampler import Sampler
 from engine.step_record import StepRecord
@@ -69,6 +70,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(scheduler_config.max_num_seqs, max_model_len, self.block_size,
                                 self.vocab_size, self.device)
+        self.logits_processors = LogitsProcessors(self.batch, self.device)  # logit_bias, grammar bitmasks
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not model_config.enforce_eager:
             if self.attn_backend.supports_cuda_graphs:
@@ -107,6 +109,7 @@ class ModelRunner:
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
+            logits = self.logits_processors(logits, step.grammar, num_reqs)  # no-op when unused
             out = self.sampler(logits, batch.sampling_tensors(num_reqs))
             token_ids = out.sampled_token_ids.cpu().numpy()  # [B] the one device->host sync
             if is_sampled.all():

@@ -225,6 +225,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
+        if request.structured is not None and request.structured.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.request import Request
 
 
@@ -41,15 +43,17 @@ class SamplingInputs:
     suppressed_token_ids: tuple[int, ...]  # EOS (unless ignored) and stop ids, banned before min_tokens
     num_logprobs: int | None  # top-k logprobs per sampled token; None = no logprobs at all
     num_prompt_logprobs: int | None  # None = no prompt logprobs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to this row's logits
 
     @classmethod
     def from_request(cls, request: Request) -> SamplingInputs:
         p = request.params
-        suppressed = () if p.min_tokens == 0 else (
+        # a constrained sequence ends when its grammar says so (suppressing EOS could leave no token)
+        suppressed = () if p.min_tokens == 0 or p.structured_outputs is not None else (
             *(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
         return cls(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                    p.frequency_penalty, request.seed, p.min_tokens, tuple(suppressed), p.logprobs,
-                   p.prompt_logprobs)
+                   p.prompt_logprobs, tuple(sorted((p.logit_bias or {}).items())))
 
     @property
     def has_penalties(self) -> bool:
@@ -73,6 +77,15 @@ class NewRequestData:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """The allowed tokens of this step's constrained rows, filled in the engine core process
+    (engine/structured_output.py); rows not listed are left unfilled and never read."""
+
+    rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids
+    bitmask: np.ndarray  # [B, ceil(V/32)] int32: bit j of word w allows token 32 * w + j
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """What the runner needs for one step. Apply in field order: drop, add, then run.
 
@@ -87,6 +100,7 @@ class StepRecord:
     num_computed_tokens: tuple[int, ...]  # [B] tokens with K/V in the cache before this step
     num_scheduled_tokens: tuple[int, ...]  # [B] tokens to compute this step
     new_block_ids: dict[str, tuple[int, ...]]  # held requests that got blocks: ids to append
+    grammar: GrammarBitmask | None = None  # structured outputs: None when no row is constrained
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,0 +1,67 @@
+"""Per-row changes to the step's logits before the sampler: `logit_bias`, then grammar bitmasks.
+
+Both touch only the rows that need them, batched (one indexed add for every biased row,
+one masking call for every constrained row), and both run before the sampler, so
+temperature, top-k/top-p/min-p and penalties then work inside what is left.
+Bias comes first so that a +100 bias cannot re-allow a token the grammar forbids.
+An unconstrained, unbiased batch builds nothing: the check is two host-side values.
+Logprobs returned to the user are those of the logits after these changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.input_batch import InputBatch
+from engine.step_record import GrammarBitmask
+
+
+class LogitsProcessors:
+    def __init__(self, batch: InputBatch, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        self._bias_key: tuple[int, int] | None = None  # (rows_version, num_rows) of the cached bias
+        self._bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int) -> torch.Tensor:
+        """`logits` [B, V] for rows 0..B-1 of the batch; modified in place and returned."""
+        bias = self._bias_tensors(num_rows)
+        if bias is not None:
+            rows, ids, values = bias
+            logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        if grammar is not None:
+            apply_bitmask(logits, grammar, self.device)
+        return logits
+
+    def _bias_tensors(self, num_rows: int):
+        """(rows [R, 1], ids [R, L], values [R, L]) for the biased rows, rebuilt when the rows change."""
+        key = (self.batch.rows_version, num_rows)
+        if key == self._bias_key:
+            return self._bias
+        self._bias_key, self._bias = key, None
+        per_row = self.batch.logit_bias[:num_rows]
+        biased = [i for i, pairs in enumerate(per_row) if pairs]
+        if biased:
+            width = max(len(per_row[i]) for i in biased)
+            ids = np.zeros((len(biased), width), np.int64)  # padding adds 0.0 to token 0
+            values = np.zeros((len(biased), width), np.float32)
+            for r, i in enumerate(biased):
+                pairs = per_row[i]
+                ids[r, :len(pairs)] = [t for t, _ in pairs]
+                values[r, :len(pairs)] = [b for _, b in pairs]
+            rows = np.array(biased, np.int64)[:, None]
+            self._bias = tuple(torch.from_numpy(a).to(self.device) for a in (rows, ids, values))
+        return self._bias
+
+
+def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.device) -> None:
+    """Set the disallowed tokens of `grammar.rows` to -inf, in place (xgrammar's CPU or CUDA kernel).
+    Ids past the bitmask's vocabulary (a model vocab padded beyond the tokenizer) are
+    covered: the bitmask is as wide as the model's vocabulary and those bits are 0."""
+    import xgrammar
+
+    bitmask = torch.from_numpy(grammar.bitmask)  # [B, ceil(V/32)] int32
+    if device.type != "cpu":
+        bitmask = bitmask.to(device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=list(grammar.rows))

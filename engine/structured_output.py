@@ -1,0 +1,311 @@
+"""Structured outputs: the spec a request asks for, its grammar (compiled once, off the step loop)
+and one matcher per sequence that advances with every accepted token.
+
+The library is xgrammar (docs/structured_outputs.md says why, with the numbers). It is an
+optional dependency (`pip install kvserve[structured]`), imported only when a constrained
+request arrives, so `engine` imports without it and unconstrained serving never touches it.
+
+Life of a constrained request (all in the engine core process):
+1. `StructuredOutputManager.add` submits the spec to a small thread pool; the compiled
+   grammar is cached by the spec's canonical key (LRU), so equal specs compile once, and a
+   compile running for one request is shared by the others that ask for the same spec.
+   The request is held here, not in the scheduler, so a slow compile stalls nobody.
+2. `take_ready` hands the scheduler the requests whose grammar is ready, each sequence with
+   its own `SequenceGrammar` (its matcher); a failed compile fails just that request.
+3. Each step, `step_bitmask` fills the allowed-token bitmask of the constrained rows that
+   sample (one batched call into one [B, ceil(V/32)] int32 array) and the runner applies it
+   to those rows' logits before the sampler (engine/logits_processors.py).
+4. After the step, `accept_tokens` advances each matcher with its sampled token; a matcher
+   that terminated (the grammar is complete and EOS was taken) finishes its request with
+   "stop" (engine/scheduler.py checks `request.structured.is_terminated`).
+The matcher lives with the request, so preemption (recompute) keeps its state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.scheduler import StepPlan
+    from engine.step_record import GrammarBitmask
+
+logger = logging.getLogger(__name__)
+
+# JSON Schema keywords xgrammar would silently ignore: refused so that a "valid" output
+# never violates the schema the user gave
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
+    "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedItems",
+    "unevaluatedProperties", "propertyNames", "$dynamicRef", "$recursiveRef",
+})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What the output must match: exactly one of
+    `json` (a JSON Schema, as a dict or a JSON string), `json_object=True` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (xgrammar's EBNF, GBNF-style).
+    `any_whitespace=False` (the default) makes JSON compact (`{"a": 1, "b": [2, 3]}`), which
+    keeps a model from padding the output with whitespace until max_tokens."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if (getattr(self, k) is not None and k != "json_object") or
+                 (k == "json_object" and self.json_object is not False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
+                             f"{given or 'none'}")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
+        kind = given[0]
+        if kind == "json":
+            object.__setattr__(self, "json", _check_schema(self.json))
+        elif kind == "json_object" and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty str, got {value!r}")
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of str, got {choice!r}")
+            for c in choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """Canonical form: equal specs (dict key order aside) share one compiled grammar."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.any_whitespace], sort_keys=True)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _check_schema(schema: Any) -> dict | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {schema!r}")
+    _check_keywords(schema, "#")
+    return schema
+
+
+def _check_keywords(schema: Any, where: str) -> None:
+    """Refuse keywords the grammar cannot enforce, naming the first one found and where."""
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+            raise ValueError(f"unsupported JSON Schema keyword {key!r} at {where}")
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                _check_keywords(sub, f"{where}/{key}/{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check_keywords(sub, f"{where}/{key}/{i}")
+        elif key in _SCHEMA_VALUES:
+            _check_keywords(value, f"{where}/{key}")
+
+
+def _choice_grammar(choice: tuple[str, ...]) -> str:
+    # EBNF string literals take JSON's escapes
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+class SequenceGrammar:
+    """One sequence's matcher (each of a request's n samples has its own)."""
+
+    __slots__ = ("matcher", "is_terminated")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.is_terminated = False
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.accept_token(token_id):
+            # cannot happen when the bitmask was applied; end the sequence rather than go on unconstrained
+            logger.warning("structured output: token %d rejected by the grammar; finishing the sequence", token_id)
+            self.is_terminated = True
+        elif self.matcher.is_terminated():
+            self.is_terminated = True
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future
+    children: list[Request]
+    started: float
+
+
+class StructuredOutputManager:
+    """Compiles grammars off the step loop and keeps the constrained requests until theirs is ready."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
+                 cache_size: int = 128) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_workers = max_workers
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> compiled grammar
+        self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        self._batch_matcher = None
+        self.num_compiles = 0
+        self.compile_time_s = 0.0  # total, for metrics
+
+    # ---- compiling ---------------------------------------------------------------
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
+        """Hold `children` until `spec` is compiled (at once when it is cached)."""
+        self._pending[request_id] = _Pending(self._compiled(spec), children, time.monotonic())
+
+    def abort(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a held request's compile finishes (or `timeout_s`): for an otherwise idle loop."""
+        if self._pending:
+            wait([p.future for p in self._pending.values()], timeout_s, FIRST_COMPLETED)
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[str, str]]]:
+        """The sequences now ready to schedule (matchers attached), and (request id, error) of failed compiles."""
+        ready, failed = [], []
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done():
+                continue
+            del self._pending[request_id]
+            error = pending.future.exception()
+            if error is not None:
+                failed.append((request_id, str(error)))
+                continue
+            compiled = pending.future.result()
+            for child in pending.children:
+                child.structured = SequenceGrammar(self._new_matcher(compiled))
+                ready.append(child)
+        return ready, failed
+
+    def _compiled(self, spec: StructuredOutputs) -> Future:
+        key = spec.key
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="grammar-compile")
+        future = self._cache[key] = self._pool.submit(self._compile, spec)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutputs):
+        compiler = self._get_compiler()
+        start = time.perf_counter()
+        kind, ws = spec.kind, spec.any_whitespace
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=ws, strict_mode=True)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(_choice_grammar(spec.choice))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except Exception as e:  # noqa: BLE001 - the library raises RuntimeError with the parser's message
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: {_library_message(e)}") from None
+        elapsed = time.perf_counter() - start
+        self.num_compiles += 1
+        self.compile_time_s += elapsed
+        logger.debug("compiled a %s grammar in %.3f s", kind, elapsed)
+        return compiled
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = import_xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+            return self._compiler
+
+    @staticmethod
+    def _new_matcher(compiled):
+        return import_xgrammar().GrammarMatcher(compiled)
+
+    # ---- per step ----------------------------------------------------------------
+    def step_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
+        """The allowed tokens of this step's constrained, sampling rows; None when there are none."""
+        from engine.step_record import GrammarBitmask
+
+        rows, matchers = [], []
+        for i, item in enumerate(plan.scheduled):
+            grammar = item.request.structured
+            if grammar is not None and item.is_sampled:
+                rows.append(i)
+                matchers.append(grammar.matcher)
+        if not rows:
+            return None
+        bitmask = np.empty((len(plan.scheduled), -(-self.vocab_size // 32)), np.int32)  # [B, ceil(V/32)]
+        if self._batch_matcher is None:
+            self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.max_workers)
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        return GrammarBitmask(tuple(rows), bitmask)
+
+    @staticmethod
+    def accept_tokens(plan: StepPlan, sampled_token_ids: list[int | None]) -> None:
+        """Advance each constrained sequence's matcher with the token it sampled this step."""
+        for item, token_id in zip(plan.scheduled, sampled_token_ids):
+            grammar = item.request.structured
+            if grammar is not None and token_id is not None and not grammar.is_terminated:
+                grammar.accept(token_id)
+
+
+def _library_message(error: Exception) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(error).strip()
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured outputs need xgrammar: pip install 'kvserve[structured]'") from None
+    return xgrammar
