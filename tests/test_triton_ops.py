@@ -207,3 +207,30 @@ def test_bench_kernels_elementwise_table_runs_on_the_cpu(capsys):
     assert "triton us (GB/s)" in out and out.count("silu_and_mul") == 2
     if not torch.cuda.is_available():
         assert bench_kernels.main(["--device", "cuda"]) == 1
+
+
+def test_ops_trace_whole_under_torch_compile():
+    """fullgraph: the wrappers' checks trace and the ops stay opaque, including in-place rotary of two
+    views of one packed qkv buffer (aot_eager: the functionalized graph, no compiler needed)."""
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 64, 3
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    cos_sin_cache = rope(head_dim, torch.float32)
+    weight = torch.randn(q_size)
+
+    def layer(qkv, positions, k_cache, v_cache, slot_mapping):
+        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        triton_ops.rotary_and_cache_write(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping)
+        out, residual = triton_ops.fused_add_rms_norm(q.reshape(num_tokens, q_size), torch.ones(num_tokens, q_size),
+                                                      weight, 1e-6)
+        return out + triton_ops.rms_norm(residual, weight, 1e-6) + triton_ops.silu_and_mul(qkv[:, : 2 * q_size])
+
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
+    args = (torch.tensor([1, 5, 9]), torch.tensor([0, -1, 7], dtype=torch.int32))
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        buffer, k_cache, v_cache = qkv.clone(), torch.zeros(2, 4, num_kv_heads, head_dim), torch.zeros(2, 4, 2, 64)
+        results.append((fn(buffer, args[0], k_cache, v_cache, args[1]), buffer, k_cache, v_cache))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
