@@ -12,11 +12,15 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from server import package_version
 from server.config import ENV_PREFIX, ServerConfig
+
+if TYPE_CHECKING:
+    import uvicorn
 
 _METAVARS = {"kv_cache_memory": "BYTES", "max_body_bytes": "BYTES", "chat_template": "PATH_OR_STR",
              "model": "PATH_OR_ID", "tokenizer": "PATH_OR_ID", "api_key": "KEY", "cors_origin": "ORIGIN",
@@ -89,20 +93,36 @@ EXIT_STARTUP_FAILURE = 3
 EXIT_ENGINE_DIED = 1
 
 
+def uvicorn_config(app: object, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings, with kvserve's connection defences (`server.connections`) as the HTTP protocol."""
+    import uvicorn
+
+    from server.connections import ConnectionLimits, default_max_connections, install_log_rate_limits, protocol_class
+
+    limits = ConnectionLimits(header_timeout_s=config.header_timeout, stream_idle_timeout_s=config.stream_idle_timeout,
+                              max_connections=config.max_connections or default_max_connections())
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               http=protocol_class(limits), timeout_keep_alive=config.keep_alive_timeout,
+                               timeout_graceful_shutdown=5)
+    install_log_rate_limits()
+    return uv_config
+
+
 def serve(config: ServerConfig) -> int:
-    """Run the server until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
+    """Run the server until SIGINT/SIGTERM (drain, then exit 0) or until the engine dies (exit 1)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import AsyncLLM, EngineArgs
 
     # the engine core starts loading now, while this process imports the web stack
-    engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
+    engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
+                      max_consecutive_step_failures=config.max_consecutive_step_failures)
     import uvicorn
 
     from server.app import create_app
+    from server.drain import DrainingServer
 
     app = create_app(config, engine=engine, owns_engine=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn_config(app, config), app, config.shutdown_timeout)
     app.state.request_exit = lambda: setattr(server, "should_exit", True)
     server.run()
     if not server.started:

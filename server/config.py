@@ -99,6 +99,30 @@ class ServerConfig(BaseSettings):
     stats_log_interval: float = Field(
         5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")
 
+    # --- slow and hostile clients ---
+    stream_idle_timeout: float = Field(
+        60.0, ge=0, description="Close a connection (and abort its request, freeing its seat and KV blocks) when "
+        "the client has read nothing for this many seconds while the response waits to be written (0: off).")
+    header_timeout: float = Field(
+        10.0, ge=0, description="Close a connection that has not sent complete request headers after this many "
+        "seconds (0: off).")
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Close an idle kept-alive connection after this many seconds.")
+    max_connections: int | None = Field(
+        None, gt=0, description="Close new connections at once beyond this many open ones (unset: the open-file "
+        "limit minus 128).")
+
+    # --- failures and shutdown ---
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT, seconds in-flight requests may take to finish (new ones "
+        "get 503); then open streams get an error event and the server exits.")
+    max_consecutive_step_failures: int = Field(
+        3, gt=0, description="Failed engine steps in a row after which the engine counts as dead "
+        "(one failed step fails only its requests).")
+    keep_alive_on_engine_death: bool = Field(
+        False, description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
+        "with code 1; for debugging.")
+
     @field_validator("served_model_name", "cors_origin", mode="before")
     @classmethod
     def _split_lists(cls, value: Any) -> Any:

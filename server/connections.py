@@ -1,0 +1,188 @@
+"""Connection-level defences for uvicorn: header timeout, stalled-reader timeout, connection cap.
+
+uvicorn has a keep-alive timeout and `limit_concurrency`, but nothing closes a connection
+that never finishes its request headers (slowloris), nothing bounds how long a response
+may wait for a client that stopped reading, and `limit_concurrency` answers 503 only once
+headers are complete, so idle sockets still pile up until `accept()` fails with EMFILE.
+`HardenedHttpToolsProtocol` adds the three on top of uvicorn's httptools protocol:
+
+- **header timeout**: a timer starts when a connection opens (and when the next request on
+  a kept-alive connection begins) and is cancelled when the request's headers are complete;
+  if it fires, the connection is closed.
+- **stalled reader**: the transport calls `pause_writing` when its write buffer is over the
+  high-water mark (the client's receive window and the kernel's send buffer are full); if it
+  has not called `resume_writing` after `stream_idle_timeout_s`, the connection is aborted
+  (RST: `close()` would wait for the buffer to drain, which never happens). uvicorn then
+  reports `http.disconnect`, so the handler aborts the engine requests and frees the seat.
+- **connection cap**: a connection beyond `max_connections` is closed as soon as it is
+  accepted, so the process keeps file descriptors for everything else (docs/server.md says
+  why this, not `limit_concurrency`).
+
+`RateLimitFilter` keeps floods of identical log lines (`accept() out of system resource`,
+refused connections) to one line per interval with a count of those suppressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger("kvserve.server")
+
+# The fds the server needs besides client connections (listening socket, engine pipe, epoll,
+# tokenizer and model files, log files, the health checker's own connections...).
+FD_RESERVE = 128
+
+
+def default_max_connections() -> int:
+    """The open-file soft limit minus `FD_RESERVE` (at least 16), so `accept()` never hits EMFILE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(16, soft - FD_RESERVE)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """Per-connection limits; 0 (or None for `max_connections`) turns a limit off."""
+
+    header_timeout_s: float
+    stream_idle_timeout_s: float
+    max_connections: int | None
+
+    def __post_init__(self) -> None:
+        if self.header_timeout_s < 0 or self.stream_idle_timeout_s < 0:
+            raise ValueError(f"timeouts must be >= 0, got header_timeout_s={self.header_timeout_s!r}, "
+                             f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+
+
+class HardenedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus the limits in `limits` (set on a subclass by `protocol_class`)."""
+
+    limits = ConnectionLimits(header_timeout_s=0, stream_idle_timeout_s=0, max_connections=None)
+    num_refused = 0       # connections closed by the cap, over the process's life
+    num_header_timeouts = 0
+    num_stalled = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        cap = self.limits.max_connections
+        if cap is not None and len(self.connections) > cap:
+            type(self).num_refused += 1
+            logger.warning("connection limit (--max-connections %d) reached: closing new connections", cap)
+            transport.abort()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()   # the next request on a kept-alive connection gets the same bound
+
+    def on_headers_complete(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        timeout = self.limits.stream_idle_timeout_s
+        if timeout > 0 and self._write_timer is None:
+            self._write_timer = self.loop.call_later(timeout, self._on_write_stalled)
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _arm_header_timer(self) -> None:
+        timeout = self.limits.header_timeout_s
+        if timeout > 0 and self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(timeout, self._on_header_timeout)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._write_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        type(self).num_header_timeouts += 1
+        logger.debug("%s: no complete request headers in %.1f s; closing", self.client, self.limits.header_timeout_s)
+        self.transport.close()   # nothing was written, so this closes at once (FIN: the client reads b"")
+
+    def _on_write_stalled(self) -> None:
+        self._write_timer = None
+        type(self).num_stalled += 1
+        logger.info("%s: client read nothing for %.1f s (--stream-idle-timeout); closing and aborting its request",
+                    self.client, self.limits.stream_idle_timeout_s)
+        self.transport.abort()
+
+
+def protocol_class(limits: ConnectionLimits) -> type[HardenedHttpToolsProtocol]:
+    """A protocol class for `uvicorn.Config(http=...)` bound to `limits`."""
+    return type("KVServeHttpProtocol", (HardenedHttpToolsProtocol,), {"limits": limits})
+
+
+class RateLimitFilter(logging.Filter):
+    """Let a record whose message contains one of `patterns` through once per `interval_s`.
+
+    The next one let through says how many were suppressed since. Other records pass.
+    """
+
+    def __init__(self, patterns: tuple[str, ...], interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.patterns = patterns
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._num_suppressed: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        pattern = next((p for p in self.patterns if p in message), None)
+        if pattern is None:
+            return True
+        now = self.clock()
+        last = self._last.get(pattern)
+        if last is not None and now - last < self.interval_s:
+            self._num_suppressed[pattern] = self._num_suppressed.get(pattern, 0) + 1
+            return False
+        self._last[pattern] = now
+        num_suppressed = self._num_suppressed.pop(pattern, 0)
+        if num_suppressed:
+            record.msg = f"{message} ({num_suppressed} similar lines suppressed in the last {now - last:.0f} s)"
+            record.args = ()
+        if record.exc_info and last is not None:
+            record.exc_info = None   # the traceback is the same every time; keep the first one
+            record.exc_text = None
+        return True
+
+
+FLOOD_PATTERNS = ("out of system resource", "Too many open files", "connection limit", "Exceeded concurrency limit",
+                  "Invalid HTTP request received")
+
+
+def install_log_rate_limits(interval_s: float = 10.0) -> RateLimitFilter:
+    """Attach one `RateLimitFilter` for connection floods to the loggers that report them."""
+    flood_filter = RateLimitFilter(FLOOD_PATTERNS, interval_s)
+    for name in ("asyncio", "uvicorn.error", "kvserve.server"):
+        logging.getLogger(name).addFilter(flood_filter)
+    return flood_filter
