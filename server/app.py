@@ -28,6 +28,7 @@ from server.logprobs import TokenText
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -225,14 +226,14 @@ def _add_routes(app: FastAPI) -> None:
         return request.app.state.kv
 
     @app.post("/v1/completions", responses={
-        **streamed(CompletionResponse, "`data: {CompletionResponse}` events, then `data: [DONE]`"),
+        **streamed(CompletionResponse, CompletionResponse),
         **errors(400, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = kv(request)
         return await run_request(state, validate_completion(body, state.limits, state.tokenizer), request)
 
     @app.post("/v1/chat/completions", responses={
-        **streamed(ChatCompletionResponse, "`data: {ChatCompletionChunk}` events, then `data: [DONE]`"),
+        **streamed(ChatCompletionResponse, ChatCompletionChunk),
         **errors(400, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = kv(request)

@@ -2,13 +2,16 @@
 
 Handlers raise `APIError`; the exception handlers installed by `install_error_handlers`
 turn it, FastAPI's validation errors, Starlette's 404/405 and any unexpected exception
-into that shape, so no client ever sees a bare traceback or a non-JSON body.
+into that shape, so no client ever sees a bare traceback or a non-JSON body. Internal
+errors never echo exception text: the body names a request id (also in `X-Request-Id`) and
+the server log has that id next to the full exception.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,8 +67,18 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def internal_error(exc: BaseException) -> APIError:
-    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+def internal_error(request_id: str) -> APIError:
+    """A 500 that says nothing of the exception (the caller logs it with `request_id`)."""
+    return APIError(500, f"internal server error (request id {request_id}); the server log has the details",
+                    code="internal_error", headers={"X-Request-Id": request_id})
+
+
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry the request", code="server_shutting_down",
+                    headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
 def error_bytes(status_code: int, message: str, code: str | None = None) -> bytes:
@@ -125,5 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return internal_error(exc).response()
+        request_id = f"err-{uuid.uuid4().hex}"
+        logger.error("unhandled error in %s %s (request id %s)", request.method, request.url.path, request_id,
+                     exc_info=exc)
+        return internal_error(request_id).response()
