@@ -231,7 +231,7 @@ def test_sampling_matches_the_from_scratch_builder_over_many_steps():
                      "frequency_penalty"):
             assert torch.equal(getattr(new, name), getattr(old, name)), name
         for name in ("max_num_logprobs", "all_greedy", "all_random", "no_top_k", "no_top_p", "no_min_p",
-                     "no_penalties", "max_top_k", "needs_logprobs"):
+                     "no_penalties", "max_top_k", "needs_logprobs", "top_p_rows_have_top_k"):
             assert getattr(new, name) == getattr(old, name), name
         assert (new.suppressed_token_ids is None) == (old.suppressed_token_ids is None)
         if old.suppressed_token_ids is not None:
