@@ -72,16 +72,17 @@ def _rotary_cache_kernel(
     k_at = k_ptr + t * k_stride_t + heads[:, None] * k_stride_h + d[None, :]
     k1 = tl.load(k_at, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_at + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    k1, k2 = (k1 * cos1 + k2 * sin1).to(k_ptr.dtype.element_ty), (k2 * cos2 + k1 * sin2).to(k_ptr.dtype.element_ty)
-    tl.store(k_at, k1, mask=kv_mask)
-    tl.store(k_at + HALF, k2, mask=kv_mask)
+    k1_out = (k1 * cos1 + k2 * sin1).to(k_ptr.dtype.element_ty)
+    k2_out = (k2 * cos2 + k1 * sin2).to(k_ptr.dtype.element_ty)
+    tl.store(k_at, k1_out, mask=kv_mask)
+    tl.store(k_at + HALF, k2_out, mask=kv_mask)
 
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     cache_mask = kv_mask & (slot >= 0)  # slot -1: a padding row, nothing is written
     block, offset = slot // block_size, slot % block_size
     kc_at = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h + d[None, :]
-    tl.store(kc_at, k1.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
-    tl.store(kc_at + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(kc_at, k1_out.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(kc_at + HALF, k2_out.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
     v_at = v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d[None, :]
     vc_at = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + d[None, :]
     v1 = tl.load(v_at, mask=cache_mask, other=0.0)
