@@ -20,6 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.input_processor import max_chars_per_token, run_off_loop
 from server import package_version
 from server.chat import load_chat_template, render_chat
 from server.config import ServerConfig
@@ -49,7 +50,10 @@ from server.validation import (
     ModelLimits,
     ValidatedRequest,
     check_model,
+    check_num_messages,
+    input_size,
     max_tokens_zero_supported,
+    messages_size,
     validate_chat,
     validate_completion,
 )
@@ -89,6 +93,7 @@ def build_state(config: ServerConfig, engine: Any, chat_template: str | None) ->
         served_model_names=names, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
         chat_template=chat_template or engine.chat_template, max_tokens_zero_ok=max_tokens_zero_supported(),
         kv_capacity_tokens=engine.stats().num_kv_blocks_total * getattr(model_config, "block_size", config.block_size),
+        max_chars_per_token=max_chars_per_token(engine.tokenizer), max_chat_messages=config.max_chat_messages,
     )
     metrics = ServerMetrics(engine, names[0])
     return AppState(
@@ -230,14 +235,16 @@ def _add_routes(app: FastAPI) -> None:
         **errors(400, 404, 413, 500, 503)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = kv(request)
-        return await run_request(state, validate_completion(body, state.limits, state.tokenizer), request)
+        vreq = await run_off_loop(validate_completion, body, state.limits, state.tokenizer, num_chars=input_size(body))
+        return await run_request(state, vreq, request)
 
     @app.post("/v1/chat/completions", responses={
         **streamed(ChatCompletionResponse, ChatCompletionChunk),
         **errors(400, 404, 413, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = kv(request)
-        return await run_request(state, validate_chat(body, state.limits, state.tokenizer), request)
+        vreq = await run_off_loop(validate_chat, body, state.limits, state.tokenizer, num_chars=input_size(body))
+        return await run_request(state, vreq, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -274,13 +281,11 @@ def _add_routes(app: FastAPI) -> None:
         check_model(body.model, state.limits)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
-        if body.prompt is not None:
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
-        else:
-            text = render_chat(state.tokenizer, state.limits.chat_template, body.messages or [])
-            tokens = state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        return TokenizeResponse(tokens=list(tokens), count=len(tokens), max_model_len=state.limits.max_model_len)
+        if body.messages is not None:
+            check_num_messages(body.messages, state.limits)
+        size = len(body.prompt) if body.prompt is not None else messages_size(body.messages or [])
+        tokens = await run_off_loop(_tokenize, state, body, num_chars=size)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=state.limits.max_model_len)
 
     @app.post("/detokenize", responses=errors(400, 404, 413))
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
@@ -289,12 +294,22 @@ def _add_routes(app: FastAPI) -> None:
         for token_id in body.tokens:
             if not 0 <= token_id < state.limits.vocab_size:
                 raise bad_request(f"token id {token_id} is outside the vocabulary", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        text = await run_off_loop(state.tokenizer.decode, body.tokens, num_chars=4 * len(body.tokens))
+        return DetokenizeResponse(prompt=text)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info(request: Request) -> TokenizerInfoResponse:
         state = kv(request)
         return tokenizer_info(state.tokenizer, state.limits.chat_template, state.limits.max_model_len)
+
+
+def _tokenize(state: AppState, body: TokenizeRequest) -> list[int]:
+    """/tokenize's work (run off the event loop for big inputs)."""
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+    text = render_chat(state.tokenizer, state.limits.chat_template, body.messages or [])
+    return list(state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
 def _model_card(state: AppState, name: str) -> ModelCard:

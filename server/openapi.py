@@ -15,8 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-from server.protocol import ErrorResponse
+from server.protocol import ChatCompletionChunk, ErrorResponse
 
 _DESCRIPTIONS = {
     400: "Invalid request (OpenAI error body; `param` names the field)",
@@ -27,6 +29,11 @@ _DESCRIPTIONS = {
     503: "Overloaded (`--max-queue`, with Retry-After), shutting down, or the engine is dead",
 }
 _UNPROTECTED_PATHS = ("/health", "/metrics")   # reachable without the API key
+_EXTRA_MODELS = (ChatCompletionChunk, ErrorResponse)   # referenced only from SSE event schemas
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def errors(*status_codes: int) -> dict[int | str, dict[str, Any]]:
@@ -34,10 +41,20 @@ def errors(*status_codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": _DESCRIPTIONS[code]} for code in status_codes}
 
 
-def streamed(model: type, event_description: str) -> dict[int | str, dict[str, Any]]:
-    """A 200 that is `model` as JSON, or server-sent events when the request says `stream: true`."""
-    return {200: {"model": model, "description": "The response (JSON), or server-sent events with `stream: true`",
-                  "content": {"text/event-stream": {"schema": {"type": "string", "description": event_description}}}}}
+def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is `model` as JSON, or server-sent events when the request says `stream: true`.
+
+    The event schema (OpenAPI 3.1 has no `itemSchema`, so `schema` describes one event): `data`
+    is a JSON `chunk`, an error body (an error after the stream started), or the final `[DONE]`.
+    """
+    payload = {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+    ]}}}
+    return {200: {"model": model, "description": f"The response (JSON), or with `stream: true` server-sent "
+                  f"events: `data: {{{chunk.__name__}}}` ..., then `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": event}}}}
 
 
 def install_openapi(app: FastAPI, has_api_key: bool) -> None:
@@ -61,6 +78,10 @@ def _fix(schema: dict[str, Any], has_api_key: bool) -> None:
             responses.pop("422", None)
             if has_api_key and path not in _UNPROTECTED_PATHS:
                 responses["401"] = {"description": _DESCRIPTIONS[401], **error_ref}
-    components = schema.get("components", {}).get("schemas", {})
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+    _, extra = models_json_schema([(model, "serialization") for model in _EXTRA_MODELS],
+                                  ref_template="#/components/schemas/{model}")
+    for name, definition in extra.get("$defs", {}).items():
+        components.setdefault(name, definition)
