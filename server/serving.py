@@ -159,7 +159,7 @@ class Serving:
         except EngineShutDownError:
             raise shutting_down() from None
         except EngineDeadError as exc:   # its cause goes to the log, not to the client
-            logger.warning("request %s: %s", vreq.request_id, exc)
+            logger.warning("request %s failed: the engine is dead (%s)", vreq.request_id, exc.__cause__ or exc)
             raise APIError(503, f"the engine is not running (request id {vreq.request_id})", code="engine_dead",
                            headers={"X-Request-Id": vreq.request_id}) from None
         finally:

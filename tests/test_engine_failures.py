@@ -15,6 +15,7 @@ import sys
 import httpx
 import pytest
 from server_fixtures import ServerProcess
+from test_engine_core import core_children, is_alive, wait_until
 
 from engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 from engine import async_llm, messages
@@ -111,6 +112,83 @@ def test_a_request_added_as_the_engine_dies_fails_at_once(llama_dir, monkeypatch
     finally:
         os.kill(eng.core_pid, signal.SIGKILL)
         asyncio.run(eng.shutdown())
+
+
+# --------------------------------------------------------------------------- a real server
+
+
+def post(url: str, max_tokens: int = 1, stream: bool = False) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream})
+
+
+def logged_near(log: str, request_id: str, text: str) -> bool:
+    """`text` is in the log entry (a line and its traceback) that names `request_id`."""
+    start = log.find(request_id)
+    return start >= 0 and text in log[start:start + 5000]
+
+
+def assert_hides_internals(error: dict) -> None:
+    for secret in ("InjectedFault", "injected fault", "EngineDied", "consecutive", "Traceback"):
+        assert secret not in error["message"], error
+
+
+def test_server_exits_1_after_repeated_step_failures(server_checkpoint):
+    srv = ServerProcess(server_checkpoint, "--max-consecutive-step-failures", "2", env={FAULT_ENV: "1+"})
+    srv.wait_ready()
+    try:
+        [core] = core_children(srv.proc.pid)
+        first = post(srv.url)
+        assert first.status_code == 500 and first.json()["error"]["code"] == "internal_error"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200   # one failed step: it goes on
+        assert post(srv.url).status_code == 500   # the second in a row
+        srv.proc.wait(30)
+        assert srv.proc.returncode == 1
+        assert "the engine is dead; shutting the server down" in srv.log()
+        wait_until(lambda: not is_alive(core), 10, "the core to exit")
+    finally:
+        srv.stop()
+
+
+def test_error_bodies_name_a_request_id_not_the_exception(server_checkpoint):
+    """Also `--keep-alive-on-engine-death`: the dead engine's server stays up, answering 503."""
+    srv = ServerProcess(server_checkpoint, "--max-consecutive-step-failures", "2", "--keep-alive-on-engine-death",
+                        env={FAULT_ENV: "3+"}).wait_ready()
+    try:
+        stream = post(srv.url, max_tokens=5, stream=True)   # steps 1 and 2 work, step 3 raises mid-stream
+        events = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert stream.text.rstrip().endswith("data: [DONE]")
+        request_id, error = events[0]["id"], events[-1]["error"]
+        assert error["code"] == "internal_error" and request_id in error["message"]
+        assert_hides_internals(error)
+        assert logged_near(srv.log(), f"request {request_id} failed", "InjectedFault")
+
+        failed = post(srv.url)   # step 4 raises: the second failure in a row kills the engine
+        request_id, error = failed.headers["x-request-id"], failed.json()["error"]
+        assert failed.status_code == 500 and request_id in error["message"]
+        assert_hides_internals(error)
+        assert logged_near(srv.log(), f"request {request_id} failed", "InjectedFault")
+
+        wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).status_code == 503, 30, "/health 503")
+        dead = post(srv.url)
+        request_id, error = dead.headers["x-request-id"], dead.json()["error"]
+        assert dead.status_code == 503 and error["code"] == "engine_dead" and request_id in error["message"]
+        assert_hides_internals(error)
+        assert logged_near(srv.log(), f"request {request_id} failed: the engine is dead", "consecutive steps failed")
+        assert srv.proc.poll() is None   # kept alive
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(30)
+        assert srv.proc.returncode == 1   # the engine died
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server_checkpoint(tmp_path_factory):
+    from server_fixtures import cached_checkpoint
+
+    return cached_checkpoint(tmp_path_factory)
 
 
 if sys.platform != "linux":
