@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from engine import messages
 from engine.config import EngineArgs, RuntimeInfo
-from engine.input_processor import load_tokenizer, process_prompt
+from engine.input_processor import load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from models import built_default_model
@@ -106,6 +106,7 @@ class AsyncLLM:
             self._kill_core()
             raise
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
+        self._max_chars_per_token = max_chars_per_token(self.tokenizer)
         self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
         self._reader.start()
         self._is_ready = True
@@ -153,9 +154,12 @@ class AsyncLLM:
         """
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running") from self._error
+        # big prompts are tokenized (and token ids checked) in a worker thread, off this loop
+        size = len(prompt) if isinstance(prompt, str) else len(prompt) // 8 if isinstance(prompt, Sequence) else None
+        processed = await run_off_loop(process_prompt, self.tokenizer, self.info, prompt, params,
+                                       self._max_chars_per_token, num_chars=size)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = process_prompt(self.tokenizer, self.info, prompt, params)
         arrival = time.monotonic()
         builder = processed.output_builder(request_id, arrival)
         stream = _Stream(asyncio.get_running_loop(), builder)

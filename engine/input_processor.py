@@ -3,16 +3,44 @@
 Both the in-process `LLMEngine` and `AsyncLLM`'s server-side client use it: the server
 process tokenizes and validates, and only what passed is sent to the engine core.
 Imports no torch.
+
+Big inputs stay off the event loop: `run_off_loop` runs tokenization (and chat-template
+rendering) in a small thread pool. A thread is enough: transformers' fast tokenizers
+encode through `encode_batch`, which releases the GIL while Rust works (a bare
+`tokenizers.Tokenizer.encode` does not), and Jinja rendering only shares the GIL at the
+interpreter's switch interval. `max_chars_per_token` bounds how many characters one token
+can cover, so a prompt that cannot fit is refused before it is tokenized at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import concurrent.futures
+import functools
+import json
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from engine.config import RuntimeInfo
 from engine.outputs import RequestOutputBuilder
 from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# Inputs up to this many characters are tokenized on the caller's thread: that is ~0.1 ms of
+# work, less than a hop to a worker thread costs on a busy event loop.
+INLINE_MAX_CHARS = 4096
+MAX_TOKENIZER_THREADS = 4
+# Canonical composition (NFC/NFKC) folds at most 4 code points into one character (Greek
+# letters with three marks), so a composing normalizer multiplies the bound by this.
+_MAX_CODE_POINTS_PER_COMPOSED_CHAR = 4
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+# Parts that keep every input character (Replace and Split are checked one by one); any
+# other part may drop characters (StripAccents, Whitespace, Precompiled...) and voids the bound.
+_KEEPING_NORMALIZERS = {"Sequence", "NFC", "NFKC", "NFD", "NFKD", "Lowercase", "Prepend", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Punctuation",
+                           "Split"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +59,10 @@ class ProcessedPrompt:
                                     p.prompt_logprobs is not None, arrival_time)
 
 
-def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],
-                   params: SamplingParams) -> ProcessedPrompt:
-    """Tokenize and validate; raises ValueError naming the bad value."""
+def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int], params: SamplingParams,
+                   max_chars_per_token: int | None = None) -> ProcessedPrompt:
+    """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
+    (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     params.validate()  # the caller may have mutated a validated object
@@ -41,6 +70,7 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],
     if bad_bias:
         raise ValueError(f"logit_bias token ids must be in [0, {info.vocab_size}), got {bad_bias[:5]}")
     if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), params.max_tokens or 1, info.max_model_len, max_chars_per_token)
         text, token_ids = prompt, tokenizer.encode(prompt)
     else:
         text, token_ids = None, list(prompt)
@@ -63,6 +93,88 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int],
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
     return ProcessedPrompt(text, token_ids, params, max_tokens)
+
+
+def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,
+                       max_chars_per_token: int | None) -> None:
+    """Refuse, before tokenizing, a prompt of `num_chars` characters that cannot fit with
+    `max_tokens` more tokens: it is at least ceil(num_chars / max_chars_per_token) tokens.
+    Raises PromptTooLongError (a ValueError) with the numbers; None disables the check."""
+    if not max_chars_per_token:
+        return
+    min_prompt_tokens = -(-num_chars // max_chars_per_token)
+    if min_prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_chars} characters, which is at least {min_prompt_tokens} tokens (no token covers more "
+            f"than {max_chars_per_token} characters), and you requested {max_tokens} tokens in the "
+            f"completion. Please reduce the length of the prompt or completion.")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit in the context, found before or after tokenizing it."""
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most input characters one token of `tokenizer` can stand for, or None when no
+    safe bound is known (slow tokenizers, models or normalizers that can drop characters).
+
+    For BPE (GPT-2, Llama, Mistral, Qwen) every input character ends up in some token, and a
+    token covers at most as many characters as its vocabulary entry has (byte-level entries
+    spell one character per byte); added tokens match their literal text. Computed once at
+    start-up: it reads the whole vocabulary.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is None or type(model).__name__ != "BPE":
+        return None   # WordPiece maps a too-long word to one [UNK]; Unigram fuses unknowns
+    if model.unk_token is not None and model.fuse_unk and not model.byte_fallback:
+        return None   # a run of unknown characters becomes one token
+    normalizers = _components(backend.normalizer, "normalizers")
+    pre_tokenizers = _components(backend.pre_tokenizer, "pretokenizers")
+    if not all(_keeps_chars(n, _KEEPING_NORMALIZERS) for n in normalizers) \
+            or not all(_keeps_chars(p, _KEEPING_PRE_TOKENIZERS) for p in pre_tokenizers):
+        return None
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    is_composing = any(n.get("type") in _COMPOSING_NORMALIZERS for n in normalizers)
+    return longest * (_MAX_CODE_POINTS_PER_COMPOSED_CHAR if is_composing else 1)
+
+
+def _components(component: Any, list_key: str) -> list[dict]:
+    """A tokenizers normalizer/pre-tokenizer as its JSON nodes, Sequences flattened."""
+    if component is None:
+        return []
+    nodes, stack = [], [json.loads(component.__getstate__())]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.get(list_key) or [])
+    return nodes
+
+
+def _keeps_chars(node: dict, keeping: set[str]) -> bool:
+    kind = node.get("type")
+    if kind == "Replace":   # e.g. Llama's " " -> "▁"; a pattern replaced by less text drops characters
+        pattern = node.get("pattern", {}).get("String")
+        return pattern is not None and len(node.get("content", "")) >= len(pattern)
+    if kind == "Split":     # Llama-3 / Qwen's regex split keeps its matches ("Isolated")
+        return node.get("behavior") != "Removed"
+    return kind in keeping
+
+
+@functools.cache
+def _tokenizer_executor() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(min(MAX_TOKENIZER_THREADS, os.cpu_count() or 1),
+                                                 thread_name_prefix="kvserve-tokenize")
+
+
+async def run_off_loop(fn: Callable[..., T], *args: Any, num_chars: int | None = None) -> T:
+    """`fn(*args)` in the tokenizer thread pool, so the event loop goes on serving other
+    streams; inline when the input is known to be small (`num_chars <= INLINE_MAX_CHARS`).
+    A cancelled caller stops waiting; the thread finishes its call and the result is dropped."""
+    if num_chars is not None and num_chars <= INLINE_MAX_CHARS:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_executor(), functools.partial(fn, *args))
 
 
 def load_tokenizer(path: str):

@@ -95,6 +95,8 @@ class ServerConfig(BaseSettings):
     chat_template: str | None = Field(
         None, description="Chat template file or inline Jinja string (overrides the model's).")
     max_body_bytes: int = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
+    max_chat_messages: int = Field(
+        4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     stats_log_interval: float = Field(
         5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")

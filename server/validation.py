@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine import SamplingParams
+from engine.input_processor import PromptTooLongError, check_prompt_chars
 
 from server.chat import render_chat
 from server.errors import APIError, bad_request
@@ -48,6 +49,11 @@ class ValidatedRequest:
     include_usage: bool
 
 
+# A long agent session has hundreds of messages; every message costs a few tokens of template
+# even when empty, so 4096 of them fill most contexts, and rendering them takes ~30 ms.
+DEFAULT_MAX_CHAT_MESSAGES = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     """What validation needs to know about the served model."""
@@ -58,6 +64,8 @@ class ModelLimits:
     chat_template: str | None
     max_tokens_zero_ok: bool   # whether SamplingParams accepts max_tokens=0 (prompt scoring)
     kv_capacity_tokens: int    # a request longer than the whole KV cache can never run
+    max_chars_per_token: int | None = None   # refuse longer prompts before tokenizing (None: no bound)
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES   # --max-chat-messages
 
 
 def new_request_id(prefix: str) -> str:
@@ -92,6 +100,38 @@ def _check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> N
     for token_id in token_ids:
         if not 0 <= token_id < limits.vocab_size:
             raise bad_request(f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})", param=param)
+
+
+def _check_prompt_chars(text: str, max_tokens: int, limits: ModelLimits, param: str) -> None:
+    """The context_length_exceeded 400 for a prompt too long to fit, before tokenizing it."""
+    try:
+        check_prompt_chars(len(text), max_tokens, limits.max_model_len, limits.max_chars_per_token)
+    except PromptTooLongError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+
+
+def input_size(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Roughly how many characters validating `req` tokenizes or renders (small ones run inline)."""
+    if isinstance(req, ChatCompletionRequest):
+        return messages_size(req.messages)
+    prompts = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
+        else req.prompt
+    return sum(len(p) * (1 if isinstance(p, str) else 4) for p in prompts)   # token ids: decoded for echo
+
+
+def messages_size(messages: list[Any]) -> int:
+    """Characters of content, plus 64 per message and content part for the template's work."""
+    return sum(64 + (sum(64 + len(getattr(part, "text", "")) for part in m.content)
+                     if isinstance(m.content, list) else len(m.content or "")) for m in messages)
+
+
+def check_num_messages(messages: list[Any], limits: ModelLimits) -> None:
+    """`--max-chat-messages` bounds messages and, separately, their content parts."""
+    num_parts = sum(len(m.content) for m in messages if isinstance(m.content, list))
+    for count, what in ((len(messages), "messages"), (num_parts, "content parts")):
+        if count > limits.max_chat_messages:
+            raise bad_request(f"this request has {count} {what}; the server accepts at most "
+                              f"{limits.max_chat_messages} (--max-chat-messages)", param="messages")
 
 
 def _check_length(num_prompt_tokens: int, max_tokens: int, limits: ModelLimits, param: str) -> None:
@@ -149,7 +189,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     is_scoring_only = max_tokens == 0
     engine_max_tokens = 1 if is_scoring_only and not limits.max_tokens_zero_ok else max_tokens
 
-    prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer)
+    prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, engine_max_tokens)
     for prompt in prompts:
         _check_length(len(prompt.token_ids), engine_max_tokens, limits, "prompt")
     params = _sampling_params(
@@ -166,7 +206,8 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     )
 
 
-def _completion_prompts(prompt: Any, n: int, limits: ModelLimits, tokenizer: Any) -> list[EnginePrompt]:
+def _completion_prompts(prompt: Any, n: int, limits: ModelLimits, tokenizer: Any,
+                        max_tokens: int) -> list[EnginePrompt]:
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -183,6 +224,7 @@ def _completion_prompts(prompt: Any, n: int, limits: ModelLimits, tokenizer: Any
         if isinstance(item, str):
             if item == "":
                 raise bad_request("the prompt is empty", param="prompt")
+            _check_prompt_chars(item, max_tokens, limits, "prompt")
             prompts.append(EnginePrompt(list(tokenizer.encode(item)), item))
         else:
             _check_token_ids(item, limits, "prompt")
@@ -203,11 +245,13 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
+    check_num_messages(req.messages, limits)
     text = render_chat(tokenizer, limits.chat_template, req.messages, bool(req.add_generation_prompt),
                        req.chat_template_kwargs)
-    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _check_prompt_chars(text, 1 if max_tokens is None else max_tokens, limits, "messages")
+    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     if max_tokens is None:   # the rest of the context (or of the KV cache, if that is smaller)
         if len(token_ids) >= limits.max_model_len:
             _check_length(len(token_ids), 1, limits, "messages")
