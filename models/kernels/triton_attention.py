@@ -35,7 +35,7 @@ Prefill (`paged_prefill_attention`, a ragged batch of any query lengths, 1 inclu
   keys from the window start of its first query to its last query, cached prefix included.
   Programs past a request's query_len do nothing. Rows of `out` past cu_seqlens_q[B] are not written.
 
-Both functions are also torch custom ops (`torch.ops.kvserve.paged_decode_attention` and
+Both functions are also torch custom ops (`torch.ops.kvserve.triton_paged_decode_attention` and
 `...paged_prefill_attention`, mutating `out`, with fake impls), so torch.compile and CUDA graphs
 treat them as opaque. The tile sizes below are module constants (tests shrink them).
 """
@@ -80,10 +80,12 @@ if triton.knobs.runtime.interpret:
 
 @triton.jit
 def _load_kv_tile(cache_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
-                  stride_b, stride_t, stride_h):
+                  stride_b, stride_t, stride_h, EVEN_D: tl.constexpr):
     """[BLOCK_N, BLOCK_D] keys/values at positions `pos` of one request (zeros where not `valid`)."""
     block_ids = tl.load(block_table_row + pos // block_size, mask=valid, other=0).to(tl.int64)
     rows = cache_ptr + block_ids * stride_b + (pos % block_size) * stride_t + kv_head * stride_h
+    if EVEN_D:  # no column mask: keeps the loads vectorized
+        return tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     return tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
 
 
@@ -137,11 +139,11 @@ def _decode_partition_kernel(
         pos = n_start + tl.arange(0, BLOCK_N)
         valid = (pos < part_end) & (pos >= win_start)
         k = _load_kv_tile(k_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
-                          stride_kb, stride_kt, stride_kh)
+                          stride_kb, stride_kt, stride_kh, HEAD_DIM == BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
-                          stride_vb, stride_vt, stride_vh)
+                          stride_vb, stride_vt, stride_vh, HEAD_DIM == BLOCK_D)
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty partition gives zeros
@@ -229,14 +231,14 @@ def _prefill_kernel(
         pos = n_start + tl.arange(0, BLOCK_N)
         valid = pos < key_end
         k = _load_kv_tile(k_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
-                          stride_kb, stride_kt, stride_kh)
+                          stride_kb, stride_kt, stride_kh, HEAD_DIM == BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible & valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
-                          stride_vb, stride_vt, stride_vh)
+                          stride_vb, stride_vt, stride_vh, HEAD_DIM == BLOCK_D)
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -244,8 +246,24 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products (no TF32)
+def _decode_config(dtype: torch.dtype, head_dim: int) -> dict:
+    """Tile sizes and launch options (checked to compile for sm_90 without spills, in the tests).
+
+    fp32 keeps ~fp32 products with 3xTF32 on tensor cores ("ieee" FMA dots spill badly) and
+    halves the key tile for registers."""
+    is_fp32 = dtype == torch.float32
+    return dict(BLOCK_N=min(DECODE_BLOCK_N, 32) if is_fp32 else DECODE_BLOCK_N,
+                DOT_PRECISION="tf32x3" if is_fp32 else "tf32", num_warps=8 if head_dim > 128 else 4,
+                num_stages=2 if is_fp32 else 3)
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
+    is_fp32 = dtype == torch.float32
+    block_m = max(min(PREFILL_BLOCK_M, 32) if is_fp32 else PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group,
+                BLOCK_N=PREFILL_BLOCK_N if head_dim <= 128 and not is_fp32 else min(PREFILL_BLOCK_N, 32),
+                DOT_PRECISION="tf32x3" if is_fp32 else "tf32", num_warps=4 if head_dim <= 64 or is_fp32 else 8,
+                num_stages=2)
 
 
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, scale: float,
@@ -282,14 +300,14 @@ def _prepare_out(q: Tensor, out: Tensor | None) -> Tensor:
     return out
 
 
-@torch.library.custom_op("kvserve::paged_decode_attention", mutates_args=("out",))
+@torch.library.custom_op("kvserve::triton_paged_decode_attention", mutates_args=("out",))
 def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                scale: float, sliding_window: int | None, max_seq_len: int, out: Tensor) -> None:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_n = DECODE_BLOCK_N
-    partition = max(DECODE_PARTITION_SIZE // block_n, 1) * block_n
+    config = _decode_config(q.dtype, head_dim)
+    partition = max(DECODE_PARTITION_SIZE // config["BLOCK_N"], 1) * config["BLOCK_N"]
     num_splits = min(max(triton.cdiv(max_seq_len, partition), 1), DECODE_MAX_SPLITS)
     block_d = triton.next_power_of_2(head_dim)
     direct = num_splits == 1
@@ -306,8 +324,7 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0), out.stride(0), out.stride(1), *p_strides,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, PARTITION_SIZE=partition, HAS_WINDOW=sliding_window is not None,
-        DIRECT_OUT=direct, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4)
+        PARTITION_SIZE=partition, HAS_WINDOW=sliding_window is not None, DIRECT_OUT=direct, **config)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, *p_strides, out.stride(0), out.stride(1),
@@ -319,7 +336,7 @@ def _(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, max_seq
     return None
 
 
-@torch.library.custom_op("kvserve::paged_prefill_attention", mutates_args=("out",))
+@torch.library.custom_op("kvserve::triton_paged_prefill_attention", mutates_args=("out",))
 def _prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                 seq_lens: Tensor, scale: float, sliding_window: int | None, max_query_len: int,
                 out: Tensor) -> None:
@@ -329,18 +346,14 @@ def _prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return
-    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group
-    block_d = triton.next_power_of_2(head_dim)
-    block_n = PREFILL_BLOCK_N if head_dim <= 128 else min(PREFILL_BLOCK_N, 32)
-    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+    config = _prefill_config(q.dtype, head_dim, group)
+    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)](
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,
         scale * _LOG2E, sliding_window or 0, k_cache.shape[1],
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0), out.stride(0), out.stride(1),
-        G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        G=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_WINDOW=sliding_window is not None, **config)
 
 
 @_prefill_op.register_fake
@@ -366,7 +379,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         q = q.contiguous()
     out = _prepare_out(q, out)
     if q.shape[0] > 0:
-        torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
+        torch.ops.kvserve.triton_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
                                                  sliding_window, int(max_seq_len), out)
     return out
 
@@ -388,6 +401,6 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = _prepare_out(q, out)
-    torch.ops.kvserve.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+    torch.ops.kvserve.triton_paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
                                               float(scale), sliding_window, int(max_query_len), out)
     return out
