@@ -145,11 +145,13 @@ def _choice_grammar(choice: tuple[str, ...]) -> str:
 class SequenceGrammar:
     """One sequence's matcher (each of a request's n samples has its own)."""
 
-    __slots__ = ("matcher", "is_terminated")
+    __slots__ = ("matcher", "is_terminated", "json_whitespace")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, json_whitespace: bool | None = None) -> None:
         self.matcher = matcher
         self.is_terminated = False
+        # JSON kinds: whether raw \t \n \r may appear (any_whitespace); None for other kinds
+        self.json_whitespace = json_whitespace
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
@@ -181,8 +183,10 @@ class StructuredOutputManager:
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
+        self._tokenizer_info = None
         self._compiler_lock = threading.Lock()
         self._batch_matcher = None
+        self._no_control_masks: dict[bool, np.ndarray] = {}  # json_whitespace -> [ceil(V/32)] int32
         self.num_compiles = 0
         self.compile_time_s = 0.0  # total, for metrics
 
@@ -215,8 +219,10 @@ class StructuredOutputManager:
                 failed.append((request_id, str(error)))
                 continue
             compiled = pending.future.result()
+            spec = pending.children[0].params.structured_outputs
+            json_whitespace = spec.any_whitespace if spec.kind in ("json", "json_object") else None
             for child in pending.children:
-                child.structured = SequenceGrammar(self._new_matcher(compiled))
+                child.structured = SequenceGrammar(self._new_matcher(compiled), json_whitespace)
                 ready.append(child)
         return ready, failed
 
@@ -262,6 +268,7 @@ class StructuredOutputManager:
                 xgr = import_xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids)
+                self._tokenizer_info = info
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
             return self._compiler
 
@@ -274,19 +281,41 @@ class StructuredOutputManager:
         """The allowed tokens of this step's constrained, sampling rows; None when there are none."""
         from engine.step_record import GrammarBitmask
 
-        rows, matchers = [], []
+        rows, matchers, json_rows = [], [], {False: [], True: []}
         for i, item in enumerate(plan.scheduled):
             grammar = item.request.structured
             if grammar is not None and item.is_sampled:
                 rows.append(i)
                 matchers.append(grammar.matcher)
+                if grammar.json_whitespace is not None:
+                    json_rows[grammar.json_whitespace].append(i)
         if not rows:
             return None
         bitmask = np.empty((len(plan.scheduled), -(-self.vocab_size // 32)), np.int32)  # [B, ceil(V/32)]
         if self._batch_matcher is None:
             self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.max_workers)
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        for whitespace, json_row_ids in json_rows.items():
+            if json_row_ids:
+                bitmask[json_row_ids] &= self._no_control_mask(whitespace)
         return GrammarBitmask(tuple(rows), bitmask)
+
+    def _no_control_mask(self, whitespace: bool) -> np.ndarray:
+        """Clears the tokens holding raw control bytes (U+0000-U+001F; \t \n \r allowed when
+        `whitespace`): JSON never has them outside escapes, but xgrammar 0.2.8 lets them into
+        strings with minLength/maxLength."""
+        mask = self._no_control_masks.get(whitespace)
+        if mask is None:
+            allowed_ws = b"\t\n\r" if whitespace else b""
+            control = set(range(32)) - set(allowed_ws)
+            self._get_compiler()
+            vocab = self._tokenizer_info.decoded_vocab
+            bits = np.ones(-(-self.vocab_size // 32) * 32, bool)
+            for token_id, token in enumerate(vocab[:self.vocab_size]):
+                if control.intersection(token):
+                    bits[token_id] = False
+            mask = self._no_control_masks[whitespace] = np.packbits(bits, bitorder="little").view(np.int32)
+        return mask
 
     @staticmethod
     def accept_tokens(plan: StepPlan, sampled_token_ids: list[int | None]) -> None:
