@@ -60,13 +60,14 @@ class TritonFusedOps(FusedOps):
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -> FusedOps:
-    """The fused ops that go with the model's attention backend."""
+    """The fused ops that go with the model's attention backend (Triton's also on the CPU, where
+    only the interpreter runs them: the tests)."""
+    if attention_backend == "triton":
+        return TritonFusedOps()
     if device.type == "cpu":
         from models.cpu_model import CpuFusedOps
 
         return CpuFusedOps()
-    if attention_backend == "triton":
-        return TritonFusedOps()
     return TORCH_OPS
 
 
