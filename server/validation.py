@@ -50,7 +50,7 @@ class ValidatedRequest:
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
-# even when empty, so 4096 of them fill most contexts, and rendering them takes ~30 ms.
+# even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
 DEFAULT_MAX_CHAT_MESSAGES = 4096
 
 
