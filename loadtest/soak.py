@@ -162,7 +162,7 @@ async def worker(url: str, args: argparse.Namespace, model: dict, seed: int, sta
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 is_planned = time.monotonic() < stats.unavailable_until
                 outcome = "unavailable" if is_planned else f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.5)
             except httpx.TimeoutException:
                 outcome = "timeout (hang)"
             stats.counts[outcome if outcome in EXPECTED else "failed"] += 1
