@@ -353,3 +353,46 @@ def test_real_server_refuses_an_oversized_prompt_early(server):
         "model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": ["a" * 3000, "b" * 3000]}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop"
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# --------------------------------------------------------------------------- AsyncLLM.generate
+
+
+def _bare_async_llm(tokenizer, max_model_len: int):
+    """An AsyncLLM without a core process: enough state for generate() up to its first send."""
+    from engine.async_llm import AsyncLLM, EngineDeadError
+
+    llm = AsyncLLM.__new__(AsyncLLM)
+    llm.tokenizer = tokenizer
+    llm.info = SimpleNamespace(max_model_len=max_model_len, vocab_size=len(tokenizer), kv_capacity_tokens=10**6)
+    llm._max_chars_per_token = max_chars_per_token(tokenizer)
+    llm._streams, llm._error, llm._is_ready, llm._is_stopping = {}, None, True, False
+    llm._process = SimpleNamespace(is_alive=lambda: True)
+    llm.sent = []
+
+    def send(message):
+        llm.sent.append(message[0])
+        raise EngineDeadError("no core in this test")
+
+    llm._send = send
+    return llm, EngineDeadError
+
+
+def test_async_llm_tokenizes_big_prompts_off_the_loop(tokenizer):
+    spy = SpyTokenizer(tokenizer)
+    llm, engine_dead = _bare_async_llm(spy, max_model_len=4096)
+
+    async def run(prompt, request_id):
+        with pytest.raises((engine_dead, ValueError)) as exc:
+            async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), request_id):
+                pass
+        return exc.type
+
+    assert asyncio.run(run("hello " * (BIG // 6 + 1), "big")) is engine_dead   # it reached the send
+    assert asyncio.run(run("hello", "small")) is engine_dead
+    threads = _threads(spy, "encode")
+    assert threads[0].startswith("kvserve-tokenize") and threads[1] == "MainThread"
+    spy.calls.clear()
+    too_long = "x" * (4096 * max_chars_per_token(tokenizer) + 1)
+    assert asyncio.run(run(too_long, "too-long")) is PromptTooLongError
+    assert spy.calls == [] and llm._streams == {}
