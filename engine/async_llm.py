@@ -153,7 +153,7 @@ class AsyncLLM:
         Outputs that arrive while the consumer is busy are merged into one.
         """
         if not self.is_healthy:
-            raise EngineDeadError("the engine is not running") from self._error
+            raise self._not_running() from self._error
         # big prompts are tokenized (and token ids checked) in a worker thread, off this loop
         size = len(prompt) if isinstance(prompt, str) else len(prompt) // 8 if isinstance(prompt, Sequence) else None
         processed = await run_off_loop(process_prompt, self.tokenizer, self.info, prompt, params,
@@ -168,7 +168,7 @@ class AsyncLLM:
         try:
             if not self.is_healthy:  # it died after the check above, maybe after failing every stream
                 is_finished = True
-                raise EngineDeadError("the engine is not running") from self._error
+                raise self._not_running() from self._error
             self._send((messages.ADD, request_id, processed, arrival))
             while not is_finished:
                 if not builder.has_news and stream.error is None:
@@ -185,6 +185,11 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not is_finished:
                 self._abort_now(request_id)
+
+    def _not_running(self) -> EngineDeadError:
+        if self._is_stopping and self._error is None:
+            return EngineShutDownError("the engine was shut down")
+        return EngineDeadError("the engine is not running")
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
