@@ -191,5 +191,27 @@ def server_checkpoint(tmp_path_factory):
     return cached_checkpoint(tmp_path_factory)
 
 
+def test_unhandled_errors_name_a_request_id_not_the_exception(caplog):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internal detail")
+
+    with caplog.at_level("ERROR", logger="kvserve.server"):
+        resp = TestClient(app, raise_server_exceptions=False).get("/boom")
+    error, request_id = resp.json()["error"], resp.headers["x-request-id"]
+    assert resp.status_code == 500 and error["code"] == "internal_error" and request_id in error["message"]
+    assert "secret" not in resp.text
+    [record] = [r for r in caplog.records if request_id in r.getMessage()]
+    assert "secret internal detail" in str(record.exc_info[1])
+
+
 if sys.platform != "linux":
     pytestmark = pytest.mark.skip("needs Linux signals and /proc")
