@@ -172,6 +172,7 @@ def test_flags_reach_uvicorn(monkeypatch):
     assert uv_config.timeout_keep_alive == 7
     limits = uv_config.http.limits
     assert (limits.header_timeout_s, limits.stream_idle_timeout_s, limits.max_connections) == (3, 0, 50)
+    monkeypatch.delenv("KVSERVE_HEADER_TIMEOUT")
     defaults = load_config(build_parser().parse_args(["serve"]))
     assert (defaults.header_timeout, defaults.stream_idle_timeout, defaults.keep_alive_timeout) == (10, 60, 5)
     assert uvicorn_config(object(), defaults).http.limits.max_connections >= 16   # from the open-file limit
