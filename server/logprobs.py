@@ -122,8 +122,9 @@ class TextOffsets:
         if token_id in self.token_text.special_ids:
             is_shown = (self.text.startswith(text, offset) if self.text is not None
                         else not self.skip_special_tokens)
-            if is_shown:
-                self.num_chars += len(self._decoder.decode(b"", final=True)) + len(text)
+            if is_shown:   # it ends a character left incomplete (shown as U+FFFD) before it starts
+                offset = self.num_chars = self.num_chars + len(self._decoder.decode(b"", final=True))
+                self.num_chars += len(text)
             return offset
         self.num_chars += len(self._decoder.decode(bytes(self.token_text.bytes(token_id, text))))
         return offset
