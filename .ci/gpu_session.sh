@@ -140,10 +140,10 @@ for stage in "$@"; do
   case $stage in
     tests) stage_tests ;;
     bench-1b) stage_bench llama-1b "${BENCH_1B_S:-270}" ;;
-    bench-8b) stage_bench llama-8b "${BENCH_8B_S:-330}" ;;
-    bench) stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-330}" ;;
+    bench-8b) stage_bench llama-8b "${BENCH_8B_S:-380}" ;;
+    bench) stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}" ;;
     serve) stage_serve ;;
-    all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-330}"; stage_serve ;;
+    all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}"; stage_serve ;;
     *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | all"; status=2 ;;
   esac
 done

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         _warm_engine(llm, config.vocab_size)
         for c in run_cases:
             record(c, name, lambda c=c: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))
+        _release_engine(llm)
         del llm
         results[f"{name}_memory_after_free"] = free_memory(device)
 
@@ -317,6 +318,16 @@ def _load_engine(model_dir: Path, engine_kw: dict, eager: bool, results: dict, n
     print(f"{name}: loaded in {results[f'{name}_load_s']:.1f} s, attention {info.attention_backend}, "
           f"CUDA graphs {info.cuda_graphs}, KV cache {info.kv_capacity_tokens} tokens", flush=True)
     return llm
+
+
+def _release_engine(llm) -> None:
+    """Drop the engine's device memory explicitly (KV pool, CUDA graphs, weights), so the next
+    system gets the GPU even if something still refers to the engine."""
+    runner = llm.engine.runner
+    for layer in runner.attn_layers:
+        layer.kv_cache = None
+    runner.graphs = None
+    runner.model = None
 
 
 def _warm_engine(llm, vocab_size: int) -> None:
