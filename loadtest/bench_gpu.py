@@ -129,6 +129,35 @@ def run_kvserve(llm, prompts: list[list[int]], outs: list[int], weight_bytes: in
                 **roofline(decode, weight_bytes, kv_per_token, bandwidth))
 
 
+def profile_kvserve(llm, vocab_size: int, prompt_len: int, num_tokens: int, top: int = 15) -> dict:
+    """Where a batch-1 decode step's time goes: torch.profiler over one request (CPU + CUDA).
+    Kernel time per step vs wall time per step; the gap is the GPU waiting on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    prompt = np.random.default_rng(7).integers(3, vocab_size, prompt_len).tolist()
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    timer = StepTimer(llm.engine.runner)
+    try:
+        with profile(activities=activities) as prof:
+            llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        timer.remove()
+    decode_s = sum(s[0] for s in timer.steps if s[1])
+    num_decode = sum(1 for s in timer.steps if s[1])
+    events = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA")]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    steps = len(timer.steps)
+    kernel_us = sum(e.self_device_time_total for e in events)
+    return dict(
+        num_steps=steps, decode_wall_ms_per_step=1e3 * decode_s / max(num_decode, 1),
+        kernel_ms_per_step=kernel_us / 1e3 / steps, num_kernels_per_step=sum(e.count for e in events) / steps,
+        top_kernels=[dict(name=e.key[:120], ms_per_step=e.self_device_time_total / 1e3 / steps,
+                          calls_per_step=e.count / steps) for e in events[:top]])
+
+
 def hf_batches(prompts: list[list[int]], outs: list[int], batch_size: int):
     for i in range(0, len(prompts), batch_size):
         yield prompts[i:i + batch_size], outs[i:i + batch_size]
@@ -194,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cases run with transformers' static cache + torch.compile (default a on CUDA, none on CPU)")
     p.add_argument("--hf-batch", type=int, default=32, help="transformers' static batch for case c")
     p.add_argument("--hf-budget-s", type=float, default=60.0, help="seconds of transformers runs per case, at most")
+    p.add_argument("--profile-tokens", type=int, default=None,
+                   help="profile one request of --profile-tokens new tokens per kvserve system (default 64 on "
+                        "CUDA, 0 = off on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -223,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     compile_cases = _case_list(args.hf_compile_cases if args.hf_compile_cases is not None
                                else ("a" if device.type == "cuda" else ""))
+    profile_tokens = args.profile_tokens if args.profile_tokens is not None else (64 if device.type == "cuda" else 0)
     model_dir = Path(args.model_dir or f"bench_out/models/{args.shape}")
     out_path = Path(args.out or f"bench_out/bench_gpu_{args.shape}.json")
 
@@ -278,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         _warm_engine(llm, config.vocab_size)
         for c in run_cases:
             record(c, name, lambda c=c: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))
+        if profile_tokens:
+            try:
+                results[f"{name}_profile"] = prof = profile_kvserve(llm, config.vocab_size, 16 if args.small else 128,
+                                                                    profile_tokens)
+                print_profile(name, prof)
+            except Exception as exc:  # the profile is a diagnosis: never fatal
+                traceback.print_exc()
+                results["errors"][f"profile/{name}"] = f"{type(exc).__name__}: {exc}"[:2000]
+            write_json(out_path, results)
         _release_engine(llm)
         del llm
         results[f"{name}_memory_after_free"] = free_memory(device)
@@ -394,6 +436,14 @@ def print_row(case: str, system: str, case_info: dict, row: dict) -> None:
     print(f"{case:4} {system:14} {case_info['num_requests']:5d} {case_info['output_tokens']:8d} "
           f"{num('tok_s', '9.1f')} {num('ms_per_step', '8.2f')} {num('ideal_ms_per_step', '8.2f')} "
           f"{num('measured_over_ideal', '10.2f')}{partial}", flush=True)
+
+
+def print_profile(name: str, prof: dict) -> None:
+    print(f"{name} profile, batch 1: wall {prof['decode_wall_ms_per_step']:.2f} ms per decode step, kernels "
+          f"{prof['kernel_ms_per_step']:.2f} ms per step ({prof['num_kernels_per_step']:.0f} launches per step)",
+          flush=True)
+    for k in prof["top_kernels"]:
+        print(f"    {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f}x  {k['name']}", flush=True)
 
 
 def write_json(path: Path, results: dict) -> None:

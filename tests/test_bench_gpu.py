@@ -17,7 +17,7 @@ ROW_FIELDS = {"tok_s", "elapsed_s", "num_steps", "ms_per_step", "ideal_ms_per_st
 def test_bench_gpu_tiny_on_cpu_writes_every_field(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--small", "--cases", "a,c", "--model-dir", str(tmp_path / "m"),
-            "--out", str(out), "--hf-batch", "4", "--skip-hf", "c"]
+            "--out", str(out), "--hf-batch", "4", "--skip-hf", "c", "--profile-tokens", "4"]
     assert bench_gpu.main(argv) == 0
     printed = capsys.readouterr().out
     assert "bandwidth" in printed and "meas/ideal" in printed
@@ -35,6 +35,8 @@ def test_bench_gpu_tiny_on_cpu_writes_every_field(tmp_path, capsys):
     hf = a["systems"]["hf-eager"]
     assert (hf["batch_size"], hf["num_batches"], hf["total_batches"], hf["output_tokens_run"]) == (1, 1, 1, 8)
     assert c["num_requests"] == 8 and 8 * 4 <= c["output_tokens"] <= 8 * 16
+    profile = results["kvserve_profile"]  # on the CPU: no kernels to list, the step count only
+    assert profile["num_steps"] == 4 and profile["decode_wall_ms_per_step"] > 0 and "top_kernels" in profile
 
 
 def test_hf_budget_runs_at_least_one_batch_and_counts_the_rest(tmp_path):
