@@ -21,6 +21,9 @@ Columns: output tok/s; ms per step (kvserve: per decode-only step, timed around 
 step, which ends in its one device-to-host sync; transformers: elapsed / generated positions,
 prefill included); ideal ms = (weight bytes + KV bytes the step reads) / HBM bandwidth, with the
 bandwidth measured by a large device-to-device copy (bytes read + written); meas/ideal.
+On CUDA each kvserve system also profiles one request of --profile-tokens new tokens
+(torch.profiler): kernel time vs wall time per step and the top kernels, i.e. where the time
+beyond the roofline goes (JSON `<system>_profile`).
 """
 
 from __future__ import annotations
