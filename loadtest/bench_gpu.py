@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = max(len(p) + o for prompts, outs in workloads.values() for p, o in zip(prompts, outs)) + 1
     results = {
         "shape": args.shape, "config": LLAMA_SHAPES[args.shape], "device": args.device,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or platform.machine()),
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": "bfloat16",
         "small": args.small, "checkpoint_s": checkpoint_s, "hbm_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_per_token,

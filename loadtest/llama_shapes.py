@@ -82,7 +82,8 @@ def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dt
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = dtype
     config.save_pretrained(path)
-    transformers.GenerationConfig(bos_token_id=0, eos_token_id=[0, SPECIAL_TOKENS.index("<|im_end|>")]).save_pretrained(path)
+    eos_token_ids = [0, SPECIAL_TOKENS.index("<|im_end|>")]
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=eos_token_ids).save_pretrained(path)
     save_tokenizer(path, fields["vocab_size"])
 
     torch_dtype = getattr(torch, dtype)

@@ -107,7 +107,8 @@ def test_bf16_close_to_transformers_fp32(checkpoint_dirs, family):
         our_error = (ours - ref[steps, chosen]).abs().max().item()
         their_error = (theirs[steps, chosen] - ref[steps, chosen]).abs().max().item()
         bound = max(BF16_LOGPROB_FLOOR, 3 * their_error)
-        assert our_error <= bound, f"prompt len {len(prompt)}: logprobs {our_error:.4f} from fp32 (hf bf16 {their_error:.4f})"
+        assert our_error <= bound, (f"prompt len {len(prompt)}: logprobs {our_error:.4f} from fp32 "
+                                    f"(transformers bf16: {their_error:.4f})")
         regret = (ref.max(-1).values - ref[steps, chosen]).max().item()  # 0 where fp32 agrees
         assert regret <= 2 * bound, f"prompt len {len(prompt)}: a greedy token {regret:.4f} below fp32's best"
     assert_no_leaks(llm)
@@ -286,7 +287,8 @@ def references(q, k_cache, v_cache, table, seq_lens, query_lens, window):
     sdpa = torch.empty_like(q)
     row = 0
     for r, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
-        k, v = gathered(k_cache, table, r, seq_len), gathered(v_cache, table, r, seq_len)
+        k, v = gathered(k_cache, table, r, seq_len), gathered(v_cache, table, r, seq_len)  # [S, KvH, D]
+        k_rep, v_rep = (x.float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1) for x in (k, v))  # [S, H, D]
         q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)
         mask = k_pos[None, :] <= q_pos[:, None]
@@ -295,9 +297,9 @@ def references(q, k_cache, v_cache, table, seq_lens, query_lens, window):
         for start in range(0, query_len, 1024):  # bounded score matrices
             stop = min(start + 1024, query_len)
             qr = q[row + start:row + stop]  # [n, H, D]
-            scores = torch.einsum("qhd,khd->hqk", qr.float(), k.float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)) * scale
+            scores = torch.einsum("qhd,khd->hqk", qr.float(), k_rep) * scale
             probs = scores.masked_fill(~mask[start:stop], float("-inf")).softmax(-1)
-            exact[row + start:row + stop] = torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1))
+            exact[row + start:row + stop] = torch.einsum("hqk,khd->qhd", probs, v_rep)
             out = sdpa_gqa(qr.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                            mask[start:stop][None, None], scale)
             sdpa[row + start:row + stop] = out[0].transpose(0, 1)
