@@ -22,7 +22,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.input_batch import InputBatch
 from engine.kv_pool import allocate_kv_pool
 from engine.logits_processors import LogitsProcessors
-from engine.memory_profile import profile_kv_budget
+from engine.memory_profile import MemoryProfile, profile_kv_budget
 from engine.sampler import Sampler
 from engine.step_record import StepRecord
 from models import load_model
@@ -58,13 +58,14 @@ class ModelRunner:
         self.attn_backend = self.attn_layers[0].backend
         self.index_dtype = np.int32 if self.attn_backend.index_dtype == torch.int32 else np.int64
         self.staging = HostToDevice(self.device)
-        budget = None
+        self.memory_profile: MemoryProfile | None = None  # CUDA: what sized the KV pool
         if self.device.type == "cuda":
             with phase("memory profile"):
-                budget = profile_kv_budget(
+                self.memory_profile = profile_kv_budget(
                     self.model, self.vocab_size, scheduler_config.max_num_batched_tokens, self.max_num_seqs,
                     max_model_len, self.block_size, self.attn_backend.index_dtype, self.dtype, self.device,
-                    model_config.gpu_memory_utilization).kv_budget
+                    model_config.gpu_memory_utilization)
+        budget = None if self.memory_profile is None else self.memory_profile.kv_budget
         self.num_kv_blocks = allocate_kv_pool(self.attn_layers, cache_config, scheduler_config, max_model_len,
                                               self.dtype, self.device, budget)
         self.sampler = Sampler()

@@ -27,7 +27,6 @@ import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from test_engine import assert_greedy_matches, assert_no_leaks, greedy, hf_model, make_prompts
 
-import engine.runner
 from engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -187,22 +186,14 @@ def test_cuda_graph_padding_rows_are_harmless(checkpoint_dirs):
 # ---- memory ----
 
 
-def test_long_prompt_after_prefix_hit_stays_inside_the_profiled_peak(tmp_path, monkeypatch):
+def test_long_prompt_after_prefix_hit_stays_inside_the_profiled_peak(tmp_path):
     """A prompt near max_model_len whose first half is cached: every chunk attends to up to 8k
     cached tokens. Nothing it allocates may exceed what the memory profile's dummy step took
     (a score matrix per chunk would: 8 heads x 512 x 8192 x 4 bytes = 128 MiB per layer)."""
     path = make_checkpoint(tmp_path, "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                            num_key_value_heads=2, max_position_embeddings=8192)
-    profiles = []
-    profile_kv_budget = engine.runner.profile_kv_budget
-
-    def recording(*args, **kwargs):
-        profiles.append(profile_kv_budget(*args, **kwargs))
-        return profiles[-1]
-
-    monkeypatch.setattr(engine.runner, "profile_kv_budget", recording)
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=512, max_num_seqs=4)
-    (profile,) = profiles
+    profile = llm.engine.runner.memory_profile
     info = llm.engine.info
     assert info.max_model_len == 8192
     g = torch.Generator().manual_seed(0)

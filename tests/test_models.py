@@ -302,11 +302,14 @@ def test_checkpoint_facts(llama_dir, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_paged_attention_cuda(tmp_path, family):
+def test_paged_attention_cuda(tmp_path, family, backend):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     model_dir = make_checkpoint(tmp_path, family)
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    model = load_model(model_dir, config, torch.float32, "cuda")
+    model = load_model(model_dir, config, torch.float32, "cuda", attention_backend=backend)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(config.vocab_size)
     want = hf_logits(hf_model, prompts)
