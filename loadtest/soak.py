@@ -74,6 +74,7 @@ class Stats:
     failures: list[str] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
     unavailable_until: float = 0.0  # while the server restarts (and a moment after), refused connections are planned
+    started_s: list[float] = field(default_factory=lambda: [0.0])  # when each server process began serving
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -208,6 +209,7 @@ async def monitor(server: Server, args: argparse.Namespace, stats: Stats, starte
             stats.unavailable_until = float("inf")
             await asyncio.to_thread(server.restart)
             stats.unavailable_until = time.monotonic() + 2.0
+            stats.started_s.append(time.monotonic() - started)
             print(f"restarted; the drained server exited with {server.restart_codes[-1]}", flush=True)
         await sample(server, stats, started)
 
@@ -229,8 +231,9 @@ def verdict(server: Server, stats: Stats, args: argparse.Namespace, final: dict)
         problems.append(f"not idle after the load: kv {final['kv_cache_usage']}, running {final['num_running']}, "
                         f"waiting {final['num_waiting']}")
     problems += [f"the drained server exited with {code}, not 0" for code in server.restart_codes if code != 0]
-    generation = final["generation"]   # RSS is compared within the last server process only
-    rows = [r for r in stats.samples if r["generation"] == generation and r["t_s"] >= args.warmup]
+    generation = final["generation"]   # RSS is compared within the last server process, after its warm-up
+    warm_s = stats.started_s[generation] + args.warmup
+    rows = [r for r in stats.samples if r["generation"] == generation and r["t_s"] >= warm_s]
     rows = rows or [r for r in stats.samples if r["generation"] == generation]
     for key in ("server_rss_mib", "core_rss_mib"):
         values = [r[key] for r in rows if r[key] is not None]
@@ -280,7 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oversized-fraction", type=float, default=0.05)
     p.add_argument("--restart-at", type=float, default=None, help="SIGTERM + restart at this fraction of the run")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between sample lines")
-    p.add_argument("--warmup", type=float, default=10.0, help="seconds before the RSS baseline is taken")
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="seconds after a server (re)start before its RSS baseline is taken")
     p.add_argument("--max-rss-growth-mib", type=float, default=100.0)
     p.add_argument("--request-timeout", type=float, default=120.0, help="a request slower than this is a hang")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="how long to wait for the server to go idle")
