@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestMetrics": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputs": "engine.structured_output",
 }
 
 __all__ = sorted(_EXPORTS)
