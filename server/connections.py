@@ -14,9 +14,12 @@ headers are complete, so idle sockets still pile up until `accept()` fails with 
   has not called `resume_writing` after `stream_idle_timeout_s`, the connection is aborted
   (RST: `close()` would wait for the buffer to drain, which never happens). uvicorn then
   reports `http.disconnect`, so the handler aborts the engine requests and frees the seat.
-- **connection cap**: a connection beyond `max_connections` is closed as soon as it is
-  accepted, so the process keeps file descriptors for everything else (docs/server.md says
-  why this, not `limit_concurrency`).
+- **connection cap**: at most `max_connections` stay open, so `accept()` never runs out of
+  file descriptors. When a new one would exceed the cap, the oldest *idle* connection (one
+  that has not completed its request headers, or a kept-alive one between requests) is closed
+  to make room: slowloris sockets are churned out while clients that send their headers at
+  once get in. When every open connection has a request in progress, the new one is closed
+  instead (docs/server.md compares this with uvicorn's `limit_concurrency`).
 
 `RateLimitFilter` keeps floods of identical log lines (`accept() out of system resource`,
 refused connections) to one line per interval with a count of those suppressed.
@@ -68,24 +71,28 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol plus the limits in `limits` (set on a subclass by `protocol_class`)."""
 
     limits = ConnectionLimits(header_timeout_s=0, stream_idle_timeout_s=0, max_connections=None)
-    num_refused = 0       # connections closed by the cap, over the process's life
-    num_header_timeouts = 0
-    num_stalled = 0
+    # Connections without a request in progress, oldest first (a dict keeps insertion order);
+    # `protocol_class` gives each server its own.
+    idle: dict[HardenedHttpToolsProtocol, None] = {}
+    counts = {"evicted": 0, "refused": 0, "header_timeouts": 0, "stalled": 0}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         cap = self.limits.max_connections
-        if cap is not None and len(self.connections) > cap:
-            type(self).num_refused += 1
-            logger.warning("connection limit (--max-connections %d) reached: closing new connections", cap)
+        if cap is not None and len(self.connections) > cap and not self._evict_oldest_idle():
+            self.counts["refused"] += 1
+            logger.warning("connection limit (--max-connections %d) reached and every connection is busy: "
+                           "closing new connections", cap)
             transport.abort()
             return
+        self.idle[self] = None
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        self.idle.pop(self, None)
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -96,7 +103,26 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        self.idle.pop(self, None)
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline:
+            self.idle[self] = None   # kept alive, waiting for the next request: the newest idle one
+
+    def _evict_oldest_idle(self) -> bool:
+        """Close the connection that has been idle longest to make room; False when none is idle."""
+        while self.idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            if not oldest.transport.is_closing():
+                self.counts["evicted"] += 1
+                logger.warning("connection limit (--max-connections %d) reached: closing the oldest idle "
+                               "connections", self.limits.max_connections)
+                oldest.transport.abort()
+                return True
+        return False
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -123,13 +149,13 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        type(self).num_header_timeouts += 1
+        self.counts["header_timeouts"] += 1
         logger.debug("%s: no complete request headers in %.1f s; closing", self.client, self.limits.header_timeout_s)
         self.transport.close()   # nothing was written, so this closes at once (FIN: the client reads b"")
 
     def _on_write_stalled(self) -> None:
         self._write_timer = None
-        type(self).num_stalled += 1
+        self.counts["stalled"] += 1
         logger.info("%s: client read nothing for %.1f s (--stream-idle-timeout); closing and aborting its request",
                     self.client, self.limits.stream_idle_timeout_s)
         self.transport.abort()
@@ -137,7 +163,8 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
 
 def protocol_class(limits: ConnectionLimits) -> type[HardenedHttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` bound to `limits`."""
-    return type("KVServeHttpProtocol", (HardenedHttpToolsProtocol,), {"limits": limits})
+    return type("KVServeHttpProtocol", (HardenedHttpToolsProtocol,),
+                {"limits": limits, "idle": {}, "counts": dict.fromkeys(HardenedHttpToolsProtocol.counts, 0)})
 
 
 class RateLimitFilter(logging.Filter):
@@ -176,7 +203,8 @@ class RateLimitFilter(logging.Filter):
         return True
 
 
-FLOOD_PATTERNS = ("out of system resource", "Too many open files", "connection limit", "Exceeded concurrency limit",
+FLOOD_PATTERNS = ("out of system resource", "Too many open files", "every connection is busy",
+                  "closing the oldest idle", "Exceeded concurrency limit",
                   "Invalid HTTP request received")
 
 

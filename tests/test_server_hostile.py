@@ -138,27 +138,66 @@ def test_kept_alive_connection_gets_a_header_timeout_too(stall_server):
     sock.close()
 
 
-def test_connections_beyond_the_cap_are_closed_at_once(capped_server):
-    held = [_connect(capped_server.port) for _ in range(8)]
+def _is_open(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        sock.setblocking(True)
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:   # the server notices closed sockets shortly
+        try:
+            if httpx.get(url + "/health", timeout=DEADLINE_S).status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_connection_cap_evicts_the_oldest_idle_connection(capped_server):
+    """At the cap a new connection gets in by closing the one idle longest (slowloris sockets churn out)."""
+    idle = [_connect(capped_server.port) for _ in range(8)]   # never send a byte
+    newcomer = _connect(capped_server.port)
+    newcomer.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    assert _read_until_closed(newcomer).startswith(b"HTTP/1.1 200")
+    newcomer.close()
+    assert _read_until_closed(idle[0]) == b""   # the oldest was closed to make room
+    assert all(_is_open(sock) for sock in idle[2:])
+    for sock in idle:
+        sock.close()
+    assert "closing the oldest idle connections" in capped_server.log()
+    _wait_healthy(capped_server.url)
+
+
+def test_connection_cap_refuses_when_every_connection_is_busy(capped_server):
+    """Connections with a request in progress are never evicted: beyond the cap, new ones are closed."""
+    _wait_healthy(capped_server.url)
+    busy = [_connect(capped_server.port) for _ in range(8)]
+    for sock in busy:   # complete headers, body never sent: the request is in progress
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n")
+    for sock in busy:   # the server asks for the body once the handler reads it: it is busy now
+        sock.settimeout(DEADLINE_S)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 100")
     extra = _connect(capped_server.port)
-    extra.settimeout(DEADLINE_S)
     try:
         extra.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):
         pass
     assert _read_until_closed(extra) == b""   # closed without an answer
     extra.close()
-    for sock in held:
+    assert all(_is_open(sock) for sock in busy)
+    for sock in busy:
         sock.close()
-    deadline = time.monotonic() + DEADLINE_S
-    while True:   # the server notices the closed sockets shortly
-        try:
-            if httpx.get(capped_server.url + "/health", timeout=DEADLINE_S).status_code == 200:
-                break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-    assert "connection limit (--max-connections 8)" in capped_server.log()
+    assert "every connection is busy" in capped_server.log()
+    _wait_healthy(capped_server.url)
 
 
 # --------------------------------------------------------------------------- no server
