@@ -20,7 +20,7 @@ pytest.importorskip("xgrammar")
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
 from engine.structured_output import StructuredOutputs  # noqa: E402
 
-NUM_SEEDS = 6
+NUM_SEEDS = 16
 MAX_TOKENS = 200
 
 SCHEMAS = {
@@ -243,6 +243,47 @@ def test_slow_compile_stalls_nobody(llm):
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert [o.outputs[0].text for o in outs] in (["slow"], ["slower"])
+
+
+def test_abort_while_compiling_and_prefix_cache(llm):
+    engine, manager = llm.engine, llm.engine.structured
+    release = threading.Event()
+    compile_fn = manager._compile
+    manager._compile = lambda spec: release.wait(30) and compile_fn(spec)
+    try:
+        engine.add_request("gone", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="a+b")))
+        assert engine.has_unfinished_requests()
+        engine.abort("gone")
+        assert not engine.has_unfinished_requests() and not manager.has_pending
+    finally:
+        release.set()
+        manager._compile = compile_fn
+    # a long shared prompt: the second request reuses the first one's blocks
+    prompt = "Continuous batching lets new requests join a running batch at every step. " * 3
+    spec = StructuredOutputs(json=SCHEMAS["arrays"])
+    hits = engine.stats().prefix_cache_hits_total
+    for seed in (1, 2):
+        out = llm.generate(prompt, SamplingParams(seed=seed, max_tokens=MAX_TOKENS, structured_outputs=spec),
+                           use_tqdm=False)[0]
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["arrays"])
+    assert engine.stats().prefix_cache_hits_total > hits
+
+
+def test_padded_model_vocab_is_masked(tmp_path):
+    """A model vocabulary larger than the tokenizer's: the extra ids are never allowed."""
+    import transformers
+    from checkpoints import save_tokenizer, tiny_config
+
+    num_tokens = len(save_tokenizer(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=num_tokens + 64))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert llm.engine.info.vocab_size == num_tokens + 64
+    extra = {num_tokens + i: 100.0 for i in range(0, 64, 7)}  # the model would pick these
+    out = _generate(llm, [SamplingParams(seed=s, logit_bias=extra, max_tokens=20,
+                                         structured_outputs=StructuredOutputs(regex="[a-c]{3}")) for s in range(4)])
+    for o in out:
+        assert re.fullmatch("[a-c]{3}", o.outputs[0].text) and max(o.outputs[0].token_ids) < num_tokens
 
 
 def test_params_pickle_and_async_engine(llama_dir):
