@@ -8,39 +8,44 @@ environment, which wins over the default. List fields (`served_model_name`,
 
 from __future__ import annotations
 
-import re
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "KVSERVE_"
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
-}
+def _number_or_unit(value: Any) -> Any:
+    """Pydantic's `ByteSize` reads `4GiB` and `512MB`; plain numbers (`1e9`, `1048576`) are read here."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"invalid size {value!r}")
+        return int(value)
+    return value
+
+
+def _positive(size: int) -> int:
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    return int(size)
+
+
+# A byte count: `4GiB`, `512MB`, `1.5 KiB`, `1e9`, `1048576` (KB, MB, ... and K, M, ... are powers of 1000).
+Size = Annotated[ByteSize, BeforeValidator(_number_or_unit), AfterValidator(_positive)]
+_SIZE_ADAPTER: TypeAdapter[int] = TypeAdapter(Size)
 
 
 def parse_size(value: str | int | float) -> int:
-    """Parse a byte count such as `4GiB`, `512MB`, `1e9` or `1048576` (SI units are powers of 1000)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}")
-    if isinstance(value, (int, float)):
-        num, unit = float(value), ""
-    else:
-        match = _SIZE_RE.match(value)
-        if match is None or match.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"invalid size {value!r}: expected a number with an optional unit like 4GiB or 512MB")
-        num, unit = float(match.group(1)), match.group(2).lower()
-    size = int(num * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
+    """Parse a byte count such as `4GiB`, `512MB`, `1e9` or `1048576`; ValueError if it is not one."""
+    return _SIZE_ADAPTER.validate_python(value)
 
 
 def _split_csv(value: Any) -> Any:
@@ -69,7 +74,7 @@ class ServerConfig(BaseSettings):
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     max_num_seqs: int = Field(256, gt=0, description="Most sequences in one running batch.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
-    kv_cache_memory: int | None = Field(None, description="Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.")
+    kv_cache_memory: Size | None = Field(None, description="Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.")
     num_kv_blocks: int | None = Field(
         None, gt=0, description="Exact number of KV blocks (overrides --kv-cache-memory).")
     max_model_len: int | None = Field(None, gt=0, description="Context length limit (default: the model's).")
@@ -94,7 +99,7 @@ class ServerConfig(BaseSettings):
     )
     chat_template: str | None = Field(
         None, description="Chat template file or inline Jinja string (overrides the model's).")
-    max_body_bytes: int = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
+    max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
     max_chat_messages: int = Field(
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
@@ -111,8 +116,8 @@ class ServerConfig(BaseSettings):
     keep_alive_timeout: float = Field(
         5.0, gt=0, description="Close an idle kept-alive connection after this many seconds.")
     max_connections: int | None = Field(
-        None, gt=0, description="Close new connections at once beyond this many open ones (unset: the open-file "
-        "limit minus 128).")
+        None, gt=0, description="Most open client connections: beyond it the oldest idle one (or, if none is "
+        "idle, the new one) is closed (unset: the open-file limit minus 128).")
 
     # --- failures and shutdown ---
     shutdown_timeout: float = Field(
@@ -132,17 +137,12 @@ class ServerConfig(BaseSettings):
             return [item for part in value for item in _split_csv(part)]
         return _split_csv(value)
 
-    @field_validator("kv_cache_memory", "max_body_bytes", mode="before")
-    @classmethod
-    def _parse_sizes(cls, value: Any) -> Any:
-        return None if value is None or value == "" else parse_size(value)
-
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "model", "tokenizer", "chat_template", mode="before")
+    @field_validator("api_key", "model", "tokenizer", "chat_template", "kv_cache_memory", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
