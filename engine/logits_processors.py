@@ -61,7 +61,29 @@ def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.d
     covered: the bitmask is as wide as the model's vocabulary and those bits are 0."""
     import xgrammar
 
-    bitmask = torch.from_numpy(grammar.bitmask)  # [B, ceil(V/32)] int32
+    rows, bitmask = list(grammar.rows), grammar.bitmask  # [B, ceil(V/32)] int32
+    if device.type == "cpu":
+        bitmask = _fill_banned_words(logits, rows, bitmask)
+    bitmask = torch.from_numpy(bitmask)
     if device.type != "cpu":
         bitmask = bitmask.to(device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=list(grammar.rows))
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def _fill_banned_words(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> np.ndarray:
+    """xgrammar's CPU kernel sets banned tokens one at a time (10 ms for 64 rows of 49k mostly
+    banned tokens here, 0.7 ms when most are allowed). When many 32-token words are wholly
+    banned (keys, numbers, enums, punctuation), fill those with one broadcast masked_fill
+    instead, and hand the kernel a bitmask with those words marked allowed (64 x 49k, mostly
+    banned: 1.6 ms). Decided on the host: no device sync."""
+    num_rows, vocab_size = logits.shape
+    num_words = vocab_size // 32  # whole words only; a ragged tail is left to the kernel
+    zero = np.zeros((num_rows, num_words), bool)  # [B, V // 32] wholly banned words
+    zero[rows] = bitmask[rows, :num_words] == 0
+    if zero.sum() * 4 <= len(rows) * num_words:
+        return bitmask
+    words = logits[:, :num_words * 32].view(num_rows, num_words, 32)
+    words.masked_fill_(torch.from_numpy(zero)[..., None], float("-inf"))
+    bitmask = bitmask.copy()
+    bitmask[:, :num_words][zero] = -1  # already done
+    return bitmask

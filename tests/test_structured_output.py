@@ -312,3 +312,25 @@ def test_params_pickle_and_async_engine(llama_dir):
     assert final.finished and final.outputs[0].finish_reason == "stop"
     assert 7 not in final.outputs[0].token_ids
     jsonschema.validate(json.loads(final.outputs[0].text), SCHEMAS["nested"])
+
+
+def test_bitmask_apply_matches_xgrammar():
+    """The CPU fast path for wholly banned words gives xgrammar's kernel's result."""
+    import numpy as np
+    import torch
+    import xgrammar
+
+    from engine.logits_processors import apply_bitmask
+    from engine.step_record import GrammarBitmask
+
+    rng = np.random.default_rng(0)
+    num_rows, vocab_size = 6, 1000  # not a multiple of 32
+    for allowed_share in (0.001, 0.5, 0.99):
+        bits = rng.random((num_rows, 1024)) < allowed_share
+        bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [6, 32]
+        logits = torch.randn(num_rows, vocab_size)
+        rows = (0, 2, 3, 5)
+        expected = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(expected, torch.from_numpy(bitmask.copy()), indices=list(rows))
+        apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device("cpu"))
+        assert torch.equal(logits, expected)
