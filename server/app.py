@@ -24,6 +24,7 @@ from engine.input_processor import max_chars_per_token, run_off_loop
 from server import package_version
 from server.chat import load_chat_template, render_chat
 from server.config import ServerConfig
+from server.engine_protocol import ModelInfo, ServingEngine
 from server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
 from server.logprobs import TokenText
 from server.metrics import ServerMetrics
@@ -63,9 +64,9 @@ DEFAULT_MODEL_NAME = "kvserve-default"
 ENGINE_WATCH_INTERVAL_S = 0.2
 
 
-def model_path(model_config: Any) -> str | None:
-    """The checkpoint path (`model` in the documented contract, `model_path` in RuntimeInfo)."""
-    return getattr(model_config, "model", None) or getattr(model_config, "model_path", None)
+def model_path(model_config: ModelInfo) -> str:
+    """The checkpoint path (`root` in /v1/models)."""
+    return model_config.model_path
 
 
 @dataclass
@@ -73,7 +74,7 @@ class AppState:
     """What the handlers share; built once the engine is up."""
 
     config: ServerConfig
-    engine: Any
+    engine: ServingEngine
     limits: ModelLimits
     metrics: ServerMetrics
     serving: Serving
@@ -85,14 +86,13 @@ class AppState:
         return self.engine.tokenizer
 
 
-def build_state(config: ServerConfig, engine: Any, chat_template: str | None) -> AppState:
+def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str | None) -> AppState:
     model_config = engine.model_config
-    names = list(config.served_model_name) or [
-        getattr(model_config, "served_model_name", None) or config.model or DEFAULT_MODEL_NAME]
+    names = list(config.served_model_name) or [config.model or DEFAULT_MODEL_NAME]
     limits = ModelLimits(
         served_model_names=names, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
         chat_template=chat_template or engine.chat_template, max_tokens_zero_ok=max_tokens_zero_supported(),
-        kv_capacity_tokens=engine.stats().num_kv_blocks_total * getattr(model_config, "block_size", config.block_size),
+        kv_capacity_tokens=engine.stats().num_kv_blocks_total * model_config.block_size,
         max_chars_per_token=max_chars_per_token(engine.tokenizer), max_chat_messages=config.max_chat_messages,
     )
     metrics = ServerMetrics(engine, names[0])
@@ -113,7 +113,7 @@ def log_startup(state: AppState) -> None:
                 state.config.host, state.config.port)
 
 
-def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: bool = False) -> FastAPI:
+def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_engine: bool = False) -> FastAPI:
     """The ASGI app. Without `engine`, an `AsyncLLM` is built from `config` at start-up. An engine
     the app owns (built here, or passed with `owns_engine=True`, e.g. one started early with
     `AsyncLLM(..., wait=False)`) is awaited at start-up, shut down at exit, and watched: if it
@@ -164,7 +164,7 @@ def create_app(config: ServerConfig, engine: Any | None = None, owns_engine: boo
     return app
 
 
-async def _exit_when_engine_dies(app: FastAPI, engine: Any, keep_alive: bool = False) -> None:
+async def _exit_when_engine_dies(app: FastAPI, engine: ServingEngine, keep_alive: bool = False) -> None:
     """A dead engine never recovers: fail fast so that an orchestrator restarts the server.
 
     `/health` answers 503 from the moment the engine is dead; the CLI sets

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from server.engine_protocol import ServingEngine
 from server.errors import APIError, bad_request, internal_error, shutting_down
 from server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from server.metrics import ServerMetrics
@@ -54,7 +55,7 @@ class Admission:
     Once closed (the server is shutting down), every request is refused with 503.
     """
 
-    def __init__(self, engine: Any, max_queue: int | None, max_num_seqs: int) -> None:
+    def __init__(self, engine: ServingEngine, max_queue: int | None, max_num_seqs: int) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
@@ -101,7 +102,7 @@ def _finish_reason(choice: Any) -> str | None:
 class Serving:
     """Turns `ValidatedRequest`s into engine requests and OpenAI-shaped results."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, token_text: TokenText) -> None:
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics, token_text: TokenText) -> None:
         self.engine = engine
         self.metrics = metrics
         self.token_text = token_text
@@ -163,8 +164,7 @@ class Serving:
             raise APIError(503, f"the engine is not running (request id {vreq.request_id})", code="engine_dead",
                            headers={"X-Request-Id": vreq.request_id}) from None
         finally:
-            if hasattr(stream, "aclose"):
-                await stream.aclose()
+            await stream.aclose()
             if not is_finished:
                 await self._abort(request_id)
 
@@ -185,7 +185,7 @@ class Serving:
         async for i, out in outputs:
             for choice in out.outputs:
                 choices[(i, choice.index)] = choice
-            if getattr(out, "prompt_logprobs", None) is not None:
+            if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
         usage = self._usage(vreq, choices.values())
         created = int(time.time())
@@ -271,7 +271,7 @@ class Serving:
         text_offsets: dict[tuple[int, int], TextOffsets] = {}
         prompt_logprobs: dict[int, Any] = {}
         async for i, out in outputs:
-            if getattr(out, "prompt_logprobs", None) is not None:
+            if out.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(i, out.prompt_logprobs)
             for choice in out.outputs:
                 key = (i, choice.index)

@@ -1,0 +1,47 @@
+"""What the server needs from an engine: `engine.AsyncLLM`, or a scripted fake in tests.
+
+A structural type (Protocol), so the tests' fake engine needs no base class and the server
+never reaches for attributes with `getattr` fallbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+
+class ModelInfo(Protocol):
+    """The loaded model's facts the server reports (`engine.config.RuntimeInfo` has them all)."""
+
+    model_path: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+
+
+class ServingEngine(Protocol):
+    """An engine the server can run requests on and report about."""
+
+    tokenizer: Any   # a transformers tokenizer (not imported here: the server starts without torch)
+    chat_template: str | None
+
+    @property
+    def model_config(self) -> ModelInfo: ...
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams,
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def shutdown(self) -> None: ...
