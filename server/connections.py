@@ -10,10 +10,12 @@ headers are complete, so idle sockets still pile up until `accept()` fails with 
   a kept-alive connection begins) and is cancelled when the request's headers are complete;
   if it fires, the connection is closed.
 - **stalled reader**: the transport calls `pause_writing` when its write buffer is over the
-  high-water mark (the client's receive window and the kernel's send buffer are full); if it
-  has not called `resume_writing` after `stream_idle_timeout_s`, the connection is aborted
-  (RST: `close()` would wait for the buffer to drain, which never happens). uvicorn then
-  reports `http.disconnect`, so the handler aborts the engine requests and frees the seat.
+  high-water mark (the client's receive window and the kernel's send buffer are full), and
+  uvicorn's `send` then waits. While paused nothing new is queued, so what is queued for the
+  client (the transport's buffer plus, on Linux, the kernel's send queue) shrinks only when the
+  client reads. If it has not shrunk for `stream_idle_timeout_s`, the connection is aborted (RST: `close()` would wait for the buffer to drain, which never
+  happens). uvicorn then reports `http.disconnect`, so the handler aborts the engine requests
+  and frees the seat. A client that reads anything in that time gets another period.
 - **connection cap**: at most `max_connections` stay open, so `accept()` never runs out of
   file descriptors. When a new one would exceed the cap, the oldest *idle* connection (one
   that has not completed its request headers, or a kept-alive one between requests) is closed
@@ -30,11 +32,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+try:   # SIOCOUTQ (= TIOCOUTQ on Linux): bytes in a TCP socket's send queue not yet acknowledged
+    import fcntl
+    import termios
+
+    _TIOCOUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):   # not POSIX: only the transport's buffer is watched
+    _TIOCOUTQ = None
 
 logger = logging.getLogger("kvserve.server")
 
@@ -79,6 +90,7 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._num_buffered_bytes = 0   # the write buffer's size when the stall timer was (re)armed
         super().connection_made(transport)
         cap = self.limits.max_connections
         if cap is not None and len(self.connections) > cap and not self._evict_oldest_idle():
@@ -128,6 +140,7 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
         super().pause_writing()
         timeout = self.limits.stream_idle_timeout_s
         if timeout > 0 and self._write_timer is None:
+            self._num_buffered_bytes = self._num_queued_bytes()
             self._write_timer = self.loop.call_later(timeout, self._on_write_stalled)
 
     def resume_writing(self) -> None:
@@ -135,6 +148,22 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
         super().resume_writing()
+
+    def _num_queued_bytes(self) -> int:
+        """Bytes written but not yet acknowledged by the client: the transport's buffer plus the kernel's queue.
+
+        The kernel's part matters: a client that reads slowly frees kernel buffer space long
+        before the socket counts as writable again (Linux waits for a third of it), so the
+        transport's buffer alone would look stalled.
+        """
+        num_bytes = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and _TIOCOUTQ is not None:
+            try:
+                num_bytes += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return num_bytes
 
     def _arm_header_timer(self) -> None:
         timeout = self.limits.header_timeout_s
@@ -155,6 +184,11 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
 
     def _on_write_stalled(self) -> None:
         self._write_timer = None
+        num_buffered_bytes = self._num_queued_bytes()
+        if num_buffered_bytes < self._num_buffered_bytes:   # the client read something: not stalled
+            self._num_buffered_bytes = num_buffered_bytes
+            self._write_timer = self.loop.call_later(self.limits.stream_idle_timeout_s, self._on_write_stalled)
+            return
         self.counts["stalled"] += 1
         logger.info("%s: client read nothing for %.1f s (--stream-idle-timeout); closing and aborting its request",
                     self.client, self.limits.stream_idle_timeout_s)

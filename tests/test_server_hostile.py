@@ -234,3 +234,62 @@ def test_rate_limit_filter_counts_suppressed_lines():
     now[0] += 11
     passed = record("socket.accept() out of system resource")
     assert flood.filter(passed) and "500 similar lines suppressed" in passed.getMessage()
+
+
+class _FakeTransport:
+    """Just enough of an asyncio transport for the protocol's timers."""
+
+    def __init__(self) -> None:
+        self.num_buffered_bytes = 0
+        self.is_aborted = self._is_closing = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return self.num_buffered_bytes
+
+    def abort(self) -> None:
+        self.is_aborted = self._is_closing = True
+
+    def close(self) -> None:
+        self._is_closing = True
+
+    def is_closing(self) -> bool:
+        return self._is_closing
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_reader_that_reads_something_is_not_cut():
+    """The stall timer restarts while what is queued for the client shrinks; it cuts only a reader that reads nothing."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from server.connections import ConnectionLimits, protocol_class
+
+    loop = asyncio.new_event_loop()
+    try:
+        limits = ConnectionLimits(header_timeout_s=10, stream_idle_timeout_s=60, max_connections=None)
+        proto = protocol_class(limits)(config=uvicorn.Config(lambda *a: None), server_state=ServerState(),
+                                       app_state={}, _loop=loop)
+        transport = _FakeTransport()
+        proto.connection_made(transport)
+        transport.num_buffered_bytes = 100_000
+        proto.pause_writing()
+        for num_bytes in (90_000, 1_000, 999):   # the client reads a little each period
+            transport.num_buffered_bytes = num_bytes
+            proto._write_timer.cancel()
+            proto._on_write_stalled()   # what the timer does when it fires
+            assert not transport.is_aborted and proto._write_timer is not None
+        proto._write_timer.cancel()
+        proto._on_write_stalled()   # nothing read in a whole period
+        assert transport.is_aborted and proto.counts["stalled"] == 1
+    finally:
+        loop.close()
