@@ -4,6 +4,16 @@ A request's engine work must stop as soon as its client goes away, streaming or 
 so that its KV blocks return to the pool. Both paths race the work against an
 `http.disconnect` message from the ASGI `receive` channel and cancel the loser; the
 cancelled generator's `finally` aborts its engine requests (see `server.serving`).
+A client that stays connected but stops reading is cut by the connection's stall timer
+(`server.connections`), which uvicorn reports here as `http.disconnect`.
+
+Why not sse-starlette's `EventSourceResponse`: it cancels the stream through an anyio task
+group, whose cancellation is level-triggered, so every `await` in the event generator's
+cleanup (aborting the engine requests, releasing the admission seat) is cancelled again and
+that cleanup is cut short; it patches `uvicorn.Server.handle_exit` at import and ends every
+stream at the first SIGTERM unless disabled process-wide (the server drains them instead,
+`--shutdown-timeout`); and its `send_timeout` ends a stalled response with `transport.close()`,
+which keeps the socket until the buffer drains, i.e. forever for a client that never reads.
 """
 
 from __future__ import annotations
