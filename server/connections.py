@@ -90,7 +90,7 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
-        self._num_buffered_bytes = 0   # the write buffer's size when the stall timer was (re)armed
+        self._num_buffered_bytes = 0   # bytes queued for the client when the stall timer was (re)armed
         super().connection_made(transport)
         cap = self.limits.max_connections
         if cap is not None and len(self.connections) > cap and not self._evict_oldest_idle():
@@ -243,8 +243,13 @@ FLOOD_PATTERNS = ("out of system resource", "Too many open files", "every connec
 
 
 def install_log_rate_limits(interval_s: float = 10.0) -> RateLimitFilter:
-    """Attach one `RateLimitFilter` for connection floods to the loggers that report them."""
-    flood_filter = RateLimitFilter(FLOOD_PATTERNS, interval_s)
-    for name in ("asyncio", "uvicorn.error", "kvserve.server"):
-        logging.getLogger(name).addFilter(flood_filter)
-    return flood_filter
+    """Attach one `RateLimitFilter` for connection floods to the loggers that report them (once per process)."""
+    global _flood_filter
+    if _flood_filter is None:
+        _flood_filter = RateLimitFilter(FLOOD_PATTERNS, interval_s)
+        for name in ("asyncio", "uvicorn.error", "kvserve.server"):
+            logging.getLogger(name).addFilter(_flood_filter)
+    return _flood_filter
+
+
+_flood_filter: RateLimitFilter | None = None
