@@ -57,6 +57,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) ->
     assert diff <= ulps, f"{diff} ulps apart"
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # inputs independent of the tests that ran before
+
+
 def rows_view(num_rows: int, num_cols: int, dtype: torch.dtype, pad: int = 7) -> torch.Tensor:
     """[num_rows, num_cols] with a row stride of num_cols + pad (a slice of a wider buffer)."""
     return torch.randn(num_rows, num_cols + pad).to(dtype)[:, :num_cols]
@@ -73,9 +78,11 @@ def norm_module(hidden: int, dtype: torch.dtype, eps: float = 1e-5) -> RMSNorm:
 def test_rms_norm_matches_hf_numerics(dtype, hidden):
     norm = norm_module(hidden, dtype)
     x = rows_view(3, hidden, dtype)
-    assert_close(triton_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+    # 2 ulps: the normalized value is rounded, then scaled and rounded again, and torch's
+    # fp32 sum of squares is ordered differently from the kernel's
+    assert_close(triton_ops.rms_norm(x, norm.weight, norm.eps), norm(x), ulps=2)
     x3 = torch.randn(2, 2, hidden).to(dtype)  # leading dims are flattened
-    assert_close(triton_ops.rms_norm(x3, norm.weight, norm.eps), norm(x3))
+    assert_close(triton_ops.rms_norm(x3, norm.weight, norm.eps), norm(x3), ulps=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +95,7 @@ def test_fused_add_rms_norm_updates_residual_in_place(dtype, hidden):
     out, new_residual = triton_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
     assert new_residual is residual
     assert torch.equal(residual, expected_residual)  # one rounding of the exact sum, like torch
-    assert_close(out, expected_out)
+    assert_close(out, expected_out, ulps=2)  # (as in test_rms_norm_matches_hf_numerics)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
