@@ -227,4 +227,8 @@ class LLMEngine:
             prefix_cache_queries_total=bm.prefix_cache_queries,
             prefix_cache_hits_total=bm.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
+            num_compiling=self.structured.num_pending,
+            structured_requests_total=self.structured.num_requests,
+            grammar_compiles_total=self.structured.num_compiles,
+            grammar_compile_seconds_total=self.structured.compile_time_s,
         )

@@ -75,6 +75,11 @@ class EngineStats:
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
     num_preemptions_total: int
+    # structured outputs (engine/structured_output.py)
+    num_compiling: int = 0  # requests waiting for their grammar (in neither count above)
+    structured_requests_total: int = 0
+    grammar_compiles_total: int = 0  # cache misses
+    grammar_compile_seconds_total: float = 0.0
 
 
 # ---- what the engine core emits each step: deltas only, plain data ----

@@ -166,7 +166,6 @@ class SequenceGrammar:
 class _Pending:
     future: Future
     children: list[Request]
-    started: float
 
 
 class StructuredOutputManager:
@@ -187,6 +186,7 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._batch_matcher = None
         self._no_control_masks: dict[bool, np.ndarray] = {}  # json_whitespace -> [ceil(V/32)] int32
+        self.num_requests = 0  # constrained requests added
         self.num_compiles = 0
         self.compile_time_s = 0.0  # total, for metrics
 
@@ -195,9 +195,14 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
     def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
         """Hold `children` until `spec` is compiled (at once when it is cached)."""
-        self._pending[request_id] = _Pending(self._compiled(spec), children, time.monotonic())
+        self._pending[request_id] = _Pending(self._compiled(spec), children)
+        self.num_requests += 1
 
     def abort(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

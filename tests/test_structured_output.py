@@ -139,6 +139,9 @@ def test_unconstrained_batches_build_nothing(llm):
     b = {"required": ["x"], "properties": {"x": {"type": "boolean"}}, "type": "object"}
     _generate(llm, [SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(json=s)) for s in (a, b)])
     assert manager.num_compiles == num_compiles + 1
+    stats = engine.stats()
+    assert stats.grammar_compiles_total == manager.num_compiles and stats.grammar_compile_seconds_total > 0
+    assert stats.structured_requests_total >= 2 and stats.num_compiling == 0
 
 
 def test_preemption_keeps_outputs_valid(llama_dir):
