@@ -127,7 +127,7 @@ def serve(config: ServerConfig) -> int:
     server.run()
     if not server.started:
         return EXIT_STARTUP_FAILURE
-    if getattr(app.state, "engine_failed", False):
+    if getattr(app.state, "engine_failed", False) or engine.error is not None:  # (also a death mid-drain)
         return EXIT_ENGINE_DIED
     return 0
 
