@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger("kvserve.server")
@@ -108,6 +108,14 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_queries_total)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits_total)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions_total)
+        yield gauge("num_requests_compiling", "Requests waiting for their grammar to compile.", stats.num_compiling)
+        yield counter("structured_output_requests", "Requests with an output constraint (response_format, guided_*).",
+                      stats.structured_requests_total)
+        compile_time = SummaryMetricFamily("kvserve:grammar_compile_seconds",
+                                           "Grammar compile time (count: compiles, cache misses only).",
+                                           labels=["model_name"])
+        compile_time.add_metric(label, stats.grammar_compiles_total, stats.grammar_compile_seconds_total)
+        yield compile_time
 
 
 class ServerMetrics:

@@ -3,7 +3,7 @@
 Request models check types and ranges only; `server.validation` turns a parsed request
 into the engine-facing `ValidatedRequest` (tokenized, length-checked). Unknown request
 fields are ignored, as most OpenAI-compatible servers do; fields whose meaning we cannot
-honour (`suffix`, `logit_bias`, `tools`, structured `response_format`) are rejected there.
+honour (`suffix`, `best_of` other than n) are rejected there.
 
 A lone UTF-16 surrogate in any request string (`"a\\ud800b"`: JSON allows it, UTF-8 cannot
 encode it, JavaScript produces it by slicing an emoji) is replaced by U+FFFD before anything
@@ -13,9 +13,9 @@ reads the request, as OpenAI does: the tokenizer and the JSON encoder never see 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, StrictStr, Tag, model_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -55,6 +55,48 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
+class JSONSchemaSpec(_Request):
+    """`response_format.json_schema` (OpenAI's shape). The output always follows `schema`,
+    whatever `strict` says (decoding is constrained); no `schema` means any JSON value."""
+
+    name: StrictStr = Field(max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+_RESPONSE_FORMAT_TAGS = {"text": "ResponseFormatText", "json_object": "ResponseFormatJSONObject",
+                         "json_schema": "ResponseFormatJSONSchema"}
+
+
+def _response_format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _RESPONSE_FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# Tagged by class name (not by `type`) so that an error's location reads `response_format.json_schema`.
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("ResponseFormatText")]
+    | Annotated[ResponseFormatJSONObject, Tag("ResponseFormatJSONObject")]
+    | Annotated[ResponseFormatJSONSchema, Tag("ResponseFormatJSONSchema")],
+    Discriminator(_response_format_tag, custom_error_type="invalid_response_format",
+                  custom_error_message="response_format.type must be one of 'text', 'json_object', 'json_schema'"),
+]
+
+
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's and vLLM's extras)."""
 
@@ -70,6 +112,7 @@ class SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Extras (vLLM names).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -78,6 +121,12 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool | None = True
+    # vLLM's structured-output extras; at most one of these and a non-text response_format.
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -111,7 +160,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 

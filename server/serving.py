@@ -155,8 +155,11 @@ class Serving:
                 tracker.observe(out)
                 is_finished = out.finished
                 yield out
-        except ValueError as exc:   # the engine refused the request
-            raise bad_request(str(exc), param=param_for_message(str(exc))) from None
+        except ValueError as exc:   # the engine refused the request (or its grammar did not compile)
+            message, param = str(exc), param_for_message(str(exc))
+            if vreq.structured_outputs_param is not None and message.startswith("structured_outputs"):
+                message, param = f"{vreq.structured_outputs_param}: {message}", vreq.structured_outputs_param
+            raise bad_request(message, param=param) from None
         except EngineShutDownError:
             raise shutting_down() from None
         except EngineDeadError as exc:   # its cause goes to the log, not to the client

@@ -12,16 +12,28 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputs
 from engine.input_processor import PromptTooLongError, check_prompt_chars
+from engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
 from server.chat import render_chat
 from server.errors import APIError, bad_request
-from server.protocol import MAX_SEQS_PER_REQUEST, MAX_STOP, ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.protocol import (
+    MAX_SEQS_PER_REQUEST,
+    MAX_STOP,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
+    SamplingFields,
+)
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "seed", "logprobs", "prompt_logprobs", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "skip_special_tokens")
+                    "presence_penalty", "frequency_penalty", "skip_special_tokens", "logit_bias")
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}   # vLLM's extras -> StructuredOutputs fields
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +59,7 @@ class ValidatedRequest:
     is_scoring_only: bool       # echo with max_tokens=0: report the prompt only, drop generated tokens
     is_stream: bool
     include_usage: bool
+    structured_outputs_param: str | None = None   # the field the output constraint came from
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -83,8 +96,6 @@ def check_model(name: str | None, limits: ModelLimits) -> str:
 def _check_common(req: SamplingFields, limits: ModelLimits) -> None:
     if req.stream_options is not None and not req.stream:   # OpenAI refuses it too
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise bad_request(f"stop accepts at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
@@ -94,6 +105,54 @@ def _check_common(req: SamplingFields, limits: ModelLimits) -> None:
         if not 0 <= token_id < limits.vocab_size:
             raise bad_request(f"stop_token_ids: {token_id} is outside the vocabulary [0, {limits.vocab_size})",
                               param="stop_token_ids")
+
+
+def logit_bias(req: SamplingFields, limits: ModelLimits) -> dict[int, float] | None:
+    """OpenAI's `{"token id": bias}` as `{int: float}`; 400 for a key that is no token id of the model or
+    a bias outside [-100, 100]."""
+    if not req.logit_bias:
+        return None
+    result = {}
+    for key, bias in req.logit_bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", param="logit_bias")
+        if len(key) > 9 or int(key) >= limits.vocab_size:
+            raise bad_request(f"logit_bias: token id {key} is outside the vocabulary [0, {limits.vocab_size})",
+                              param="logit_bias")
+        if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:   # NaN fails too
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}",
+                              param="logit_bias")
+        result[int(key)] = bias
+    return result
+
+
+def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputs | None, str | None]:
+    """The output constraint and the field it came from: `response_format` (json_object or
+    json_schema) or one of vLLM's extras (`guided_*`, `structured_outputs`); 400 if more than one."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(req.response_format, ResponseFormatJSONObject):
+        given.append(("response_format", {"json_object": True}))
+    elif isinstance(req.response_format, ResponseFormatJSONSchema):
+        schema = req.response_format.json_schema.schema_
+        given.append(("response_format", {"json": {} if schema is None else schema}))
+    given += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED_FIELDS.items()
+              if getattr(req, name) is not None]
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"give at most one output constraint (response_format json_object/json_schema, "
+                          f"{', '.join(_GUIDED_FIELDS)}, structured_outputs); got {[n for n, _ in given]}",
+                          param=given[1][0])
+    param, spec = given[0]
+    try:
+        return StructuredOutputs(**spec), param
+    except TypeError:   # an unknown key in `structured_outputs`
+        raise bad_request(f"structured_outputs accepts json, json_object, regex, choice, grammar and "
+                          f"any_whitespace; got {sorted(spec)}", param=param) from None
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
 
 
 def _check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
@@ -192,17 +251,20 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, engine_max_tokens)
     for prompt in prompts:
         _check_length(len(prompt.token_ids), engine_max_tokens, limits, "prompt")
+    constraint, constraint_param = structured_outputs(req)
     params = _sampling_params(
         req, {"prompt_logprobs": "logprobs"},
         max_tokens=engine_max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if is_echo and req.logprobs is not None else None,
+        logit_bias=logit_bias(req, limits), structured_outputs=constraint,
     )
     return ValidatedRequest(
         kind="completion", request_id=new_request_id("cmpl"), model_name=model_name, prompts=prompts,
         params=params, num_choices=req.n or 1, num_logprobs=req.logprobs, is_echo=is_echo,
         is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        structured_outputs_param=constraint_param,
     )
 
 
@@ -240,8 +302,6 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
     if req.tools and req.tool_choice != "none":
         raise bad_request("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
@@ -258,15 +318,18 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         max_tokens = max(min(limits.max_model_len, limits.kv_capacity_tokens) - len(token_ids), 1)
     _check_length(len(token_ids), max_tokens, limits, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    constraint, constraint_param = structured_outputs(req)
     params = _sampling_params(
         req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
-        max_tokens=max_tokens, logprobs=num_logprobs,
+        max_tokens=max_tokens, logprobs=num_logprobs, logit_bias=logit_bias(req, limits),
+        structured_outputs=constraint,
     )
     return ValidatedRequest(
         kind="chat", request_id=new_request_id("chatcmpl"), model_name=model_name,
         prompts=[EnginePrompt(token_ids, text)], params=params, num_choices=req.n or 1,
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        structured_outputs_param=constraint_param,
     )
 
 
