@@ -65,8 +65,10 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for `messages`; 400 when there is no template or it fails on them."""
+    """The prompt text for `messages` (and `tools`, which the template renders as it does);
+    400 when there is no template or it fails on them."""
     if template is None:
         raise bad_request(
             "this model has no chat template; use /v1/completions or start the server with --chat-template",
@@ -80,7 +82,7 @@ def render_chat(
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **kwargs,
+            tokenize=False, tools=tools or None, **kwargs,
         )
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None

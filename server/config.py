@@ -99,6 +99,10 @@ class ServerConfig(BaseSettings):
     )
     chat_template: str | None = Field(
         None, description="Chat template file or inline Jinja string (overrides the model's).")
+    tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
+        "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
+        "<tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]); none: auto gives plain text "
+        "(required and named choices are enforced by a grammar either way).")
     max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
     max_chat_messages: int = Field(
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")

@@ -159,7 +159,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None   # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -225,16 +226,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -251,7 +264,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

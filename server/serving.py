@@ -29,9 +29,12 @@ from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCallOut,
+    ToolCallOut,
     UsageInfo,
 )
 from server.streaming import DONE_EVENT, sse_event
+from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id, tool_call_deltas
 from server.validation import ValidatedRequest, param_for_message
 
 try:
@@ -215,8 +218,15 @@ class Serving:
         if vreq.num_logprobs is not None:
             logprobs = ChatLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs or [],
                                                           vreq.num_logprobs, self.token_text))
-        return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
-                          finish_reason=_finish_reason(choice))
+        finish_reason = _finish_reason(choice)
+        if vreq.tools is None:
+            return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
+                              finish_reason=finish_reason)
+        content, calls = extract_tool_calls(choice.text, vreq.tools)
+        tool_calls = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        return ChatChoice(index=choice.index, message=ChatMessageOut(content=content, tool_calls=tool_calls or None),
+                          logprobs=logprobs, finish_reason="tool_calls" if calls else finish_reason)
 
     def _completion_choice(self, vreq: ValidatedRequest, prompt_idx: int, choice: Any, prompt_logprobs: Any,
                            first: bool, whole: bool, offsets: TextOffsets) -> CompletionChoice:
@@ -306,6 +316,7 @@ class Serving:
         for index in range(vreq.num_choices):
             yield chunk([ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})])
         finals: dict[int, Any] = {}
+        streamers: dict[int, ToolStreamer] = {}   # with tools: content that may start a call is held back
         async for _, out in outputs:
             for choice in out.outputs:
                 if choice.index in finals:
@@ -314,12 +325,22 @@ class Serving:
                 if vreq.num_logprobs is not None and choice.delta_token_ids:
                     logprobs = ChatLogprobs(content=chat_logprobs(choice.delta_token_ids, choice.delta_logprobs or [],
                                                                   vreq.num_logprobs, self.token_text))
-                if choice.delta_text or logprobs is not None:
-                    yield chunk([ChatStreamChoice(index=choice.index, delta={"content": choice.delta_text},
+                content = choice.delta_text
+                if vreq.tools is not None:
+                    content = streamers.setdefault(choice.index, ToolStreamer(vreq.tools)).feed(choice.delta_text)
+                if content or logprobs is not None:
+                    yield chunk([ChatStreamChoice(index=choice.index, delta={"content": content},
                                                   logprobs=logprobs)])
                 if choice.finish_reason is not None:
                     finals[choice.index] = choice
-                    yield chunk([ChatStreamChoice(index=choice.index, delta={},
-                                                  finish_reason=_finish_reason(choice))])
+                    finish_reason = _finish_reason(choice)
+                    if vreq.tools is not None:
+                        rest, calls = streamers.setdefault(choice.index, ToolStreamer(vreq.tools)).finish(choice.text)
+                        if rest:
+                            yield chunk([ChatStreamChoice(index=choice.index, delta={"content": rest})])
+                        for delta in tool_call_deltas(calls):
+                            yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
+                        finish_reason = "tool_calls" if calls else finish_reason
+                    yield chunk([ChatStreamChoice(index=choice.index, delta={}, finish_reason=finish_reason)])
         if vreq.include_usage:
             yield chunk([], usage=self._usage(vreq, finals.values()))

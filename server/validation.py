@@ -27,6 +27,7 @@ from server.protocol import (
     ResponseFormatJSONSchema,
     SamplingFields,
 )
+from server.tool_parsers import TOOL_PARSERS, ToolPlan, plan_tools
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "seed", "logprobs", "prompt_logprobs", "repetition_penalty",
@@ -60,6 +61,7 @@ class ValidatedRequest:
     is_stream: bool
     include_usage: bool
     structured_outputs_param: str | None = None   # the field the output constraint came from
+    tools: ToolPlan | None = None   # chat with tools: how to read tool calls from the output
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -79,6 +81,7 @@ class ModelLimits:
     kv_capacity_tokens: int    # a request longer than the whole KV cache can never run
     max_chars_per_token: int | None = None   # refuse longer prompts before tokenizing (None: no bound)
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES   # --max-chat-messages
+    tool_call_parser: str | None = None   # --tool-call-parser (None: tool_choice "auto" gives plain text)
 
 
 def new_request_id(prefix: str) -> str:
@@ -211,7 +214,7 @@ def _sampling_params(req: SamplingFields, param_names: dict[str, str], **kwargs:
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"):
         value = getattr(req, name)
-        if value is not None:
+        if value is not None and kwargs.get(name) is None:   # a caller's value wins over the default
             kwargs[name] = value
     kwargs["n"] = req.n or 1
     if req.stop:
@@ -298,16 +301,14 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
     """Check a /v1/chat/completions request, render its messages and tokenize them."""
     model_name = check_model(req.model, limits)
     _check_common(req, limits)
-    if req.tool_choice is not None and not req.tools:   # OpenAI refuses it too
-        raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tools are not supported", param="tools")
+    tools, tool_plan, tool_schema = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                               limits.tool_call_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     check_num_messages(req.messages, limits)
     text = render_chat(tokenizer, limits.chat_template, req.messages, bool(req.add_generation_prompt),
-                       req.chat_template_kwargs)
+                       req.chat_template_kwargs, tools=tools)
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_chars(text, 1 if max_tokens is None else max_tokens, limits, "messages")
@@ -319,8 +320,20 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
     _check_length(len(token_ids), max_tokens, limits, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     constraint, constraint_param = structured_outputs(req)
+    skip_special_tokens = None
+    if tool_schema is not None:   # tool_choice "required" or a named function: enforced by a grammar
+        if constraint is not None:
+            raise bad_request(f"tool_choice {req.tool_choice!r} cannot be combined with {constraint_param}",
+                              param="tool_choice")
+        try:
+            constraint, constraint_param = StructuredOutputs(json=tool_schema), "tools"
+        except ValueError as exc:   # a keyword in a function's parameters the grammar cannot enforce
+            raise bad_request(f"tools: {exc}", param="tools") from None
+    elif (tool_plan is not None and tool_plan.parser and TOOL_PARSERS[tool_plan.parser].needs_special_tokens
+          and "skip_special_tokens" not in req.model_fields_set):
+        skip_special_tokens = False   # the call marker is a special token
     params = _sampling_params(
-        req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
+        req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, skip_special_tokens=skip_special_tokens,
         max_tokens=max_tokens, logprobs=num_logprobs, logit_bias=logit_bias(req, limits),
         structured_outputs=constraint,
     )
@@ -329,7 +342,7 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         prompts=[EnginePrompt(token_ids, text)], params=params, num_choices=req.n or 1,
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        structured_outputs_param=constraint_param,
+        structured_outputs_param=constraint_param, tools=tool_plan,
     )
 
 

@@ -1,0 +1,389 @@
+"""Tool calling on /v1/chat/completions: `tools`, `tool_choice`, the parsers and their streaming.
+
+- the parsers (hermes, llama3_json, mistral) on strings, and `ToolStreamer` fed piece by piece;
+- the app on a scripted engine whose output is a tool call in each format (tool_choice auto):
+  non-streamed `message.tool_calls` and the streamed `delta.tool_calls` agree;
+- a real server on the tiny random checkpoint with a Hermes-style chat template that renders
+  tools: `required` and a named function are enforced by a grammar, so even a random model
+  makes valid calls; a round trip through the `openai` client; the 400 table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from server_fixtures import ServerProcess, cached_server, server_checkpoint, wait_idle  # noqa: F401
+
+from engine import SamplingParams
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from server.chat import render_chat
+from server.config import ServerConfig
+from server.protocol import ChatMessage
+from server.tool_parsers import TOOL_PARSERS, FunctionCall, ToolPlan, ToolStreamer, extract_tool_calls, forced_schema
+
+# Hermes / Qwen2.5-style: tools in the system prompt, calls in <tool_call> tags, results as <tool_response>.
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{{ messages[0].content if messages[0].role == 'system' else 'You are a helpful assistant.' }}
+
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "required": ["city", "unit"], "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 6},
+                                  "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "additionalProperties": False,
+                                       "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}}}}
+TOOLS = [WEATHER, TIME]
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+
+# ----------------------------------------------------------------------------- parsers on strings
+
+CALL_TEXTS = {
+    "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+                   '{"name": "get_time", "parameters": {"zone": "cet"}}',
+    "mistral": 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+               '{"name": "get_time", "arguments": {"zone": "cet"}}]',
+}
+EXPECTED_CALLS = [FunctionCall("get_weather", '{"city": "Paris", "unit": "c"}'), FunctionCall("get_time", '{"zone": "cet"}')]
+EXPECTED_CONTENT = {"hermes": "Let me check.", "llama3_json": None, "mistral": "Let me check."}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_parser_finds_the_calls_and_the_content(parser):
+    content, calls = TOOL_PARSERS[parser]().extract(CALL_TEXTS[parser])
+    assert calls == EXPECTED_CALLS
+    assert content == EXPECTED_CONTENT[parser]
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("text", ["Just an answer, no call.", "  {not json at all", "", "a < b and [c] {d}",
+                                  "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": </tool_call>",
+                                  "[TOOL_CALLS] [{\"arguments\": {}}]", "{\"no_name\": 1}"])
+def test_parser_leaves_text_without_a_valid_call_as_content(parser, text):
+    assert TOOL_PARSERS[parser]().extract(text) == (text, [])
+
+
+def test_hermes_variants():
+    hermes = TOOL_PARSERS["hermes"]()
+    # an unclosed last call (the model stopped at EOS) still counts; arguments given as JSON text stay as they are
+    content, calls = hermes.extract('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    assert content is None and calls == [FunctionCall("f", '{"a": 1}')]
+    content, calls = hermes.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.')
+    assert content == "Done." and calls == [FunctionCall("f", "{}")]
+
+
+def test_forced_outputs_are_read_as_json():
+    plan = ToolPlan("forced", is_array=True)
+    text = '[{"name": "get_time", "arguments": {"zone": "utc"}}]'
+    assert extract_tool_calls(text, plan) == (None, [FunctionCall("get_time", '{"zone": "utc"}')])
+    assert extract_tool_calls('[{"name": "get_ti', plan) == ('[{"name": "get_ti', [])   # cut off by max_tokens
+    named = ToolPlan("forced")
+    assert extract_tool_calls('{"name": "f", "arguments": {"x": [1]}}', named) == (None, [FunctionCall("f", '{"x": [1]}')])
+
+
+def test_forced_schema_shapes():
+    named = forced_schema(TOOLS, "get_time")
+    assert named["properties"]["name"] == {"const": "get_time"}
+    assert named["properties"]["arguments"] == TIME["function"]["parameters"]
+    required = forced_schema(TOOLS, "required")
+    assert required["type"] == "array" and required["minItems"] == 1 and "maxItems" not in required
+    assert [s["properties"]["name"]["const"] for s in required["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert forced_schema(TOOLS, "required", is_parallel=False)["maxItems"] == 1
+    no_params = forced_schema([{"type": "function", "function": {"name": "ping"}}], "ping")
+    assert no_params["properties"]["arguments"] == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_streamer_pieces_reassemble_into_the_parsed_result(parser, piece):
+    plan = ToolPlan("auto", parser)
+    for text in (CALL_TEXTS[parser], "Plain answer.\n\nWith lines < and [brackets] {x}.  ", "  \n"):
+        streamer = ToolStreamer(plan)
+        sent = "".join(streamer.feed(text[i:i + piece]) for i in range(0, len(text), piece))
+        rest, calls = streamer.finish(text)
+        content, expected_calls = extract_tool_calls(text, plan)
+        assert sent + rest == (content or "") and calls == expected_calls
+        if expected_calls:   # nothing of a call leaks into the content
+            assert "{" not in sent + rest
+
+
+def test_streamer_holds_back_a_possible_marker_only():
+    streamer = ToolStreamer(ToolPlan("auto", "hermes"))
+    assert streamer.feed("Hello <tool") == "Hello"
+    assert streamer.feed("box> there") == " <toolbox> there"
+
+
+def test_chat_template_renders_tools_and_tool_messages(tmp_path):
+    from checkpoints import save_tokenizer
+
+    tokenizer = save_tokenizer(tmp_path)
+    history = [ChatMessage(role="user", content="Weather?"),
+               ChatMessage(role="assistant", content=None, tool_calls=[{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]),
+               ChatMessage(role="tool", content="-3 C", tool_call_id="call_1")]
+    text = render_chat(tokenizer, HERMES_TEMPLATE, history, tools=TOOLS)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}' in text
+    assert "<tool_response>\n-3 C\n</tool_response>" in text
+    assert "<tools>" not in render_chat(tokenizer, HERMES_TEMPLATE, history)
+
+
+# ----------------------------------------------------------------------------- tool_choice auto on a scripted engine
+
+
+class ScriptedEngine:
+    """Answers every request with `text`, a few characters per step (tool_choice auto needs a model
+    that writes a call; a random one does not)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.tokenizer = tokenizer
+        self.text = text
+        self.chat_template = None
+        self.model_config = SimpleNamespace(model_path="/scripted", dtype="float32", device="cpu", max_model_len=4096,
+                                            vocab_size=len(tokenizer), block_size=16)
+        self.is_healthy = True
+        self.params: list[SamplingParams] = []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 1000, 1000, 0, 0, 0, 0, 0)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        self.params.append(params)
+        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, first_token_time=0.2)
+        pieces = [self.text[i:i + 5] for i in range(0, len(self.text), 5)]
+        for step, piece in enumerate(pieces):
+            done = step == len(pieces) - 1
+            out = CompletionOutput(index=0, text="".join(pieces[:step + 1]), token_ids=list(range(step + 1)),
+                                   finish_reason="stop" if done else None, delta_text=piece, delta_token_ids=[step])
+            yield RequestOutput(request_id, None, list(prompt), [out], finished=done, metrics=metrics)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from checkpoints import save_tokenizer
+
+    return save_tokenizer(tmp_path_factory.mktemp("tools_tokenizer"))
+
+
+def _scripted_client(tokenizer, text: str, parser: str) -> tuple[ScriptedEngine, TestClient]:
+    from server.app import create_app
+
+    engine = ScriptedEngine(tokenizer, text)
+    config = ServerConfig(stats_log_interval=0, chat_template=HERMES_TEMPLATE, tool_call_parser=parser)
+    return engine, TestClient(create_app(config, engine=engine))
+
+
+def _reassemble(lines: list[str]) -> dict:
+    """A streamed choice put back together as a non-streamed one would be."""
+    content, calls, finish_reason = "", {}, None
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls", []):
+                entry = calls.setdefault(call["index"], {"id": None, "name": None, "arguments": ""})
+                entry["id"] = call.get("id", entry["id"])
+                entry["name"] = call.get("function", {}).get("name", entry["name"])
+                entry["arguments"] += call.get("function", {}).get("arguments", "")
+            finish_reason = choice["finish_reason"] or finish_reason
+    return {"content": content or None, "finish_reason": finish_reason,
+            "calls": [(c["name"], c["arguments"]) for _, c in sorted(calls.items())],
+            "ids": [c["id"] for _, c in sorted(calls.items())]}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_auto_parses_calls_and_streams_the_same(tokenizer, parser):
+    engine, client = _scripted_client(tokenizer, CALL_TEXTS[parser], parser)
+    with client:
+        body = {"messages": MSG, "tools": TOOLS, "max_tokens": 50}
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        message = choice["message"]
+        assert message["content"] == EXPECTED_CONTENT[parser]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+            [(c.name, c.arguments) for c in EXPECTED_CALLS]
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in message["tool_calls"])
+        assert engine.params[-1].skip_special_tokens is (parser != "mistral")   # [TOOL_CALLS] is a special token
+
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+            streamed = _reassemble(list(stream.iter_lines()))
+        assert streamed["content"] == message["content"] and streamed["finish_reason"] == "tool_calls"
+        assert streamed["calls"] == [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+        assert all(i and i.startswith("call_") for i in streamed["ids"])
+
+
+def test_auto_without_a_parser_and_none_give_plain_text(tokenizer):
+    engine, client = _scripted_client(tokenizer, CALL_TEXTS["hermes"], "none")
+    with client:
+        for choice in ("auto", "none"):
+            resp = client.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "tool_choice": choice})
+            message = resp.json()["choices"][0]["message"]
+            assert message["content"] == CALL_TEXTS["hermes"] and message["tool_calls"] is None
+    _, client = _scripted_client(tokenizer, CALL_TEXTS["hermes"], "hermes")
+    with client:   # "none": the output is not parsed (and the tools are not rendered)
+        resp = client.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "tool_choice": "none"})
+        assert resp.json()["choices"][0]["message"]["tool_calls"] is None
+        assert resp.json()["choices"][0]["finish_reason"] == "stop"
+
+
+# ----------------------------------------------------------------------------- a real server on a random model
+
+
+@pytest.fixture(scope="module")
+def tools_server(server_checkpoint, tmp_path_factory):  # noqa: F811
+    template = Path(tmp_path_factory.mktemp("tools_template")) / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    srv = cached_server("tools", server_checkpoint, "--chat-template", str(template), "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def _check_call(call, tools=TOOLS) -> dict:
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    args = json.loads(call.function.arguments)
+    assert set(args) == set(spec["parameters"]["required"])
+    for key, value in args.items():
+        prop = spec["parameters"]["properties"][key]
+        assert value in prop["enum"] if "enum" in prop else len(value) <= prop["maxLength"]
+    assert call.id.startswith("call_") and call.type == "function"
+    return args
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_named_and_required_are_enforced_on_a_random_model(tools_server, seed):
+    client = _client(tools_server)
+    named = client.chat.completions.create(
+        model="x", messages=MSG, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=1.0, seed=seed, max_tokens=200)
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    _check_call(choice.message.tool_calls[0])
+    required = client.chat.completions.create(
+        model="x", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=1.0, seed=seed, max_tokens=200)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_call(calls[0])
+
+
+def test_tool_call_round_trip(tools_server):
+    client = _client(tools_server)
+    first = client.chat.completions.create(
+        model="x", messages=MSG, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200)
+    call = first.choices[0].message.tool_calls[0]
+    _check_call(call)
+    history = [*MSG, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    second = client.chat.completions.create(model="x", messages=history, tools=TOOLS, max_tokens=8)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the tool result reached the prompt: it is longer than the first by at least the call and the result
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    wait_idle(tools_server.url)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_equal_the_non_streamed_result(tools_server, tool_choice):
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 0, "max_tokens": 200,
+            "parallel_tool_calls": False}
+    whole = httpx.post(tools_server.base_url + "/chat/completions", json=body, timeout=120).json()["choices"][0]
+    with httpx.stream("POST", tools_server.base_url + "/chat/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        streamed = _reassemble(list(resp.iter_lines()))
+    assert streamed["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    assert streamed["content"] == whole["message"]["content"] is None
+    assert streamed["calls"] == [(c["function"]["name"], c["function"]["arguments"])
+                                 for c in whole["message"]["tool_calls"]]
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "'bad name!'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}, "tools", "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "'string'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools.0"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools", "'not'"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "text"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_tools_are_a_400(tools_server, extra, param, text):
+    resp = httpx.post(tools_server.base_url + "/chat/completions",
+                      json={"messages": MSG, "max_tokens": 4, **extra}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and text in error["message"], error
+
+
+def test_langchain_bind_tools(tools_server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    llm = langchain_openai.ChatOpenAI(base_url=tools_server.base_url, api_key="none", model="x", max_tokens=200,
+                                      max_retries=0)
+    message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"]
+    assert set(message.tool_calls[0]["args"]) == {"city", "unit"}
