@@ -209,7 +209,7 @@ def test_fields_openai_accepts_still_work(server):  # noqa: F811
                        ("/v1/chat/completions", {"messages": MSG, "stream_options": None}),
                        ("/v1/chat/completions", {"messages": MSG, "stream": True,
                                                  "stream_options": {"include_usage": True}}),
-                       ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}],
+                       ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
                                                  "tool_choice": "none"})):
         resp = _post(server, path, {**body, "max_tokens": 2})
         assert resp.status_code == 200, (body, resp.text)

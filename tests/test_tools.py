@@ -283,7 +283,8 @@ def test_auto_without_a_parser_and_none_give_plain_text(tokenizer):
 def tools_server(server_checkpoint, tmp_path_factory):  # noqa: F811
     template = Path(tmp_path_factory.mktemp("tools_template")) / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
-    srv = cached_server("tools", server_checkpoint, "--chat-template", str(template), "--tool-call-parser", "hermes")
+    srv = cached_server("tools", server_checkpoint, "--chat-template", str(template), "--tool-call-parser", "hermes",
+                        "--served-model-name", "x")
     yield srv
     srv.stop()
 
