@@ -95,6 +95,11 @@ def test_json_object_on_chat_and_completions(client, tokenizer):
                                          max_tokens=MAX_TOKENS, logit_bias=closers,
                                          extra_body={"response_format": {"type": "json_object"}}).choices[0].text
         assert isinstance(json.loads(text), dict), text
+        any_json = {"type": "json_schema", "json_schema": {"name": "anything"}}   # no schema: any JSON value
+        text = client.chat.completions.create(model="tiny", messages=MSG, temperature=1.0, seed=seed,
+                                              max_tokens=MAX_TOKENS, logit_bias=closers,
+                                              response_format=any_json).choices[0].message.content
+        json.loads(text)
 
 
 def test_completions_json_schema_and_vllm_extras(client):
