@@ -83,7 +83,8 @@ CALL_TEXTS = {
     "mistral": 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
                '{"name": "get_time", "arguments": {"zone": "cet"}}]',
 }
-EXPECTED_CALLS = [FunctionCall("get_weather", '{"city": "Paris", "unit": "c"}'), FunctionCall("get_time", '{"zone": "cet"}')]
+EXPECTED_CALLS = [FunctionCall("get_weather", '{"city": "Paris", "unit": "c"}'),
+                  FunctionCall("get_time", '{"zone": "cet"}')]
 EXPECTED_CONTENT = {"hermes": "Let me check.", "llama3_json": None, "mistral": "Let me check."}
 
 
@@ -117,7 +118,8 @@ def test_forced_outputs_are_read_as_json():
     assert extract_tool_calls(text, plan) == (None, [FunctionCall("get_time", '{"zone": "utc"}')])
     assert extract_tool_calls('[{"name": "get_ti', plan) == ('[{"name": "get_ti', [])   # cut off by max_tokens
     named = ToolPlan("forced")
-    assert extract_tool_calls('{"name": "f", "arguments": {"x": [1]}}', named) == (None, [FunctionCall("f", '{"x": [1]}')])
+    assert extract_tool_calls('{"name": "f", "arguments": {"x": [1]}}', named) == \
+        (None, [FunctionCall("f", '{"x": [1]}')])
 
 
 def test_forced_schema_shapes():
@@ -136,7 +138,8 @@ def test_forced_schema_shapes():
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_streamer_pieces_reassemble_into_the_parsed_result(parser, piece):
     plan = ToolPlan("auto", parser)
-    for text in (CALL_TEXTS[parser], "Plain answer.\n\nWith lines < and [brackets] {x}.  ", "  \n"):
+    for text in (CALL_TEXTS[parser], "Plain answer.\n\nWith lines < and [brackets] {x}.  ", "  \n",
+                 "Hmm <tool_call>{\"name\": 1}</tool_call> [TOOL_CALLS] [{", " {\"name\": \"f\", \"parameters\": {} x"):
         streamer = ToolStreamer(plan)
         sent = "".join(streamer.feed(text[i:i + piece]) for i in range(0, len(text), piece))
         rest, calls = streamer.finish(text)
