@@ -106,15 +106,18 @@ def test_completions_json_schema_and_vllm_extras(client):
     body = client.completions.create(model="tiny", prompt="JSON: ", temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
                                      extra_body={"response_format": _json_schema(SCHEMA)})
     jsonschema.validate(json.loads(body.choices[0].text), SCHEMA)
+    email, parens = r"[a-z]{2,5}@[a-z]{2,4}\.com", r"\([0-9](\+[0-9])*\)"
     extras = [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
-              ({"guided_regex": "[a-z]{2,5}@[a-z]{2,4}\\.com"}, lambda t: re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.com", t)),
-              ({"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9])* ")"'}, lambda t: re.fullmatch(r"\([0-9](\+[0-9])*\)", t)),
+              ({"guided_regex": email}, lambda t: re.fullmatch(email, t)),
+              ({"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9])* ")"'}, lambda t: re.fullmatch(parens, t)),
               ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
               ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right"))]
     for extra, check in extras:
-        text = client.completions.create(model="tiny", prompt="Answer: ", temperature=1.0, seed=1, n=2,
-                                         max_tokens=60, extra_body=extra).choices[0].text
-        assert check(text), (extra, text)
+        choices = client.completions.create(model="tiny", prompt="Answer: ", temperature=1.0, seed=1, n=2,
+                                            max_tokens=60, extra_body=extra).choices
+        assert len(choices) == 2
+        for choice in choices:
+            assert choice.finish_reason == "stop" and check(choice.text), (extra, choice.text)
 
 
 def test_streamed_chunks_concatenate_to_valid_json(client):
