@@ -26,7 +26,7 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -173,14 +173,29 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
 
 
+_FUNCTION_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_.\-]{1,64}$"}  # tool_parsers._NAME
+_TOOLS_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": _FUNCTION_NAME, "description": {"type": "string"},
+                       "parameters": {"type": "object"}}}}}}]}
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"type": "null"}, {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None   # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    # validated in server/tool_parsers.py (400s naming the bad field); typed here for the published schema
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[Any, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
