@@ -54,18 +54,24 @@ def run_engine(llm, prompts: list[list[int]], outs: list[int]) -> float:
     return produced / elapsed
 
 
+def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask [len(batch), longest], prompts right-aligned (as generate wants)."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, p in enumerate(batch):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
 def run_hf(model, prompts: list[list[int]], outs: list[int], batch_size: int) -> float:
     """Static batches in arrival order, left-padded; counts only the requested tokens."""
     produced, elapsed = 0, 0.0
     for i in range(0, len(prompts), batch_size):
         batch, wanted = prompts[i:i + batch_size], outs[i:i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        ids, mask = left_pad(batch)
         new = max(wanted)
         start = time.perf_counter()
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,

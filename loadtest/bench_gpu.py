@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loadtest.bench_engine import left_pad
 from loadtest.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 
 # (number of requests, prompt length range, output length range); ranges inclusive
@@ -180,14 +181,8 @@ def run_hf(model, prompts: list[list[int]], outs: list[int], batch_size: int, bu
     for batch, wanted in hf_batches(prompts, outs, batch_size):
         if num_batches and elapsed >= budget_s:
             break
-        width = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        new = max(wanted)
+        ids, mask = (t.to(device) for t in left_pad(batch))
+        width, new = ids.shape[1], max(wanted)
         synchronize(device)
         start = time.perf_counter()
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
