@@ -34,7 +34,7 @@ from server.protocol import (
     UsageInfo,
 )
 from server.streaming import DONE_EVENT, sse_event
-from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id, tool_call_deltas
+from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
 from server.validation import ValidatedRequest, param_for_message
 
 try:
@@ -325,22 +325,25 @@ class Serving:
                 if vreq.num_logprobs is not None and choice.delta_token_ids:
                     logprobs = ChatLogprobs(content=chat_logprobs(choice.delta_token_ids, choice.delta_logprobs or [],
                                                                   vreq.num_logprobs, self.token_text))
-                content = choice.delta_text
+                content, call_deltas = choice.delta_text, []
                 if vreq.tools is not None:
-                    content = streamers.setdefault(choice.index, ToolStreamer(vreq.tools)).feed(choice.delta_text)
+                    streamer = streamers.setdefault(choice.index, ToolStreamer(vreq.tools))
+                    content, call_deltas = streamer.feed(choice.delta_text)
                 if content or logprobs is not None:
                     yield chunk([ChatStreamChoice(index=choice.index, delta={"content": content},
                                                   logprobs=logprobs)])
+                for delta in call_deltas:
+                    yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
                 if choice.finish_reason is not None:
                     finals[choice.index] = choice
                     finish_reason = _finish_reason(choice)
                     if vreq.tools is not None:
-                        rest, calls = streamers.setdefault(choice.index, ToolStreamer(vreq.tools)).finish(choice.text)
+                        rest, call_deltas, made_calls = streamers[choice.index].finish(choice.text)
+                        for delta in call_deltas:
+                            yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
                         if rest:
                             yield chunk([ChatStreamChoice(index=choice.index, delta={"content": rest})])
-                        for delta in tool_call_deltas(calls):
-                            yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
-                        finish_reason = "tool_calls" if calls else finish_reason
+                        finish_reason = "tool_calls" if made_calls else finish_reason
                     yield chunk([ChatStreamChoice(index=choice.index, delta={}, finish_reason=finish_reason)])
         if vreq.include_usage:
             yield chunk([], usage=self._usage(vreq, finals.values()))

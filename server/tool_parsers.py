@@ -8,9 +8,10 @@
   stays plain text.
 - "none" neither renders the tools nor parses the output.
 
-`ToolStreamer` turns a streamed choice into content deltas and, at the end, the calls; text
-that may start a call is held back until the output ends, so the streamed content always
-equals the non-streamed `content`.
+`ToolStreamer` turns a streamed choice into content deltas and `delta.tool_calls` chunks whose
+arguments stream as they are generated (server/tool_call_scanner.py finds them in the partial
+text); text that may start a call is held back, so the streamed content equals the non-streamed
+`content`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from server.errors import bad_request
+from server.tool_call_scanner import CallScanner
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's function-name rule (plus '.')
 JSONDecoder = json.JSONDecoder()
@@ -274,31 +276,62 @@ def extract_forced(text: str, plan: ToolPlan) -> tuple[str | None, list[Function
 
 
 def extract_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[FunctionCall]]:
-    """(content, calls) of a finished choice under `plan`."""
+    """(content, calls) of a finished choice under `plan`; each call's arguments are the JSON text
+    the model wrote (what a stream sends piece by piece), not a re-serialization."""
     if plan.mode == "forced":
-        return extract_forced(text, plan)
-    if plan.parser is None:
+        content, calls = extract_forced(text, plan)
+        start = 0
+    elif plan.parser is None:
         return text, []
-    return TOOL_PARSERS[plan.parser]().extract(text)
+    else:
+        parser = TOOL_PARSERS[plan.parser]()
+        content, calls = parser.extract(text)
+        start = parser.call_start(text) or 0
+    return content, _with_raw_arguments(text, start, calls)
+
+
+def _with_raw_arguments(text: str, start: int, calls: list[FunctionCall]) -> list[FunctionCall]:
+    """`calls` with the generated text of their arguments, where the scan finds the same calls."""
+    if not calls:
+        return calls
+    scanned = [c for c in CallScanner(start).feed(text) if c.name is not None][:len(calls)]
+    if [c.name for c in scanned] != [c.name for c in calls]:
+        return calls
+    result = []
+    for call, found in zip(calls, scanned):
+        raw = found.arguments(text) if found.is_complete else None
+        try:
+            same = raw is not None and json.loads(raw) == json.loads(call.arguments)
+        except json.JSONDecodeError:
+            same = False
+        result.append(FunctionCall(call.name, raw) if same else call)
+    return result
 
 
 # ----------------------------------------------------------------------------- streaming
 
 
-def tool_call_deltas(calls: list[FunctionCall]) -> list[dict[str, Any]]:
-    """OpenAI-shaped `delta.tool_calls` chunks: id, type and name first, then the arguments."""
-    deltas = []
-    for index, call in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
-    return deltas
+def call_header_delta(index: int, name: str) -> dict[str, Any]:
+    """The first `delta.tool_calls` chunk of a call: its id, type and name (OpenAI's shape)."""
+    return {"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": ""}}]}
+
+
+def call_arguments_delta(index: int, arguments: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
 
 
 class ToolStreamer:
-    """One streamed choice: `feed` returns the content that is safe to send now; `finish` the
-    rest of the content and the calls. Once a call may have started, nothing more is sent
-    until the output ends (the calls come whole, after the last token)."""
+    """One streamed choice: `feed` returns the content that is safe to send now and the
+    `delta.tool_calls` chunks of the calls so far; `finish` the rest of both.
+
+    Content that may start a call is held back. Once a call has started, each call is announced
+    when its name is complete and its arguments then stream as the model writes them, in order
+    (OpenAI's shape). At the end the whole output is parsed: when it confirms the calls streamed
+    so far (the same names, arguments that continue what was sent), the rest follows; a call the
+    parse does not confirm (cut off by max_tokens, or malformed) keeps what was sent and gets
+    nothing more, and the choice ends with the engine's finish reason.
+    """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -306,9 +339,15 @@ class ToolStreamer:
         self.text = ""
         self.num_sent = 0
         self.is_buffering = plan.mode == "forced"
+        self.scanner = CallScanner(0) if plan.mode == "forced" else None   # set when a call starts
+        self.sent_calls: list[tuple[str, str]] = []   # (name, arguments sent) per announced call
 
-    def feed(self, delta_text: str) -> str:
+    def feed(self, delta_text: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta_text
+        content = self._content()
+        return content, self._call_deltas()
+
+    def _content(self) -> str:
         if self.is_buffering:
             return ""
         end = len(self.text)
@@ -316,6 +355,7 @@ class ToolStreamer:
             start = self.parser.call_start(self.text)
             if start is not None:
                 self.is_buffering = True
+                self.scanner = CallScanner(start)
                 end = start
             else:
                 end -= self.parser.held_back(self.text)
@@ -325,14 +365,48 @@ class ToolStreamer:
         delta, self.num_sent = self.text[self.num_sent:end], end
         return delta
 
-    def finish(self, text: str) -> tuple[str, list[FunctionCall]]:
-        """(content not sent yet, calls) from the whole output `text`."""
+    def _call_deltas(self) -> list[dict[str, Any]]:
+        if self.scanner is None:
+            return []
+        deltas = []
+        for index, call in enumerate(self.scanner.feed(self.text)):
+            if call.name is None:
+                break   # calls are announced in order
+            if index == len(self.sent_calls):
+                deltas.append(call_header_delta(index, call.name))
+                self.sent_calls.append((call.name, ""))
+            arguments = call.arguments(self.text)
+            sent = self.sent_calls[index][1]
+            if arguments is not None and len(arguments) > len(sent):
+                deltas.append(call_arguments_delta(index, arguments[len(sent):]))
+                self.sent_calls[index] = (call.name, arguments)
+        return deltas
+
+    def finish(self, text: str) -> tuple[str, list[dict[str, Any]], bool]:
+        """(content not sent yet, the calls' remaining deltas, whether the choice made calls)
+        from the whole output `text`."""
         content, calls = extract_tool_calls(text, self.plan)
+        if self.sent_calls and not self._confirms(calls):
+            return "", [], False
+        deltas = []
+        for index, call in enumerate(calls):
+            sent = ""
+            if index < len(self.sent_calls):
+                sent = self.sent_calls[index][1]
+            else:
+                deltas.append(call_header_delta(index, call.name))
+            if len(call.arguments) > len(sent):
+                deltas.append(call_arguments_delta(index, call.arguments[len(sent):]))
         content = content or ""
-        sent = self.text[:self.num_sent]
-        if not content.startswith(sent):   # cannot happen: content begins with the text before any call
-            return text[self.num_sent:], []
-        return content[self.num_sent:], calls
+        sent_content = self.text[:self.num_sent]
+        if not content.startswith(sent_content):   # cannot happen: content begins with the text before any call
+            return text[self.num_sent:], deltas, bool(calls)
+        return content[self.num_sent:], deltas, bool(calls)
+
+    def _confirms(self, calls: list[FunctionCall]) -> bool:
+        return len(calls) >= len(self.sent_calls) and all(
+            call.name == name and call.arguments.startswith(sent)
+            for call, (name, sent) in zip(calls, self.sent_calls))
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,

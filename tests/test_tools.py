@@ -25,6 +25,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, Reques
 from server.chat import render_chat
 from server.config import ServerConfig
 from server.protocol import ChatMessage
+from server.tool_call_scanner import CallScanner
 from server.tool_parsers import TOOL_PARSERS, FunctionCall, ToolPlan, ToolStreamer, extract_tool_calls, forced_schema
 
 # Hermes / Qwen2.5-style: tools in the system prompt, calls in <tool_call> tags, results as <tool_response>.
@@ -134,25 +135,93 @@ def test_forced_schema_shapes():
     assert no_params["properties"]["arguments"] == {"type": "object", "properties": {}}
 
 
+def _stream(streamer: ToolStreamer, text: str, piece: int) -> tuple[str, dict[int, list], list[dict], bool]:
+    """Feed `text` in pieces: (content, {call index: [name, arguments]}, the deltas sent before the
+    end, whether the choice made calls)."""
+    content, calls, early = "", {}, []
+
+    def take(deltas):
+        for delta in deltas:
+            (call,) = delta["tool_calls"]
+            entry = calls.setdefault(call["index"], [None, ""])
+            if "id" in call:
+                assert call["id"].startswith("call_") and call["type"] == "function" and entry[0] is None
+                entry[0] = call["function"]["name"]
+            entry[1] += call["function"]["arguments"]
+
+    for i in range(0, len(text), piece):
+        sent, deltas = streamer.feed(text[i:i + piece])
+        content += sent
+        early += deltas
+        take(deltas)
+    rest, deltas, made_calls = streamer.finish(text)
+    take(deltas)
+    return content + rest, calls, early, made_calls
+
+
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_streamer_pieces_reassemble_into_the_parsed_result(parser, piece):
     plan = ToolPlan("auto", parser)
     for text in (CALL_TEXTS[parser], "Plain answer.\n\nWith lines < and [brackets] {x}.  ", "  \n",
                  "Hmm <tool_call>{\"name\": 1}</tool_call> [TOOL_CALLS] [{", " {\"name\": \"f\", \"parameters\": {} x"):
-        streamer = ToolStreamer(plan)
-        sent = "".join(streamer.feed(text[i:i + piece]) for i in range(0, len(text), piece))
-        rest, calls = streamer.finish(text)
-        content, expected_calls = extract_tool_calls(text, plan)
-        assert sent + rest == (content or "") and calls == expected_calls
+        content, calls, _, made_calls = _stream(ToolStreamer(plan), text, piece)
+        expected_content, expected_calls = extract_tool_calls(text, plan)
+        if calls and not expected_calls:
+            # a call that was announced, then turned out malformed: what was sent stands, the text
+            # from the call on is not repeated as content, and the finish reason stays the engine's
+            start = TOOL_PARSERS[parser]().call_start(text)
+            assert content == text[:start].rstrip() and not made_calls
+            continue
+        assert content == (expected_content or "")
+        assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments) for c in expected_calls]
+        assert made_calls == bool(expected_calls)
         if expected_calls:   # nothing of a call leaks into the content
-            assert "{" not in sent + rest
+            assert "{" not in content
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_streamer_sends_arguments_while_they_are_generated(parser):
+    text = CALL_TEXTS[parser]
+    _, calls, early, _ = _stream(ToolStreamer(ToolPlan("auto", parser)), text, 2)
+    # both calls were announced, and their arguments arrived in many pieces, before the output ended
+    early_args = [d["tool_calls"][0]["function"]["arguments"] for d in early if "id" not in d["tool_calls"][0]]
+    assert [calls[i][0] for i in sorted(calls)] == ["get_weather", "get_time"]
+    assert sum(1 for d in early if "id" in d["tool_calls"][0]) == 2 and len(early_args) > 10
+
+
+def test_streamer_forced_compact_output_and_a_cut_off_call():
+    plan = ToolPlan("forced", is_array=True)
+    text = '[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}},{"name":"get_time","arguments":{}}]'
+    content, calls, early, made_calls = _stream(ToolStreamer(plan), text, 4)
+    # arguments are the text the model wrote (compact here), streamed and non-streamed alike
+    assert extract_tool_calls(text, plan)[1] == [FunctionCall("get_weather", '{"city":"Oslo","unit":"c"}'),
+                                                FunctionCall("get_time", "{}")]
+    assert content == "" and made_calls and calls == {0: ["get_weather", '{"city":"Oslo","unit":"c"}'],
+                                                       1: ["get_time", "{}"]}
+    # cut off by max_tokens: what was streamed stands, nothing more is added, no "tool_calls" finish
+    cut = text[:text.index("slo")]
+    content, calls, _, made_calls = _stream(ToolStreamer(plan), cut, 4)
+    assert content == "" and not made_calls and calls == {0: ["get_weather", '{"city":"O']}
+
+
+def test_scanner_finds_calls_and_their_raw_arguments():
+    text = '<x> [{"arguments": {"a": "}\\"", "b": [1, {"c": 2}]} , "name": "f\\u00e9"}, "junk", {"name": "g"}]'
+    calls = CallScanner(0).feed(text)
+    assert [(c.name, c.arguments(text), c.is_complete) for c in calls] == [
+        ("f\u00e9", '{"a": "}\\"", "b": [1, {"c": 2}]}', True), ("g", None, True)]
+    scanner = CallScanner(0)
+    for i in range(len(text)):   # the same, one character at a time
+        scanner.feed(text[:i + 1])
+    assert [(c.name, c.arguments(text)) for c in scanner.calls] == [(c.name, c.arguments(text)) for c in calls]
+    string_args = '{"name": "f", "arguments": "{\\"a\\": 1}"}'
+    assert CallScanner(0).feed(string_args)[0].arguments(string_args) is None   # known only once parsed
 
 
 def test_streamer_holds_back_a_possible_marker_only():
     streamer = ToolStreamer(ToolPlan("auto", "hermes"))
-    assert streamer.feed("Hello <tool") == "Hello"
-    assert streamer.feed("box> there") == " <toolbox> there"
+    assert streamer.feed("Hello <tool") == ("Hello", [])
+    assert streamer.feed("box> there") == (" <toolbox> there", [])
 
 
 def test_chat_template_renders_tools_and_tool_messages(tmp_path):
