@@ -5,7 +5,9 @@
   non-streamed `message.tool_calls` and the streamed `delta.tool_calls` agree;
 - a real server on the tiny random checkpoint with a Hermes-style chat template that renders
   tools: `required` and a named function are enforced by a grammar, so even a random model
-  makes valid calls; a round trip through the `openai` client; the 400 table.
+  makes valid calls; `auto` parses the model's own text (steered into Hermes' format with
+  guided_regex) and streams the arguments piece by piece; a round trip through the `openai`
+  client; the 400 table.
 """
 
 from __future__ import annotations
@@ -422,6 +424,31 @@ def test_streamed_tool_calls_equal_the_non_streamed_result(tools_server, tool_ch
     assert streamed["content"] == whole["message"]["content"] is None
     assert streamed["calls"] == [(c["function"]["name"], c["function"]["arguments"])
                                  for c in whole["message"]["tool_calls"]]
+
+
+def test_auto_on_a_real_model_parses_and_streams_calls(tools_server):
+    """tool_choice auto end to end: the tools are rendered, the model's own text is parsed by the
+    server's --tool-call-parser (hermes). A random model would not write a call by itself, so the
+    output is steered into Hermes' format with vLLM's guided_regex extra (auto does not constrain)."""
+    regex = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Paris)", '
+             r'"unit": "(c|f)"\}\}\n</tool_call>')
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 200, "temperature": 1.0,
+            "seed": 3, "guided_regex": regex}
+    whole = httpx.post(tools_server.base_url + "/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking."
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Paris")
+    with httpx.stream("POST", tools_server.base_url + "/chat/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        lines = list(resp.iter_lines())
+    streamed = _reassemble(lines)
+    assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == "Checking."
+    assert streamed["calls"] == [(call["function"]["name"], call["function"]["arguments"])]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    pieces = [c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls") or []
+              if "id" not in c and c["function"]["arguments"]]
+    assert len(pieces) > 1   # the arguments came as they were generated, not in one piece at the end
 
 
 BAD = [
