@@ -69,6 +69,15 @@ def test_parse_into_a_pydantic_model(client):
         assert isinstance(choice.message.parsed, Owner), choice.message.content
 
 
+def test_langchain_with_structured_output(server):  # noqa: F811
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    llm = langchain_openai.ChatOpenAI(base_url=server.base_url, api_key="unused", model="tiny", max_retries=0,
+                                      max_tokens=MAX_TOKENS, temperature=1.0, seed=SEEDS[0])
+    owner = llm.with_structured_output(Owner).invoke("Tell me about an owner and their pets.")
+    assert isinstance(owner, Owner) and 1 <= len(owner.pets) <= 2
+
+
 def test_json_schema_strict_and_not_validates(client):
     outputs = set()
     for seed in SEEDS:
