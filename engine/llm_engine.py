@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from functools import partial
 
 from engine.config import EngineArgs, RuntimeInfo
 from engine.input_processor import ProcessedPrompt, process_prompt
@@ -196,8 +196,8 @@ class LLMEngine:
             self.prompt_tokens_total += max(0, min(item.start_pos + item.num_new_tokens,
                                                    req.num_prompt_tokens) - item.start_pos)
         try:
-            grammar = self.structured.step_bitmask(plan)
-            result = self.runner.execute(plan.record if grammar is None else replace(plan.record, grammar=grammar))
+            # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
+            result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))
             self.structured.accept_tokens(plan, result.sampled_token_ids)  # before update: it checks is_terminated
             finished = self.scheduler.update(plan, result.sampled_token_ids)
             self.generation_tokens_total += sum(t is not None for t in result.sampled_token_ids)

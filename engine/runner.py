@@ -11,6 +11,7 @@ token ids (logprobs, when asked for, come with them).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from engine.kv_pool import allocate_kv_pool
 from engine.logits_processors import LogitsProcessors
 from engine.memory_profile import MemoryProfile, profile_kv_budget
 from engine.sampler import Sampler
-from engine.step_record import StepRecord
+from engine.step_record import GrammarBitmask, StepRecord
 from models import load_model
 from models.attention import Attention, AttentionMetadata, forward_context
 from models.timing import phase
@@ -85,8 +86,11 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: StepRecord) -> RunnerOutput:
-        """Run one step from its plain-data record; outputs follow `step.req_ids`."""
+    def execute(self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
+                ) -> RunnerOutput:
+        """Run one step from its plain-data record; outputs follow `step.req_ids`.
+        `grammar_bitmask` (structured outputs) is called once the forward is launched, so that on a
+        GPU the host fills the bitmask while the device computes; None when nothing is constrained."""
         batch = self.batch
         batch.update(step)  # the step's requests are now rows 0..B-1
         num_reqs = len(step.req_ids)
@@ -110,7 +114,8 @@ class ModelRunner:
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
-            logits = self.logits_processors(logits, step.grammar, num_reqs)  # no-op when unused
+            grammar = grammar_bitmask() if grammar_bitmask is not None else None
+            logits = self.logits_processors(logits, grammar, num_reqs)  # no-op when unused
             out = self.sampler(logits, batch.sampling_tensors(num_reqs))
             token_ids = out.sampled_token_ids.cpu().numpy()  # [B] the one device->host sync
             if is_sampled.all():

@@ -78,8 +78,8 @@ class NewRequestData:
 
 @dataclass(frozen=True, slots=True)
 class GrammarBitmask:
-    """The allowed tokens of this step's constrained rows, filled in the engine core process
-    (engine/structured_output.py); rows not listed are left unfilled and never read."""
+    """The allowed tokens of this step's constrained rows, filled by engine/structured_output.py
+    while the step runs (rank 0 only: it samples); rows not listed are left unfilled and never read."""
 
     rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids
     bitmask: np.ndarray  # [B, ceil(V/32)] int32: bit j of word w allows token 32 * w + j
@@ -100,7 +100,6 @@ class StepRecord:
     num_computed_tokens: tuple[int, ...]  # [B] tokens with K/V in the cache before this step
     num_scheduled_tokens: tuple[int, ...]  # [B] tokens to compute this step
     new_block_ids: dict[str, tuple[int, ...]]  # held requests that got blocks: ids to append
-    grammar: GrammarBitmask | None = None  # structured outputs: None when no row is constrained
 
     @property
     def num_batched_tokens(self) -> int:
