@@ -5,9 +5,10 @@
   non-streamed `message.tool_calls` and the streamed `delta.tool_calls` agree;
 - a real server on the tiny random checkpoint with a Hermes-style chat template that renders
   tools: `required` and a named function are enforced by a grammar, so even a random model
-  makes valid calls; `auto` parses the model's own text (steered into Hermes' format with
-  guided_regex) and streams the arguments piece by piece; a round trip through the `openai`
-  client; the 400 table.
+  makes valid calls; `auto` on a server per parser (hermes, llama3_json, mistral, each with a
+  template in its format) parses the model's own text (steered into the format with
+  guided_regex), streams the arguments piece by piece and takes the call back in a round trip;
+  a round trip through the `openai` client; the 400 table.
 """
 
 from __future__ import annotations
@@ -426,29 +427,86 @@ def test_streamed_tool_calls_equal_the_non_streamed_result(tools_server, tool_ch
                                  for c in whole["message"]["tool_calls"]]
 
 
-def test_auto_on_a_real_model_parses_and_streams_calls(tools_server):
-    """tool_choice auto end to end: the tools are rendered, the model's own text is parsed by the
-    server's --tool-call-parser (hermes). A random model would not write a call by itself, so the
-    output is steered into Hermes' format with vLLM's guided_regex extra (auto does not constrain)."""
-    regex = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Paris)", '
-             r'"unit": "(c|f)"\}\}\n</tool_call>')
+# Llama 3.x-style and Mistral-style templates: tools in the prompt, calls and results in each format.
+LLAMA3_TEMPLATE = """\
+{%- for message in messages %}<|start_header_id|>{{ 'ipython' if message.role == 'tool' else message.role }}\
+<|end_header_id|>
+{% if loop.first and tools %}Tools: {{ tools | tojson }}
+{% endif %}
+{%- if message.tool_calls %}<|python_tag|>
+{%- for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": \
+{{ call.function.arguments }}}{% if not loop.last %}; {% endif %}{% endfor %}
+{%- else %}{{ message.content }}{% endif %}<|eot_id|>
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+{% endif %}"""
+MISTRAL_TEMPLATE = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- elif message.tool_calls %}[TOOL_CALLS][
+{%- for call in message.tool_calls %}{"name": "{{ call.function.name }}", "arguments": \
+{{ call.function.arguments }}}{% if not loop.last %}, {% endif %}{% endfor %}]</s>
+{%- else %}{{ message.content }}</s>{% endif %}
+{%- endfor %}"""
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+_ARGS = r'\{"city": "(Oslo|Paris)", "unit": "(c|f)"\}'
+CALL_REGEX = {   # the call in each parser's format, with some text before it where the format has content
+    "hermes": r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": ' + _ARGS + r'\}\n</tool_call>',
+    "llama3_json": r'\{"name": "get_weather", "parameters": ' + _ARGS + r'\}',
+    "mistral": r'Checking\. \[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": ' + _ARGS + r'\}\]',
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TOOL_PARSERS))
+def parser_server(request, server_checkpoint, tools_server, tmp_path_factory):  # noqa: F811
+    """A real server per parser, with a chat template that renders tools, calls and results in its format."""
+    parser = request.param
+    if parser == "hermes":
+        return parser, tools_server
+    template = Path(tmp_path_factory.mktemp(f"{parser}_template")) / "template.jinja"
+    template.write_text(TEMPLATES[parser])
+    srv = cached_server(f"tools-{parser}", server_checkpoint, "--chat-template", str(template),
+                        "--tool-call-parser", parser, "--served-model-name", "x")
+    request.addfinalizer(srv.stop)
+    return parser, srv
+
+
+def test_auto_round_trip_on_a_real_model_for_each_parser(parser_server):
+    """tool_choice auto end to end, per parser: the tools are rendered, the model's own text is
+    parsed by --tool-call-parser, streamed calls equal the non-streamed ones, and the call and its
+    result go back into the history. A random model would not write a call by itself, so its
+    output is steered into the parser's format with vLLM's guided_regex extra (auto constrains
+    nothing of its own)."""
+    parser, srv = parser_server
     body = {"messages": MSG, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 200, "temperature": 1.0,
-            "seed": 3, "guided_regex": regex}
-    whole = httpx.post(tools_server.base_url + "/chat/completions", json=body, timeout=120).json()["choices"][0]
-    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking."
-    (call,) = whole["message"]["tool_calls"]
+            "seed": 3, "guided_regex": CALL_REGEX[parser]}
+    first = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=120).json()
+    message = first["choices"][0]["message"]
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["content"] == (None if parser == "llama3_json" else "Checking.")
+    (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Paris")
-    with httpx.stream("POST", tools_server.base_url + "/chat/completions", json={**body, "stream": True},
+    with httpx.stream("POST", srv.base_url + "/chat/completions", json={**body, "stream": True},
                       timeout=120) as resp:
         lines = list(resp.iter_lines())
     streamed = _reassemble(lines)
-    assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == "Checking."
+    assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == message["content"]
     assert streamed["calls"] == [(call["function"]["name"], call["function"]["arguments"])]
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     pieces = [c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls") or []
               if "id" not in c and c["function"]["arguments"]]
     assert len(pieces) > 1   # the arguments came as they were generated, not in one piece at the end
+    # the round trip: the call and the tool's result go back, rendered in the parser's format
+    history = [*MSG, {"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "-3 C"}]
+    second = httpx.post(srv.base_url + "/chat/completions", timeout=120,
+                        json={"messages": history, "tools": TOOLS, "max_tokens": 8}).json()
+    assert second["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    wait_idle(srv.url)
 
 
 BAD = [
