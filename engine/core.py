@@ -96,12 +96,12 @@ def inject_step_faults(runner, first: int, last: int | None) -> None:
     execute = runner.execute
     num_steps = 0
 
-    def faulty_execute(record):
+    def faulty_execute(record, *args):
         nonlocal num_steps
         num_steps += 1
         if num_steps >= first and (last is None or num_steps <= last):
             raise InjectedFault(f"injected fault in step {num_steps} ({FAULT_ENV})")
-        return execute(record)
+        return execute(record, *args)
 
     runner.execute = faulty_execute
     logger.warning("%s is set: steps %d to %s will raise", FAULT_ENV, first, "the end" if last is None else last)

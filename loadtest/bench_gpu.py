@@ -89,9 +89,9 @@ class StepTimer:
         self.steps: list[tuple[float, bool, int]] = []  # (seconds, decode-only, context tokens read)
         runner.execute = self._execute
 
-    def _execute(self, record):
+    def _execute(self, record, *args):
         start = time.perf_counter()
-        out = self.original(record)
+        out = self.original(record, *args)
         elapsed = time.perf_counter() - start
         is_decode = all(n == 1 for n in record.num_scheduled_tokens)
         context = sum(c + n for c, n in zip(record.num_computed_tokens, record.num_scheduled_tokens))
