@@ -75,6 +75,17 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: the model split over `tensor_parallel_size` ranks (docs/scaling.md).
+    Whether the model's heads divide is checked once its config is read (the engine)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
 
@@ -93,6 +104,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,
@@ -104,11 +116,15 @@ class EngineArgs:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size)
+
     def validate(self) -> None:
         """Raise ValueError for any bad value (each sub-config checks its own fields)."""
         self.model_config()
         self.cache_config()
         self.scheduler_config()
+        self.parallel_config()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +142,7 @@ class RuntimeInfo:
     block_size: int
     attention_backend: str = "torch"  # the backend the loader chose
     cuda_graphs: bool = False  # decode steps replay CUDA graphs
+    tensor_parallel_size: int = 1
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -6,13 +6,16 @@ never allocates blocks (the block manager did) and never decides who runs (the
 scheduler did).
 `execute` makes exactly one device-to-host copy in the common path: the sampled
 token ids (logprobs, when asked for, come with them).
+
+With tensor parallelism (engine/executor.py) this runner is rank 0: it holds its shard of
+the model and samples; `engine.worker.WorkerRunner` (ranks 1..N-1) runs the same forward.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,13 +24,14 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_device, resolve_dtype
 from engine.input_batch import InputBatch
-from engine.kv_pool import allocate_kv_pool
+from engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
 from engine.logits_processors import LogitsProcessors
 from engine.memory_profile import MemoryProfile, profile_kv_budget
 from engine.sampler import Sampler
 from engine.step_record import GrammarBitmask, StepRecord
 from models import load_model
 from models.attention import Attention, AttentionMetadata, forward_context
+from models.parallel import ParallelState
 from models.timing import phase
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,11 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int) -> None:
+                 scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int,
+                 parallel: ParallelState | None = None, join_group: Callable[[], None] | None = None) -> None:
+        """`parallel`: this rank of a tensor-parallel group (None: the whole model here); the
+        model loads its shard, then `join_group()` connects the ranks (every later step, the
+        memory profile and the KV pool sizing included, runs in lockstep on all of them)."""
         self.device = resolve_device(model_config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread's kernels and graphs go to cuda:N
@@ -53,7 +61,11 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend,
+                                parallel)
+        self.parallel = parallel if parallel is not None and parallel.size > 1 else None
+        if join_group is not None:
+            join_group()
         self.vocab_size = hf_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = self.attn_layers[0].backend
@@ -67,6 +79,11 @@ class ModelRunner:
                     max_model_len, self.block_size, self.attn_backend.index_dtype, self.dtype, self.device,
                     model_config.gpu_memory_utilization)
         budget = None if self.memory_profile is None else self.memory_profile.kv_budget
+        if self.parallel is not None:  # one block count for every rank: what fits on each
+            block_bytes = bytes_per_block(self.attn_layers, cache_config.block_size, self.dtype)
+            num_blocks = num_blocks_for(cache_config, scheduler_config, max_model_len, block_bytes,
+                                        self.device, budget)
+            cache_config = replace(cache_config, num_kv_blocks=self.parallel.min_int(num_blocks))
         self.num_kv_blocks = allocate_kv_pool(self.attn_layers, cache_config, scheduler_config, max_model_len,
                                               self.dtype, self.device, budget)
         self.sampler = Sampler()
@@ -74,7 +91,7 @@ class ModelRunner:
                                 self.vocab_size, self.device)
         self.logits_processors = LogitsProcessors(self.batch, self.device)  # logit_bias, grammar bitmasks
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager:
+        if self.device.type == "cuda" and not model_config.enforce_eager and self.parallel is None:
             if self.attn_backend.supports_cuda_graphs:
                 with phase("CUDA graphs"):
                     self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-max_model_len // self.block_size),
@@ -92,25 +109,8 @@ class ModelRunner:
         `grammar_bitmask` (structured outputs) is called once the forward is launched, so that on a
         GPU the host fills the bitmask while the device computes; None when nothing is constrained."""
         batch = self.batch
-        batch.update(step)  # the step's requests are now rows 0..B-1
+        hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners = self._forward(step)
         num_reqs = len(step.req_ids)
-        computed = np.array(step.num_computed_tokens, np.int64)  # [B]
-        query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
-        input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens)
-        is_sampled = computed + query_lens == batch.num_tokens[:num_reqs]  # [B] reaches the end
-        prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
-                                                                              query_lens, cu)
-        # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
-        # sampling tensors then apply as they are); prompt-logprob rows come after sampling
-
-        if self.graphs is not None and self.graphs.can_run(meta, num_reqs):
-            hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
-        else:
-            with forward_context(meta):
-                hidden = self.model(input_ids, positions)  # [T, hidden]
-        # each request's last row (no gather when every request has one row)
-        logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
-
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
@@ -130,6 +130,30 @@ class ModelRunner:
             logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out)
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
         return RunnerOutput(sampled, logprobs, prompt_lps)
+
+    def _forward(self, step: StepRecord):
+        """Apply the record to the batch, run the model and the LM head on each request's last row;
+        -> (hidden [T, hidden], logits [B, V], is_sampled [B], the step's prompt-logprob rows)."""
+        batch = self.batch
+        batch.update(step)  # the step's requests are now rows 0..B-1
+        num_reqs = len(step.req_ids)
+        computed = np.array(step.num_computed_tokens, np.int64)  # [B]
+        query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
+        input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens)
+        is_sampled = computed + query_lens == batch.num_tokens[:num_reqs]  # [B] reaches the end
+        prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
+                                                                              query_lens, cu)
+        # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
+        # sampling tensors then apply as they are); prompt-logprob rows come after sampling
+
+        if self.graphs is not None and self.graphs.can_run(meta, num_reqs):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)  # [T, hidden]
+        # each request's last row (no gather when every request has one row)
+        logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
+        return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -2,7 +2,8 @@
 
 Quirks owned here:
 * HF stores GPT-2's projections as `Conv1D` with weights [in, out]; we keep the
-  usual [out, in] layout and transpose explicitly when loading.
+  usual [out, in] layout and transpose explicitly when loading (before a
+  tensor-parallel layer takes its rank's slice: models/parallel.py).
 * Learned absolute position embeddings (`wpe`), LayerNorm, `gelu_new`.
 * The LM head is tied to `wte` (unless `tie_word_embeddings` is False).
 * Checkpoints from the original OpenAI upload have no `transformer.` prefix and
@@ -16,30 +17,37 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import Attention
-from models.layers import Linear, VocabEmbedding, check_shape, default_weight_loader, get_activation
+from models.layers import VocabEmbedding, as_lazy, default_weight_loader, get_activation
+from models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-@torch.no_grad()
-def conv1d_weight_loader(param: Tensor, loaded: Tensor) -> None:
-    """HF Conv1D weight [in, out] -> our Linear weight [out, in]; biases are copied as-is."""
-    if loaded.dim() == 2:
-        loaded = loaded.t()
-    check_shape(param, loaded, " (Conv1D weight, after transpose)" if loaded.dim() == 2 else "")
-    param.copy_(loaded)
+def from_conv1d(layer: nn.Module) -> nn.Module:
+    """Make `layer` load HF Conv1D weights [in, out]: its own loader gets the [out, in] view
+    (read lazily, so a tensor-parallel rank still reads only its slice); biases as they are."""
+    for param in layer.parameters():
+        load = param.weight_loader
 
+        @torch.no_grad()
+        def conv1d_loader(p: Tensor, loaded, *shard_id, _load=load) -> None:
+            try:
+                _load(p, as_lazy(loaded).t(), *shard_id)
+            except ValueError as e:
+                raise ValueError(f"{e} (Conv1D weight, after transpose)") from None
 
-class Conv1DLinear(Linear):
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=True)
-        self.weight.weight_loader = conv1d_weight_loader
-        self.bias.weight_loader = conv1d_weight_loader
+        param.weight_loader = conv1d_loader
+    return layer
 
 
 class LayerNorm(nn.LayerNorm):
@@ -58,20 +66,22 @@ class GPT2Attention(nn.Module):
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
         self.n = n
-        self.c_attn = Conv1DLinear(n, 3 * n)  # q, k, v already packed in this order
-        self.c_proj = Conv1DLinear(n, n)
-        self.attn = Attention(num_heads, num_heads, head_dim, scale=scale)
+        # q, k, v already packed in this order; each rank takes its heads of each
+        self.c_attn = from_conv1d(QKVParallelLinear(n, head_dim, num_heads, num_heads, bias=True))
+        self.c_proj = from_conv1d(RowParallelLinear(n, n, bias=True))
+        local_heads = self.c_attn.num_heads
+        self.attn = Attention(local_heads, local_heads, head_dim, scale=scale)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, n] -> [T, n]
-        return self.c_proj(self.attn(self.c_attn(x)))  # c_attn: q, k, v packed [T, 3n]
+        return self.c_proj(self.attn(self.c_attn(x)))  # c_attn: q, k, v packed [T, 3n / tp]
 
 
 class GPT2MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = Conv1DLinear(config.n_embd, inner)
-        self.c_proj = Conv1DLinear(inner, config.n_embd)
+        self.c_fc = from_conv1d(ColumnParallelLinear(config.n_embd, inner, bias=True))
+        self.c_proj = from_conv1d(RowParallelLinear(inner, config.n_embd, bias=True))
         self.act = get_activation(config.activation_function)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, n] -> [T, n]
@@ -94,8 +104,8 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.wte = VocabEmbedding(config.vocab_size, config.n_embd)
-        self.wpe = VocabEmbedding(config.n_positions, config.n_embd)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = VocabEmbedding(config.n_positions, config.n_embd)  # small: every rank has it all
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
@@ -115,7 +125,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.n_embd, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.n_embd, config.vocab_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, n]
         return self.transformer(input_ids, positions)

@@ -4,7 +4,9 @@ Device-specific code lives elsewhere and is bound once at load: the fused small 
 (`models/fused_ops.py`) and repacked matmul weights (`models/cpu_model.py`).
 
 Every parameter may carry a `weight_loader(param, loaded_weight[, shard_id])` attribute;
-`models/loader.py` calls it (or `default_weight_loader`) for each checkpoint tensor.
+`models/loader.py` calls it (or `default_weight_loader`) for each checkpoint tensor, given
+as a `LazyTensor` (a tensor works too): a loader reads only the part it keeps, so a
+tensor-parallel rank never reads the whole checkpoint (models/parallel.py).
 Loaders check shapes and raise `ValueError` quoting both shapes.
 """
 
@@ -24,7 +26,60 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def check_shape(param: Tensor, loaded: Tensor, what: str = "") -> None:
+class LazyTensor:
+    """A checkpoint tensor read only when asked: `narrow` and `t` are free, `read()` reads just
+    the selected part. The source is a tensor, or an open safetensors file and a name (then a
+    part is read with `get_slice(name)[...]`, the whole with `get_tensor(name)`)."""
+
+    __slots__ = ("_file", "_name", "_tensor", "_ranges", "_transposed")
+
+    def __init__(self, tensor: Tensor | None = None, file=None, name: str | None = None,
+                 ranges: tuple[tuple[int, int], ...] | None = None, transposed: bool = False) -> None:
+        self._tensor, self._file, self._name = tensor, file, name
+        if ranges is None:
+            shape = tensor.shape if tensor is not None else file.get_slice(name).get_shape()
+            ranges = tuple((0, int(n)) for n in shape)
+        self._ranges = ranges  # (start, stop) per dimension of the source
+        self._transposed = transposed
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = tuple(stop - start for start, stop in self._ranges)
+        return shape[::-1] if self._transposed else shape
+
+    def _with(self, ranges, transposed: bool) -> LazyTensor:
+        return LazyTensor(self._tensor, self._file, self._name, ranges, transposed)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        """Like `Tensor.narrow` (dim counts in this view's order)."""
+        src_dim = len(self._ranges) - 1 - dim if self._transposed else dim
+        first, stop = self._ranges[src_dim]
+        if start < 0 or length < 0 or first + start + length > stop:
+            raise ValueError(f"cannot narrow dim {dim} of a {self.shape} tensor to [{start}, {start + length})")
+        ranges = list(self._ranges)
+        ranges[src_dim] = (first + start, first + start + length)
+        return self._with(tuple(ranges), self._transposed)
+
+    def t(self) -> LazyTensor:
+        """The transpose of a 2-D tensor (HF Conv1D weights are [in, out])."""
+        return self._with(self._ranges, not self._transposed) if len(self._ranges) == 2 else self
+
+    def read(self) -> Tensor:
+        index = tuple(slice(start, stop) for start, stop in self._ranges)
+        if self._tensor is not None:
+            x = self._tensor[index]
+        else:
+            part = self._file.get_slice(self._name)
+            is_whole = all(start == 0 and stop == n for (start, stop), n in zip(self._ranges, part.get_shape()))
+            x = self._file.get_tensor(self._name) if is_whole else part[index]
+        return x.t() if self._transposed else x
+
+
+def as_lazy(loaded: Tensor | LazyTensor) -> LazyTensor:
+    return loaded if isinstance(loaded, LazyTensor) else LazyTensor(loaded)
+
+
+def check_shape(param: Tensor, loaded: Tensor | LazyTensor, what: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"shape mismatch{what}: checkpoint has {tuple(loaded.shape)}, model expects {tuple(param.shape)}"
@@ -32,10 +87,10 @@ def check_shape(param: Tensor, loaded: Tensor, what: str = "") -> None:
 
 
 @torch.no_grad()
-def default_weight_loader(param: Tensor, loaded: Tensor) -> None:
+def default_weight_loader(param: Tensor, loaded: Tensor | LazyTensor) -> None:
     """Copy a whole tensor (dtype/device converted by `copy_`)."""
     check_shape(param, loaded)
-    param.copy_(loaded)
+    param.copy_(as_lazy(loaded).read())
 
 
 class RMSNorm(nn.Module):
@@ -220,7 +275,7 @@ class PackedLinear(Linear):
         offset, size = sum(self.output_sizes[:i]), self.output_sizes[i]
         target = param.narrow(0, offset, size)
         check_shape(target, loaded, f" in shard {shard_id!r}")
-        target.copy_(loaded)
+        target.copy_(as_lazy(loaded).read())
 
 
 class VocabEmbedding(nn.Module):

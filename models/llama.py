@@ -2,8 +2,10 @@
 
 Packed weights: q/k/v live in one `qkv_proj` and gate/up in one `gate_up_proj`
 (see `packed_modules_mapping`). Qwen2/Qwen3 reuse this file's blocks (`qwen.py`).
+The linears are tensor-parallel ones (models/parallel.py): with tensor parallelism each
+rank holds its heads and its slice of the MLP; at size 1 they are plain linears.
 
-Shapes: T = tokens in the flat batch, H/KvH = query/KV heads, D = head_dim.
+Shapes: T = tokens in the flat batch, H/KvH = this rank's query/KV heads, D = head_dim.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ from torch import Tensor, nn
 
 from models.attention import Attention
 from models.fused_ops import TORCH_OPS, FusedOps
-from models.layers import (
-    Linear,
-    PackedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabEmbedding,
-    get_activation,
-    rope_parameters,
+from models.layers import RMSNorm, RotaryEmbedding, get_activation, rope_parameters
+from models.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 
 if TYPE_CHECKING:
@@ -58,16 +59,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         default_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = default_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = default_bias if self.o_bias is None else self.o_bias
-        self.qkv_proj = PackedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], ["q", "k", "v"], qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
@@ -87,14 +87,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = PackedLinear(hidden, [inter, inter], [0, 1], bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], [0, 1], bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         act = getattr(config, "hidden_act", "silu")
         self.act = None if act == "silu" else get_activation(act)
         self.ops: FusedOps = TORCH_OPS  # the device's, set at load
 
     def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp]
         if self.act is None:
             return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -125,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, attention_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb) for i in range(config.num_hidden_layers)
@@ -158,12 +158,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] (on rank 0)
         if self.tie_word_embeddings:
             return self.model.embed_tokens.lm_head(hidden)
         return self.lm_head(hidden)

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from models import cpu_ops
 from models.attention import Attention, select_backend
 from models.fused_ops import bind_ops, select_ops
-from models.layers import default_weight_loader
+from models.layers import LazyTensor, default_weight_loader
+from models.parallel import ParallelState, tensor_parallel
 from models.registry import get_model_class
 from models.timing import phase
 
@@ -58,10 +59,17 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
 
 def iter_checkpoint(model_dir: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) for every checkpoint tensor, one at a time (memory-mapped, on the CPU)."""
+    for name, lazy in iter_checkpoint_lazy(model_dir):
+        yield name, lazy.read()
+
+
+def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, tensor not yet read) for every checkpoint tensor: a weight loader reads what it
+    keeps (a tensor-parallel rank its slice); valid until the next item."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(file=f, name=name)
 
 
 def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> set[str]:
@@ -77,7 +85,7 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> set[str]:
     loaded: set[str] = set()
     shards_loaded: dict[str, set] = defaultdict(set)
     unexpected: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(model_dir):
+    for ckpt_name, tensor in iter_checkpoint_lazy(model_dir):
         name = map_name(ckpt_name)
         if name is None:
             continue
@@ -153,14 +161,15 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 def load_model(
     model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
-    attention_backend: str = "auto",
+    attention_backend: str = "auto", parallel: ParallelState | None = None,
 ) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
-    the device's attention backend and fused ops bound to its layers (chosen here, once)."""
+    the device's attention backend and fused ops bound to its layers (chosen here, once).
+    With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
     with phase("model"):
-        with torch.device("meta"):
+        with torch.device("meta"), tensor_parallel(parallel or ParallelState()):
             model = cls(hf_config)
         _materialize(model, dtype, device)
     with phase("weights"):
