@@ -58,6 +58,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
         fault_steps = parse_fault_steps(os.environ.get(FAULT_ENV, ""))
+        from engine.kv_pool import prefault
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
@@ -69,6 +70,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
         conn.close()
         os._exit(1)
     conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
+    threading.Thread(target=prefault, args=(engine.runner.attn_layers,), name="kv-prefault", daemon=True).start()
     EngineCore(engine, conn, max_consecutive_step_failures).run()
 
 

@@ -10,12 +10,15 @@ full-length sequences could fill.
 
 On the CPU the pool is an anonymous mapping (`models.hugepages.zeros`): the OS hands out
 zeroed pages on first touch, so allocating it writes nothing, and unused slots hold zeros
-(attention needs them finite). CUDA keeps `torch.zeros`.
+(attention needs them finite). CUDA keeps `torch.zeros`. The server's engine core then faults
+the pages in from a background thread once it is ready (`prefault`), so that the first busy
+steps do not pay for page faults (the offline `LLM` leaves them to first touch).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -84,3 +87,12 @@ def allocate_kv_pool(layers: Sequence[KVLayer], cache: CacheConfig, sched: Sched
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks - 1, cache.block_size,
                 (num_blocks - 1) * cache.block_size, num_blocks * block_bytes / 2**20)
     return num_blocks
+
+
+def prefault(layers: Sequence[KVLayer]) -> None:
+    """Fault in a CPU pool's pages now (a background thread's job: each chunk releases the GIL)."""
+    start = time.perf_counter()
+    caches = [layer.kv_cache for layer in layers if layer.kv_cache is not None and layer.kv_cache.device.type == "cpu"]
+    if caches and all(hugepages.populate(cache) for cache in caches):
+        logger.info("KV pool faulted in (%.1f MiB) in %.2f s",
+                    sum(c.numel() * c.element_size() for c in caches) / 2**20, time.perf_counter() - start)

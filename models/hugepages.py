@@ -27,6 +27,7 @@ from torch import Tensor
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
 @functools.cache
@@ -86,3 +87,18 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         except (AttributeError, OSError):  # pragma: no cover - kernel without THP
             pass
     return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def populate(tensor: Tensor, chunk_bytes: int = 64 << 20) -> bool:
+    """Fault in the pages under a CPU tensor now, as writable (a `zeros` tensor stays zero: the
+    kernel zeroes the pages, nothing is written from here). Done in chunks, each a ctypes call
+    that releases the GIL, so other threads run meanwhile. False where the kernel cannot."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    for addr in range(start, end, chunk_bytes):
+        if madvise(addr, min(chunk_bytes, end - addr), _MADV_POPULATE_WRITE) != 0:
+            return False
+    return True

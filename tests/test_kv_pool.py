@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +118,16 @@ def test_engine_logs_its_start_up_phases_and_default_pool(llama_dir, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up"))
     assert re.match(r"engine start-up \d+\.\d\d s: (\w[\w+ ]* \d+\.\d\d, )*other \d+\.\d\d", line), line
     assert engine.info.num_kv_blocks == 4 * (engine.info.max_model_len // 16) + 1  # 4 full-length sequences
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings and madvise are Linux's")
+def test_populate_faults_pages_in_and_keeps_zeros():
+    def rss_anon_kib() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+        return int(line.split()[1])
+
+    pool = hugepages.zeros((64, 1024, 1024), torch.uint8)  # 64 MiB, not touched yet
+    before = rss_anon_kib()
+    assert hugepages.populate(pool, chunk_bytes=8 << 20)
+    assert rss_anon_kib() - before >= 60 * 1024  # the pages are resident now
+    assert int(pool.count_nonzero()) == 0
