@@ -28,11 +28,17 @@ def _normalize_prompts(prompts: str | Sequence[str] | Sequence[int] | Sequence[S
 
 
 class LLM:
-    """Batch generation in-process. Keyword arguments are those of `EngineArgs`."""
+    """Batch generation in-process. Keyword arguments are those of `EngineArgs`, e.g.
+    `tensor_parallel_size=2` (docs/scaling.md)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op with tensor_parallel_size=1). They
+        also exit on their own when this process does."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -3,6 +3,8 @@
 One step = schedule (plain Python) -> run the model and sample (one sync) ->
 update the scheduler -> detokenize and check stop strings -> outputs.
 Not thread-safe: `AsyncLLM` drives it from one background thread.
+With `tensor_parallel_size` > 1 the runner is a `TensorParallelExecutor` (engine/executor.py):
+rank 0 here, the other ranks in worker processes; `shutdown()` stops them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_model_files
+from models.parallel import check_tensor_parallel
 from models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
@@ -55,8 +58,18 @@ class LLMEngine:
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         cache_config = args.cache_config()
         scheduler_config = args.scheduler_config()
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
-                                  files.hf_config, files.max_model_len)
+        tp_size = args.parallel_config().tensor_parallel_size
+        if tp_size == 1:
+            self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
+                                      files.hf_config, files.max_model_len)
+        else:
+            from engine.executor import TensorParallelExecutor
+
+            hf = files.hf_config
+            check_tensor_parallel(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None)
+                                  or hf.num_attention_heads, tp_size)
+            self.runner = TensorParallelExecutor(model_config, cache_config, scheduler_config, files.model_path,
+                                                 hf, files.max_model_len, tp_size)
         self.info = RuntimeInfo(
             model_path=files.model_path,
             architecture=files.hf_config.architectures[0],
@@ -69,6 +82,7 @@ class LLMEngine:
             block_size=cache_config.block_size,
             attention_backend=self.runner.attn_backend.name,
             cuda_graphs=self.runner.graphs is not None,
+            tensor_parallel_size=tp_size,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
@@ -213,6 +227,17 @@ class LLMEngine:
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel worker died); None while it can."""
+        return getattr(self.runner, "dead_reason", None)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; nothing to do otherwise)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -70,20 +70,18 @@ class ParallelState:
         return int(self.all_reduce(x, "min").item())
 
 
-def new_group(rank: int, size: int, store_port: int, device: torch.device,
-              timeout_s: float) -> object:
-    """The group's process group over a TCPStore on 127.0.0.1 (one machine): gloo on the CPU, NCCL
-    on CUDA. `timeout_s` bounds every collective, so a hung rank fails the others' steps."""
+def new_group(store, rank: int, size: int, device: torch.device, timeout_s: float) -> object:
+    """The group's process group over `store` (a `torch.distributed.TCPStore`): gloo on the CPU,
+    NCCL on CUDA. `timeout_s` bounds every collective, so a hung rank fails the others' steps."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, size, False, timeout=timeout)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one machine
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, opts)
 

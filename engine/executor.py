@@ -1,0 +1,214 @@
+"""The tensor-parallel executor: rank 0 in this process, ranks 1..N-1 in worker processes.
+
+Rank 0 is the ordinary `ModelRunner` holding its shard: the engine schedules, rank 0 runs
+the forward with the workers and samples. Each step, before running it, rank 0 sends every
+worker `(STEP, record, sampled ids of the previous step)` over its own pipe (pickled
+plain data, a few hundred bytes for a decode step; a pipe measured as fast as a
+shared-memory ring on this machine, docs/benchmarks.md). Workers are spawned (one per
+device: cuda:rank on CUDA with NCCL, the CPU with gloo and the cores split between ranks).
+
+Failure is all-or-nothing: the ranks meet in a collective several times a step, so a rank
+that fails mid-step would leave the others matching the wrong collectives. Any error on rank
+0 during a step, a collective timing out (`timeout_s`, a hung worker) or a worker exiting
+marks the executor dead: the step raises `TensorParallelError`, every later step raises it
+at once, and `dead_reason` says why (the engine core polls it, so an idle engine notices a
+dead worker within a second). Workers exit on their own when rank 0's process goes away
+(their pipe closes), so none outlives it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import wait
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.device import resolve_device
+from engine.runner import ModelRunner, RunnerOutput
+from engine.step_record import GrammarBitmask, StepRecord
+from engine.worker import FAILED, LOADED, STEP, STOP, WorkerArgs, run_worker
+from models.parallel import ParallelState, new_group
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0  # the longest a collective waits for a rank (a hung worker)
+_STOP_TIMEOUT_S = 5.0
+_START_TIMEOUT_S = 3600.0  # loading a shard may take long; a worker that dies ends the wait at once
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed a step: the engine cannot go on."""
+
+
+def rank_devices(device: torch.device, size: int) -> list[str]:
+    """The device of each rank: all on the CPU, or consecutive GPUs from `device`'s index."""
+    if device.type == "cpu":
+        return ["cpu"] * size
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(f"tensor_parallel_size={size} needs GPUs {first}..{first + size - 1}, "
+                         f"but {count} are visible")
+    return [f"cuda:{first + r}" for r in range(size)]
+
+
+def threads_per_rank(size: int) -> int:
+    """The CPU cores this process may use, split evenly between the ranks (at least one each)."""
+    return max(1, len(os.sched_getaffinity(0)) // size)
+
+
+class TensorParallelExecutor:
+    """Runs steps on `size` ranks; looks like a `ModelRunner` to the engine (its attributes are
+    rank 0's runner's, and `execute` has the same signature)."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 model_path: str, hf_config, max_model_len: int, size: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        import torch.distributed as dist
+
+        self.size, self.timeout_s = size, timeout_s
+        self._dead: str | None = None
+        self._prev_sampled: tuple[int | None, ...] = ()
+        self._workers: list[multiprocessing.process.BaseProcess] = []
+        self._conns = []
+        devices = rank_devices(resolve_device(model_config.device), size)
+        self._num_threads = threads_per_rank(size) if devices[0] == "cpu" else None
+        self._saved_threads = torch.get_num_threads()
+        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(1, size):
+                args = WorkerArgs(rank, size, self._store.port, devices[rank], self._num_threads, timeout_s,
+                                  model_config, cache_config, scheduler_config, model_path, hf_config,
+                                  max_model_len, logging.getLogger().level)
+                conn, child_conn = ctx.Pipe(duplex=True)
+                process = ctx.Process(target=run_worker, args=(args, child_conn), name=f"kvserve-tp{rank}",
+                                      daemon=True)
+                process.start()
+                child_conn.close()  # so that the worker's end closing is seen here as EOF
+                self._workers.append(process)
+                self._conns.append(conn)
+            if self._num_threads is not None:
+                torch.set_num_threads(self._num_threads)
+            self.parallel = ParallelState(0, size, torch.device(devices[0]))
+            self.driver = ModelRunner(replace(model_config, device=devices[0]), cache_config, scheduler_config,
+                                      model_path, hf_config, max_model_len, self.parallel, self._join_group)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallelism: %d ranks on %s (worker pids %s)", size, ", ".join(devices),
+                    [p.pid for p in self._workers])
+
+    def _join_group(self) -> None:
+        """Wait for every worker to load its shard (raising what a failed one reports), then connect."""
+        waiting = dict(zip(self._conns, self._workers))
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while waiting:
+            ready = wait([*waiting, *(p.sentinel for p in waiting.values())], timeout=5.0)
+            for conn, process in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        message = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        message = (FAILED, "exited without a word")
+                    if message[0] != LOADED:
+                        raise TensorParallelError(f"tensor-parallel worker {process.name} failed to start: "
+                                                  f"{message[1]}")
+                    del waiting[conn]
+                elif process.sentinel in ready:
+                    raise TensorParallelError(f"tensor-parallel worker {process.name} exited with code "
+                                              f"{process.exitcode} while loading")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not load in {_START_TIMEOUT_S:.0f} s")
+        self.parallel.group = new_group(self._store, 0, self.size, self.parallel.device, self.timeout_s)
+
+    def __getattr__(self, name: str):  # dtype, device, num_kv_blocks, attn_backend, batch, ...
+        if name == "driver":
+            raise AttributeError(name)
+        return getattr(self.driver, name)
+
+    # ---- one step ----------------------------------------------------------
+    def execute(self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
+                ) -> RunnerOutput:
+        """Send the step to every worker, run rank 0's part (which samples); any failure is fatal."""
+        reason = self.dead_reason
+        if reason is not None:
+            raise TensorParallelError(reason)
+        try:
+            message = pickle.dumps((STEP, step, self._prev_sampled), protocol=5)
+            for conn in self._conns:
+                conn.send_bytes(message)
+            out = self.driver.execute(step, grammar_bitmask)
+        except BaseException as e:
+            reason = self._fail(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
+            raise TensorParallelError(reason) from e
+        self._prev_sampled = tuple(out.sampled_token_ids)
+        return out
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the executor cannot run steps (a worker exited, a step failed); None while it can."""
+        if self._dead is None:
+            exited = [p for p in self._workers if not p.is_alive()]
+            if exited:
+                self._fail()
+        return self._dead
+
+    def _fail(self, cause: str | None = None) -> str:
+        """Mark the executor dead (the first reason sticks) and stop the workers; returns the reason.
+        A worker that exited is named, with its exit code, ahead of the error it caused on rank 0."""
+        if self._dead is None:
+            if cause is not None:  # a worker killed mid-step: its exit may trail rank 0's error a little
+                wait([p.sentinel for p in self._workers], timeout=1.0)
+            exited = [p for p in self._workers if not p.is_alive()]
+            if exited:
+                p = exited[0]
+                code = p.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+                self._dead = f"tensor-parallel worker {p.name} (pid {p.pid}) exited with {how}"
+            else:
+                self._dead = cause or "tensor-parallel executor failed"
+            logger.error("engine dead: %s", self._dead)
+            self._stop_workers(graceful=False)
+        return self._dead
+
+    # ---- shutdown ------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (asked first, then terminated, then killed); idempotent."""
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+        self._stop_workers(graceful=True)
+        if self._num_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+
+    def _stop_workers(self, graceful: bool) -> None:
+        if graceful:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(pickle.dumps((STOP,)))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (_STOP_TIMEOUT_S if graceful else 0.0)
+        for process in self._workers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        if hasattr(self, "parallel"):
+            self.parallel.group = None
