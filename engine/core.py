@@ -126,12 +126,19 @@ class EngineCore:
             logger.exception("engine loop died")
             self._send((messages.DEAD, f"engine loop died: {e!r}"))
             code = 1
+        try:
+            self.engine.shutdown()  # tensor-parallel workers, if any
+        except Exception:  # noqa: BLE001 - exiting anyway; workers also exit when this process does
+            logger.exception("engine shutdown failed")
         logging.shutdown()
         os._exit(code)  # skip interpreter teardown (torch's thread pools, atexit hooks)
 
     def _loop(self) -> None:
         engine = self.engine
         while not self.is_stopping:
+            dead_reason = engine.dead_reason  # a tensor-parallel worker died, even while idle
+            if dead_reason is not None:
+                raise EngineDied(dead_reason)
             has_work = engine.has_unfinished_requests()
             changed = self._drain_inbox(block=not has_work)
             if self.is_stopping:
@@ -154,6 +161,9 @@ class EngineCore:
             failed = (messages.FAILED_REQUESTS, e.request_ids, f"internal error: {e.__cause__!r}",
                       self.engine.stats())
             num_failures = self.engine.num_consecutive_step_failures
+            if self.engine.dead_reason is not None:  # no later step can succeed
+                self._send(failed)
+                raise EngineDied(self.engine.dead_reason) from e
             if num_failures >= self.max_consecutive_step_failures:
                 self._send(failed)  # these requests get their own step's error; the rest get DEAD
                 raise EngineDied(f"{num_failures} consecutive steps failed "
