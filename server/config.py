@@ -86,6 +86,8 @@ class ServerConfig(BaseSettings):
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs).")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
 
     # --- HTTP server ---
     host: str = Field("127.0.0.1", description="Address to bind.")
@@ -155,5 +157,5 @@ class ServerConfig(BaseSettings):
         """Keyword arguments for `engine.EngineArgs`."""
         names = ("model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len",
-                 "attention_backend", "enforce_eager", "gpu_memory_utilization")
+                 "attention_backend", "enforce_eager", "gpu_memory_utilization", "tensor_parallel_size")
         return {name: getattr(self, name) for name in names}
