@@ -15,7 +15,6 @@ equal token prefixes up to the boundary token, so the proxy costs at most one bl
 from __future__ import annotations
 
 import hashlib
-import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -79,8 +78,7 @@ class PrefixAffinity:
     map is an LRU bounded by `max_entries` hashes. Replicas are any hashable ids.
     """
 
-    def __init__(self, max_imbalance: int = 8, max_entries: int = 100_000, max_holders: int = 2,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, max_imbalance: int = 8, max_entries: int = 100_000, max_holders: int = 2) -> None:
         if max_imbalance < 0 or max_entries < 1 or max_holders < 1:
             raise ValueError(f"need max_imbalance >= 0, max_entries >= 1, max_holders >= 1, got "
                              f"{max_imbalance}, {max_entries}, {max_holders}")
@@ -88,7 +86,7 @@ class PrefixAffinity:
         self.max_entries = max_entries
         self.max_holders = max_holders
         self._holders: OrderedDict[int, list[Any]] = OrderedDict()
-        self._rng = rng or random.Random()
+        self._num_ties = 0
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -113,7 +111,9 @@ class PrefixAffinity:
             rest = sorted((r for r in candidates if r != preferred), key=loads.__getitem__)
             return [[preferred], rest] if rest else [[preferred]]
         least_loaded = [r for r in candidates if loads[r] == least]
-        self._rng.shuffle(least_loaded)       # unrelated requests spread over equally loaded replicas
+        turn = self._num_ties % len(least_loaded)   # unrelated requests take equally loaded replicas in turn
+        least_loaded = least_loaded[turn:] + least_loaded[:turn]
+        self._num_ties += 1
         rest = sorted((r for r in candidates if loads[r] != least), key=loads.__getitem__)
         return [least_loaded, rest] if rest else [least_loaded]
 
