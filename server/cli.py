@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `kvserve serve --help` for the server's flags.",
     )
     parser.add_argument("--version", action="version", version=f"kvserve {package_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,ray,bench}")
     serve = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     f"set with the environment variable shown; flags win over the environment.",
     )
     _add_serve_flags(serve)
+    sub.add_parser("ray", help="serve N replicas on Ray Serve (`kvserve ray --help`; needs kvserve[ray])",
+                   add_help=False)
     sub.add_parser("bench", help="load-test a running server (`kvserve bench serve --help`)", add_help=False)
     return parser
 
@@ -138,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.cli import main as bench_main
 
         return bench_main(argv[1:]) or 0
+    if argv and argv[0] == "ray":
+        from server.ray_cli import main as ray_main
+
+        return ray_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "serve":
