@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (docs/scaling.md)")
     p.add_argument("--out", help="JSON file for every run")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
+              tensor_parallel_size=args.tensor_parallel_size)
     vocab_size = llm.engine.info.vocab_size
     _run(llm, [[5] * args.input_len], 4)  # warm-up
     runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "machine": platform.processor() or platform.machine(),
                                              "summary": summary, "runs": runs}, indent=1))
+    llm.shutdown()
     return 0
 
 
