@@ -319,8 +319,10 @@ def build_app(config: ServerConfig, options: RayServeOptions | None = None) -> s
         # torch's CPU threads (the engine core inherits them) = the CPUs Ray gave the replica
         actor_options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(int(options.num_cpus_per_replica))}}
     max_ongoing = options.max_ongoing_requests or config.max_num_seqs
+    log_level = config.log_level.upper()       # --log-level applies to Serve's logs of these deployments
     replica_settings: dict[str, Any] = {"ray_actor_options": actor_options, "max_ongoing_requests": max_ongoing,
-                                        "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 5.0}
+                                        "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 5.0,
+                                        "logging_config": {"log_level": log_level}}
     if options.is_autoscaling:
         replica_settings["autoscaling_config"] = AutoscalingConfig(
             min_replicas=options.min_replicas if options.min_replicas is not None else 1,
@@ -335,10 +337,11 @@ def build_app(config: ServerConfig, options: RayServeOptions | None = None) -> s
             request_router_kwargs={"max_imbalance": options.max_imbalance})
     metrics = serve.deployment(KVServeMetrics, name="KVServeMetrics", num_replicas=1,
                                ray_actor_options={"num_cpus": 0},
-                               logging_config={"enable_access_log": False}).bind()
+                               logging_config={"log_level": log_level, "enable_access_log": False}).bind()
     replicas = serve.deployment(KVServeReplica, name="KVServeReplica", **replica_settings).bind(config, metrics)
     ingress = serve.deployment(KVServeIngress, name="KVServeIngress", num_replicas=options.num_ingress_replicas,
-                               max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
+                               logging_config={"log_level": log_level})
     return ingress.bind(replicas, metrics, int(config.max_body_bytes))
 
 
