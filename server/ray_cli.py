@@ -94,7 +94,8 @@ def run(config: ServerConfig, options: RayServeOptions, ray_address: str, ray_nu
         ray.init(num_cpus=ray_num_cpus or os.cpu_count(), include_dashboard=False)
     else:
         ray.init(address=ray_address)
-    signal.signal(signal.SIGTERM, _interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):   # (SIGINT too: a shell's background job ignores it)
+        signal.signal(signum, _interrupt)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config, options), name=options.app_name, route_prefix="/")
@@ -108,6 +109,7 @@ def run(config: ServerConfig, options: RayServeOptions, ray_address: str, ray_nu
         print(f"kvserve ray: error: {exc}", file=sys.stderr)
         return 3
     finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if is_local:
             serve.shutdown()

@@ -107,7 +107,12 @@ class PrefixAffinityRouter(RequestRouter):
             for replica, queue_len in await self._probe_queue_lens(missing, 0):
                 queue_lens[replica.replica_id] = queue_len
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        ranks = self._affinity.rank(list(by_id), queue_lens, _hashes_of(pending_request))
+        hashes = _hashes_of(pending_request)
+        ranks = self._affinity.rank(list(by_id), queue_lens, hashes)
+        if hashes and ranks:
+            # Recorded now (Serve takes the first of the first rank unless it is full), so that
+            # a burst of requests sharing a new prefix does not spread before the first is sent.
+            self._affinity.record(hashes, ranks[0][0])
         return [[by_id[replica_id] for replica_id in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -192,9 +197,10 @@ class KVServeReplica:
                                if k.lower() not in _HOP_BY_HOP]
                     yield {"status": message["status"], "headers": headers + [(REPLICA_HEADER, self.replica_id)]}
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body", False):
+                    body, is_last = _coalesce(message, messages)
+                    if body:
+                        yield body
+                    if is_last:
                         break
         finally:
             left.set()    # the client left (or the response is done): the app aborts what is still running
@@ -203,6 +209,21 @@ class KVServeReplica:
         for task in list(self._background):
             task.cancel()
         await self._lifespan.__aexit__(None, None, None)
+
+
+def _coalesce(message: dict[str, Any], messages: asyncio.Queue[dict[str, Any] | None]) -> tuple[bytes, bool]:
+    """This body message and the ones already queued behind it, as one chunk: under load a
+    stream then crosses to the ingress once per engine step or so, not once per SSE event."""
+    parts = [message.get("body", b"")]
+    is_last = not message.get("more_body", False)
+    while not is_last and not messages.empty():
+        queued = messages.get_nowait()
+        if queued is None or queued["type"] != "http.response.body":
+            messages.put_nowait(queued)   # (only None can follow the body: the app finished)
+            break
+        parts.append(queued.get("body", b""))
+        is_last = not queued.get("more_body", False)
+    return b"".join(parts), is_last
 
 
 def _scope(request: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +284,7 @@ class KVServeIngress:
         body = await http_request.body()
         if len(body) > self._max_body_bytes:
             return _error(413, f"request body is larger than {self._max_body_bytes} bytes", "body_too_large")
-        hashes = _request_hashes(path, body) if http_request.method == "POST" and path in ROUTED_PATHS else []
+        hashes = _request_hashes(body) if http_request.method == "POST" and path in ROUTED_PATHS else []
         request = {"method": http_request.method, "path": path, "query_string": http_request.url.query.encode(),
                    "headers": list(http_request.headers.items()), "body": body,
                    "client": list(http_request.client) if http_request.client else None}
@@ -284,7 +305,7 @@ class KVServeIngress:
         return Response(content, status_code=start["status"], headers=headers)
 
 
-def _request_hashes(path: str, body: bytes) -> list[int]:
+def _request_hashes(body: bytes) -> list[int]:
     try:
         return prefix_hashes(routing_text(json.loads(body)))
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -103,6 +103,21 @@ def test_merged_metrics_carry_a_replica_label() -> None:
     assert RayServeOptions(max_replicas=4).is_autoscaling
 
 
+def test_cli_and_builder_check_their_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from ray.serve import Application
+
+    from server.cli import main
+    from server.ray_serve import app_builder
+
+    assert main(["ray", "--replicas", "0"]) == 2
+    assert main(["ray", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert "min_replicas=3, max_replicas=2" in capsys.readouterr().err
+    assert isinstance(app_builder({"model": "m", "num_replicas": "3", "routing": "pow2", "max_num_seqs": "8"}),
+                      Application)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        app_builder({"max_num_seqs": "0"})
+
+
 # --- 2 replicas on a local Ray cluster ------------------------------------------------------
 
 @pytest.fixture(scope="module")
