@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray_group.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",
                            help="prefix: requests sharing a prompt prefix go to the same replica unless it is busy; "
                                 "pow2: Ray Serve's power-of-two-choices (default prefix)")
-    ray_group.add_argument("--max-imbalance", type=int, default=8,
+    ray_group.add_argument("--max-imbalance", type=int, default=32,
                            help="prefix routing: a replica whose queue is longer than the shortest one's by more "
-                                "than this is busy, and the request goes to the least-loaded replica (default 8)")
+                                "than this is busy, and the request goes to the least-loaded replica (default 32)")
     ray_group.add_argument("--num-cpus-per-replica", type=float, default=1.0,
                            help="CPUs Ray reserves per replica; on CPU also its torch threads (default 1)")
     ray_group.add_argument("--num-gpus-per-replica", type=float, default=None,

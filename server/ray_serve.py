@@ -59,7 +59,7 @@ class RayServeOptions:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
     routing: Literal["prefix", "pow2"] = "prefix"
-    max_imbalance: int = 8
+    max_imbalance: int = 32
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float | None = None
     max_ongoing_requests: int | None = None
@@ -92,7 +92,7 @@ class PrefixAffinityRouter(RequestRouter):
     cache (probed when missing); the prefix hashes from the request's `prefix_hashes` kwarg.
     The state lives in the router's process (the ingress): one ingress replica sees it all."""
 
-    def initialize_state(self, max_imbalance: int = 8, max_entries: int = 100_000) -> None:
+    def initialize_state(self, max_imbalance: int = 32, max_entries: int = 100_000) -> None:
         self._affinity = PrefixAffinity(max_imbalance=max_imbalance, max_entries=max_entries)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

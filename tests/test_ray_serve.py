@@ -114,6 +114,7 @@ def test_cli_and_builder_check_their_options(capsys: pytest.CaptureFixture[str])
     assert "min_replicas=3, max_replicas=2" in capsys.readouterr().err
     assert isinstance(app_builder({"model": "m", "num_replicas": "3", "routing": "pow2", "max_num_seqs": "8"}),
                       Application)
+    assert isinstance(app_builder({"model": "m", "min_replicas": "1", "max_replicas": "3"}), Application)
     with pytest.raises(ValueError, match="max_num_seqs"):
         app_builder({"max_num_seqs": "0"})
 
