@@ -32,6 +32,7 @@ from multiprocessing.connection import wait
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.core import wait_for_exit
 from engine.device import resolve_device
 from engine.runner import ModelRunner, RunnerOutput
 from engine.step_record import GrammarBitmask, StepRecord
@@ -200,13 +201,7 @@ class TensorParallelExecutor:
                     pass
         deadline = time.monotonic() + (_STOP_TIMEOUT_S if graceful else 0.0)
         for process in self._workers:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.terminate()
-                process.join(2.0)
-            if process.is_alive():
-                process.kill()
-                process.join(2.0)
+            wait_for_exit(process, deadline - time.monotonic())
         for conn in self._conns:
             conn.close()
         self._conns = []
