@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the web-stack wheels that the GPU machines' Python (3.12, torch, no network) lacks
+# Download the web-stack wheels (and xgrammar, for structured outputs) that the GPU machines' Python (3.12, torch, no network) lacks
 # into .whl/ (ignored through .git/info/exclude), for `kvserve serve` there: .ci/gpu_session.sh
 # installs them with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 # Versions are those of this checkout's .venv (what the tests ran with), else the pins below.
@@ -13,6 +13,8 @@ PINS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4 pydantic-settings==2.16.3
   python-dotenv==1.2.4 uvicorn==0.54.0 httptools==0.9.0 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2   # structured outputs
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1  # its tests
 )
 wanted=()
 for pin in "${PINS[@]}"; do

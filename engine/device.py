@@ -11,11 +11,19 @@ _CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
 
 
 def resolve_device(device: str) -> torch.device:
+    """"auto", "cpu", "cuda" or "cuda:N"; a CUDA device always comes back with its index
+    (torch.cuda.set_device and per-rank placement need one)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
         raise ValueError(f"device={device!r} requested but CUDA is not available")
-    return torch.device(device)
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 def cpu_has_fast_bf16() -> bool:

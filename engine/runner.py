@@ -251,6 +251,9 @@ class ModelRunner:
         return result
 
 
+_ALIGN_BYTES = 64
+
+
 class HostToDevice:
     """The step's small host arrays onto the device. On the CPU, zero-copy views. On CUDA, packed
     into a persistent pinned buffer and moved with one non-blocking copy per group (the buffer is
@@ -265,8 +268,11 @@ class HostToDevice:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
         key = (np.dtype(dtype).str, second)
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        # every array starts on a 64-byte boundary: Triton specializes a kernel on each pointer's
+        # 16-byte alignment, so unaligned views would compile new variants as batch shapes change
+        align = _ALIGN_BYTES // np.dtype(dtype).itemsize
+        starts = np.cumsum([0, *(-(-a.size // align) * align for a in arrays)])
+        total = int(starts[-1])
         host = self._host.get(key)
         if host is None or host.numel() < total:
             torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
@@ -274,8 +280,7 @@ class HostToDevice:
             host = self._host[key] = torch.empty(capacity, dtype=torch_dtype, pin_memory=True)
             self._dev[key] = torch.empty(capacity, dtype=torch_dtype, device=self.device)
         flat, dev = host.numpy(), self._dev[key]
-        offsets = np.cumsum([0, *sizes])
-        for a, start, stop in zip(arrays, offsets[:-1], offsets[1:]):
-            flat[start:stop] = a.ravel()
+        for a, start in zip(arrays, starts):
+            flat[start:start + a.size] = a.ravel()
         dev[:total].copy_(host[:total], non_blocking=True)
-        return [dev[start:stop].view(a.shape) for a, start, stop in zip(arrays, offsets[:-1], offsets[1:])]
+        return [dev[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.device import resolve_device
 from loadtest.bench_engine import left_pad
 from loadtest.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 
@@ -246,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown case(s) {bad}: choose from {sorted(table)}")
     if args.hf_batch < 1 or args.hf_budget_s <= 0:
         parser.error(f"--hf-batch must be >= 1 and --hf-budget-s > 0, got {args.hf_batch} and {args.hf_budget_s}")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--device {args.device}: {exc} (use --device cpu)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compile_cases = _case_list(args.hf_compile_cases if args.hf_compile_cases is not None

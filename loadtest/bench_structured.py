@@ -117,6 +117,7 @@ def compile_times(llm, schema: dict) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(build_smollm_like(args.model_dir))
     from engine import LLM
 
-    llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     vocab = llm.engine.info.vocab_size
     prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.num_requests)]

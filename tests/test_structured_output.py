@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import re
 import threading
@@ -20,6 +21,8 @@ pytest.importorskip("xgrammar")
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
 from engine.structured_output import StructuredOutputs  # noqa: E402
 
+# KVSERVE_TEST_DEVICE=cuda runs this file on a GPU (.ci/gpu_session.sh tests)
+DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
 NUM_SEEDS = 16
 MAX_TOKENS = 200
 
@@ -65,7 +68,7 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", device="cpu")
+    return LLM(llama_dir, dtype="float32", device=DEVICE)
 
 
 def _generate(llm, params: list[SamplingParams], prompt="The quick brown fox"):
@@ -145,7 +148,7 @@ def test_unconstrained_batches_build_nothing(llm):
 
 
 def test_preemption_keeps_outputs_valid(llama_dir):
-    llm = LLM(llama_dir, dtype="float32", device="cpu", block_size=4, num_kv_blocks=48)
+    llm = LLM(llama_dir, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=48)
     schema = SCHEMAS["arrays"]
     outs = _generate(llm, [p.replace(max_tokens=120) for p in _seeded(StructuredOutputs(json=schema))[:4]] + [
         SamplingParams(max_tokens=60, ignore_eos=True, seed=s) for s in range(3)])
@@ -283,7 +286,7 @@ def test_padded_model_vocab_is_masked(tmp_path):
     num_tokens = len(save_tokenizer(tmp_path))
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=num_tokens + 64))
     model.save_pretrained(tmp_path, safe_serialization=True)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    llm = LLM(str(tmp_path), dtype="float32", device=DEVICE)
     assert llm.engine.info.vocab_size == num_tokens + 64
     extra = {num_tokens + i: 100.0 for i in range(0, 64, 7)}  # the model would pick these
     out = _generate(llm, [SamplingParams(seed=s, logit_bias=extra, max_tokens=20,
@@ -298,7 +301,7 @@ def test_params_pickle_and_async_engine(llama_dir):
     assert pickle.loads(pickle.dumps(params)) == params
 
     async def run():
-        engine = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"))
+        engine = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device=DEVICE))
         try:
             final = None
             async for out in engine.generate("hello", params, "r1"):
@@ -318,7 +321,7 @@ def test_params_pickle_and_async_engine(llama_dir):
 
 
 def test_bitmask_apply_matches_xgrammar():
-    """The CPU fast path for wholly banned words gives xgrammar's kernel's result."""
+    """The CPU fast path for wholly banned words (on CUDA: xgrammar's kernel) gives xgrammar's CPU result."""
     import numpy as np
     import torch
     import xgrammar
@@ -335,5 +338,6 @@ def test_bitmask_apply_matches_xgrammar():
         rows = (0, 2, 3, 5)
         expected = logits.clone()
         xgrammar.apply_token_bitmask_inplace(expected, torch.from_numpy(bitmask.copy()), indices=list(rows))
-        apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device("cpu"))
-        assert torch.equal(logits, expected)
+        logits = logits.to(DEVICE)
+        apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device(DEVICE))
+        assert torch.equal(logits.cpu(), expected)
