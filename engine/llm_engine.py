@@ -10,9 +10,12 @@ rank 0 here, the other ranks in worker processes; `shutdown()` stops them.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from functools import partial
+
+import torch
 
 from engine.config import EngineArgs, RuntimeInfo
 from engine.input_processor import ProcessedPrompt, process_prompt
@@ -23,7 +26,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import StructuredOutputManager, fill_threads_for
 from engine.tokenizer import load_model_files
 from models.parallel import check_tensor_parallel
 from models.timing import PhaseTimer, process_uptime
@@ -89,7 +92,10 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
-        self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(),
+                                          len(os.sched_getaffinity(0))))
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0

@@ -172,11 +172,12 @@ class StructuredOutputManager:
     """Compiles grammars off the step loop and keeps the constrained requests until theirs is ready."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
-                 cache_size: int = 128) -> None:
+                 cache_size: int = 128, fill_threads: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
         self.eos_token_ids = list(eos_token_ids)
-        self.max_workers = max_workers
+        self.max_workers = max_workers  # compile threads
+        self.fill_threads = fill_threads  # threads of the per-step bitmask fill (fill_threads_for)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> compiled grammar
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
@@ -298,7 +299,7 @@ class StructuredOutputManager:
             return None
         bitmask = np.empty((len(plan.scheduled), -(-self.vocab_size // 32)), np.int32)  # [B, ceil(V/32)]
         if self._batch_matcher is None:
-            self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.max_workers)
+            self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.fill_threads)
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         for whitespace, json_row_ids in json_rows.items():
             if json_row_ids:
@@ -329,6 +330,16 @@ class StructuredOutputManager:
             grammar = item.request.structured
             if grammar is not None and token_id is not None and not grammar.is_terminated:
                 grammar.accept(token_id)
+
+
+def fill_threads_for(device_type: str, torch_threads: int, host_cores: int) -> int:
+    """Threads for the per-step bitmask fill. On the CPU the fill runs after the forward, on the
+    cores the forward used (torch's threads). On a GPU it runs on the host while the device
+    computes, and length-bounded strings cost xgrammar ~18 ms a 64-row step on 2 threads
+    (docs/benchmarks.md, GPU): take half the host's cores, at most 8."""
+    if device_type == "cpu":
+        return max(1, torch_threads)
+    return max(2, min(8, host_cores // 2))
 
 
 def _library_message(error: Exception) -> str:

@@ -341,3 +341,15 @@ def test_bitmask_apply_matches_xgrammar():
         logits = logits.to(DEVICE)
         apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device(DEVICE))
         assert torch.equal(logits.cpu(), expected)
+
+
+def test_fill_threads_follow_the_device():
+    """CPU: the forward's threads; GPU: half the host's cores (the fill overlaps the device), 2..8."""
+    from engine.structured_output import fill_threads_for
+
+    assert fill_threads_for("cpu", 2, 16) == 2
+    assert fill_threads_for("cpu", 0, 16) == 1
+    assert fill_threads_for("cuda", 2, 16) == 8
+    assert fill_threads_for("cuda", 2, 10) == 5
+    assert fill_threads_for("cuda", 2, 2) == 2
+    assert fill_threads_for("cuda", 2, 64) == 8
