@@ -15,6 +15,7 @@ import torch
 
 from engine.input_batch import InputBatch
 from engine.step_record import GrammarBitmask
+from models import cpu_ops
 
 
 class LogitsProcessors:
@@ -56,14 +57,18 @@ class LogitsProcessors:
 
 
 def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.device) -> None:
-    """Set the disallowed tokens of `grammar.rows` to -inf, in place (xgrammar's CPU or CUDA kernel).
-    Ids past the bitmask's vocabulary (a model vocab padded beyond the tokenizer) are
-    covered: the bitmask is as wide as the model's vocabulary and those bits are 0."""
-    import xgrammar
-
+    """Set the disallowed tokens of `grammar.rows` to -inf, in place: kvserve's C++ kernel on the
+    CPU (xgrammar's there without a compiler), xgrammar's on CUDA. Ids past the bitmask's
+    vocabulary (a model vocab padded beyond the tokenizer) are covered: the bitmask is as wide as
+    the model's vocabulary and those bits are 0."""
     rows, bitmask = list(grammar.rows), grammar.bitmask  # [B, ceil(V/32)] int32
     if device.type == "cpu":
-        bitmask = _fill_banned_words(logits, rows, bitmask)
+        if cpu_ops.apply_token_bitmask_(logits, torch.from_numpy(np.ascontiguousarray(bitmask)),
+                                        torch.tensor(rows, dtype=torch.int64)):
+            return
+        bitmask = _fill_banned_words(logits, rows, bitmask)  # without the C++ kernels
+    import xgrammar
+
     bitmask = torch.from_numpy(bitmask)
     if device.type != "cpu":
         bitmask = bitmask.to(device, non_blocking=True)

@@ -169,6 +169,15 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                                                     scale, window or 0)
 
 
+def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
+    """-inf in place for the tokens of `rows` whose bit in `bitmask` ([B, ceil(V/32)] int32) is 0;
+    False (nothing done) where the C++ kernels are unavailable."""
+    if not (logits.is_cpu and logits.stride(-1) == 1 and load()):
+        return False
+    torch.ops.kvserve.apply_token_bitmask_(logits, bitmask, rows)
+    return True
+
+
 def greedy_argmax(logits: Tensor) -> Tensor:
     """logits [B, V] -> [B] int64: the first index of each row's maximum (torch.argmax's answer)."""
     if logits.dtype == torch.bfloat16 and logits.is_cpu and logits.stride(-1) == 1 and has_fast_bf16():

@@ -320,27 +320,54 @@ def test_params_pickle_and_async_engine(llama_dir):
     jsonschema.validate(json.loads(final.outputs[0].text), SCHEMAS["nested"])
 
 
-def test_bitmask_apply_matches_xgrammar():
-    """The CPU fast path for wholly banned words (on CUDA: xgrammar's kernel) gives xgrammar's CPU result."""
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bitmask_apply_matches_xgrammar(monkeypatch, path, dtype):
+    """kvserve's C++ kernel and its fallback (xgrammar's kernel after a broadcast fill of wholly
+    banned words) give xgrammar's CPU result; on CUDA, xgrammar's CUDA kernel does."""
     import numpy as np
     import torch
     import xgrammar
 
     from engine.logits_processors import apply_bitmask
     from engine.step_record import GrammarBitmask
+    from models import cpu_ops
 
+    if path == "fallback":
+        monkeypatch.setattr(cpu_ops, "apply_token_bitmask_", lambda *args: False)
+    elif DEVICE == "cpu" and not cpu_ops.load():
+        pytest.skip("the C++ CPU kernels did not build here")
     rng = np.random.default_rng(0)
     num_rows, vocab_size = 6, 1000  # not a multiple of 32
     for allowed_share in (0.001, 0.5, 0.99):
         bits = rng.random((num_rows, 1024)) < allowed_share
         bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)  # [6, 32]
-        logits = torch.randn(num_rows, vocab_size)
+        logits = torch.randn(num_rows, vocab_size).to(getattr(torch, dtype))
         rows = (0, 2, 3, 5)
-        expected = logits.clone()
+        expected = logits.float()
         xgrammar.apply_token_bitmask_inplace(expected, torch.from_numpy(bitmask.copy()), indices=list(rows))
         logits = logits.to(DEVICE)
         apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device(DEVICE))
-        assert torch.equal(logits.cpu(), expected)
+        assert torch.equal(logits.float().cpu(), expected)
+
+
+def test_bitmask_kernel_bans_ids_past_the_mask():
+    """A bitmask narrower than the logits (a model vocabulary padded past the tokenizer's): the
+    extra ids are banned; rows not listed are untouched."""
+    import numpy as np
+    import torch
+
+    from models import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("the C++ CPU kernels did not build here")
+    logits = torch.zeros(3, 70)
+    bitmask = np.full((3, 2), -1, np.int32)  # 64 ids allowed
+    assert cpu_ops.apply_token_bitmask_(logits, torch.from_numpy(bitmask), torch.tensor([1]))
+    assert torch.isinf(logits[1, 64:]).all() and (logits[1, :64] == 0).all()
+    assert (logits[0] == 0).all() and (logits[2] == 0).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.apply_token_bitmask_(logits, torch.from_numpy(bitmask), torch.tensor([3]))
 
 
 def test_fill_threads_follow_the_device():

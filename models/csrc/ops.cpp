@@ -56,4 +56,6 @@ TORCH_LIBRARY(kvserve, m) {
   m.impl("write_kv_cache", c10::DispatchKey::CPU, TORCH_FN(kvserve::write_kv_cache));
   m.def("rotary_(Tensor(a!) x, Tensor cos_sin, int num_heads, int head_dim) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(kvserve::rotary_));
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, TORCH_FN(kvserve::apply_token_bitmask_));
 }

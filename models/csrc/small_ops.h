@@ -1,5 +1,8 @@
-// The fused per-layer ops: argmax, RMSNorm (+ residual add), KV-cache write, rotary, silu*mul.
+// The fused per-layer ops: argmax, RMSNorm (+ residual add), KV-cache write, rotary, silu*mul;
+// and the structured-output bitmask applied to logits.
 #pragma once
+
+#include <ATen/Dispatch.h>
 
 #include "common.h"
 
@@ -301,6 +304,50 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   silu_and_mul_rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), n);
   return out;
+}
+
+// ---- structured outputs: a token bitmask onto the logits --------------------------------
+// Bit j of word w of a row's mask allows token 32w + j; every other token of that row gets
+// -inf. Words wholly allowed are skipped and banned bits are visited one by one, so the cost
+// follows the number of banned tokens (xgrammar's CPU kernel: docs/benchmarks.md, "Structured outputs").
+template <typename T>
+void apply_token_bitmask_rows(T* logits, int64_t ld, int64_t vocab, const uint32_t* mask, int64_t words,
+                              const int64_t* rows, int64_t num_rows) {
+  const T neg_inf = static_cast<T>(-INFINITY);
+  at::parallel_for(0, num_rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* row = logits + rows[i] * ld;
+      const uint32_t* m = mask + rows[i] * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        uint32_t banned = w < words ? ~m[w] : 0xFFFFFFFFu;  // ids past the mask are banned
+        const int64_t base = w * 32;
+        if (vocab - base < 32) {
+          banned &= (1u << (vocab - base)) - 1;
+        } else if (banned == 0xFFFFFFFFu) {  // a wholly banned word: one contiguous fill
+          std::fill_n(row + base, 32, neg_inf);
+          continue;
+        }
+        for (; banned != 0; banned &= banned - 1) row[base + __builtin_ctz(banned)] = neg_inf;
+      }
+    }
+  });
+}
+
+void apply_token_bitmask_(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_token_bitmask_: logits must be [B, V] rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
+                  bitmask.size(0) == logits.size(0),
+              "apply_token_bitmask_: bitmask must be a contiguous [B, W] int32 tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong,
+              "apply_token_bitmask_: rows must be a 1-D int64 tensor");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < logits.size(0), "apply_token_bitmask_: row ", r[i], " out of range");
+  const auto* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "apply_token_bitmask_", [&] {
+    apply_token_bitmask_rows<scalar_t>(logits.data_ptr<scalar_t>(), logits.stride(0), logits.size(1), mask,
+                                       bitmask.size(1), r, rows.size(0));
+  });
 }
 
 }  // namespace kvserve
