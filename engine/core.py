@@ -62,6 +62,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
+        warm_up(engine.runner)
         if fault_steps is not None:
             inject_step_faults(engine.runner, *fault_steps)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
@@ -72,6 +73,19 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
     conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
     threading.Thread(target=prefault, args=(engine.runner.attn_layers,), name="kv-prefault", daemon=True).start()
     EngineCore(engine, conn, max_consecutive_step_failures).run()
+
+
+def warm_up(runner) -> None:
+    """One dummy step before the core reports ready, so that no request pays the first step's
+    one-time costs (`ModelRunner.warm_up`). Not with tensor parallelism: the executor forwards
+    attributes to rank 0's runner, whose step alone would wait for the other ranks forever."""
+    from engine.runner import ModelRunner
+
+    if type(runner) is not ModelRunner:
+        return
+    start = time.perf_counter()
+    runner.warm_up()
+    logger.info("engine warm-up step %.2f s", time.perf_counter() - start)
 
 
 def parse_fault_steps(spec: str) -> tuple[int, int | None] | None:

@@ -28,7 +28,7 @@ from engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
 from engine.logits_processors import LogitsProcessors
 from engine.memory_profile import MemoryProfile, profile_kv_budget
 from engine.sampler import Sampler
-from engine.step_record import GrammarBitmask, StepRecord
+from engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
 from models import load_model
 from models.attention import Attention, AttentionMetadata, forward_context
 from models.parallel import ParallelState
@@ -60,6 +60,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend,
                                 parallel)
@@ -100,6 +102,41 @@ class ModelRunner:
                     self.graphs.capture()
             else:
                 logger.warning("attention backend %r cannot be captured: CUDA graphs off", self.attn_backend.name)
+
+    # ---- warm-up -----------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run one dummy step, a prefill row beside a decode row, and forget both, so that the
+        first real step pays no first-use cost: on the CPU, the page faults of the KV blocks the
+        block manager hands out first (its free list starts at block 1); on CUDA, the kernel
+        variants a mixed prefill + decode step compiles. The block manager never sees it; the
+        batch and the global RNG are left as they were. The blocks written are free and hold no
+        cached prefix (a request writes a block's slots before it reads them)."""
+        num_tokens = min(self.block_size + 1, self.max_model_len, self.max_num_batched_tokens - 1)
+        if num_tokens < 2:
+            return
+        num_usable = self.num_kv_blocks - 1  # block 0 is the null block: never written
+        blocks_per_row = -(-num_tokens // self.block_size)
+        token_ids = tuple(i % self.vocab_size for i in range(num_tokens))
+        greedy = SamplingInputs(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                                presence_penalty=0.0, frequency_penalty=0.0, seed=None, min_tokens=0,
+                                suppressed_token_ids=(), num_logprobs=None, num_prompt_logprobs=None)
+        rows, computed, scheduled = [], [], []
+        for name, num_computed in (("prefill", 0), ("decode", num_tokens - 1))[:min(2, self.max_num_seqs)]:
+            first = len(rows) * blocks_per_row
+            block_ids = tuple(1 + (first + i) % num_usable for i in range(blocks_per_row))
+            rows.append(NewRequestData(f"kvserve-warm-up-{name}", token_ids, (), block_ids, greedy))
+            computed.append(num_computed)  # the decode row's earlier K/V: whatever its block holds
+            scheduled.append(num_tokens - num_computed)
+        req_ids = tuple(row.req_id for row in rows)
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        try:
+            self.execute(StepRecord((), (), tuple(rows), req_ids, tuple(computed), tuple(scheduled), {}))
+        finally:
+            self.batch.update(StepRecord(req_ids, (), (), (), (), (), {}))
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()
