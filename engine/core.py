@@ -58,7 +58,6 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
         fault_steps = parse_fault_steps(os.environ.get(FAULT_ENV, ""))
-        from engine.kv_pool import prefault
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
@@ -71,7 +70,8 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
         conn.close()
         os._exit(1)
     conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
-    threading.Thread(target=prefault, args=(engine.runner.attn_layers,), name="kv-prefault", daemon=True).start()
+    threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
+                     daemon=True).start()
     EngineCore(engine, conn, max_consecutive_step_failures).run()
 
 
@@ -86,6 +86,19 @@ def warm_up(runner) -> None:
     start = time.perf_counter()
     runner.warm_up()
     logger.info("engine warm-up step %.2f s", time.perf_counter() - start)
+
+
+def _prefault_when_idle(layers) -> None:
+    """Fault in the KV pool (`engine.kv_pool.prefault`) at the lowest CPU priority: the OS zeroes
+    the pages in this thread, which would otherwise take a core from the steps of the first
+    requests (Linux: a thread's nice value is its own)."""
+    from engine.kv_pool import prefault
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+    prefault(layers)
 
 
 def parse_fault_steps(spec: str) -> tuple[int, int | None] | None:
