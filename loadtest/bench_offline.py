@@ -9,11 +9,16 @@ ignored) and reports output tokens/s: compare it with `loadtest serve
 reports the decode time per output token (the run minus a 1-token run, over the
 remaining tokens): compare it with the server's TPOT at concurrency 1. Medians of
 --repeats runs; every run is kept in the JSON (--out).
+
+`--arrival-gap-ms G` adds request i G*i ms after the first (the engine steps meanwhile), as
+a server's requests trickle in: the first steps then run partial batches, as they do when
+served. The default, 0, hands every prompt to the engine at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -32,10 +37,37 @@ def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: int, seed: int) -> dict:
+_request_ids = itertools.count()
+
+
+def _run_staggered(llm, prompts: list[list[int]], max_tokens: int, gap_s: float) -> float:
+    """Request i joins `gap_s` * i seconds after the first; returns the seconds to the last token."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    num_added = 0
+    while num_added < len(prompts) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while num_added < len(prompts) and num_added * gap_s <= now:
+            engine.add_request(f"staggered-{next(_request_ids)}", prompts[num_added], params)
+            num_added += 1
+        if engine.has_unfinished_requests():
+            engine.step()
+        else:
+            time.sleep(max(0.0, num_added * gap_s - now))
+    return time.perf_counter() - start
+
+
+def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: int, seed: int,
+            arrival_gap_s: float = 0.0) -> dict:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab_size, input_len).tolist() for _ in range(batch_size)]
-    elapsed = _run(llm, prompts, output_len)
+    if arrival_gap_s > 0:
+        elapsed = _run_staggered(llm, prompts, output_len, arrival_gap_s)
+    else:
+        elapsed = _run(llm, prompts, output_len)
     result = {"batch_size": batch_size, "seconds": elapsed, "output_tok_s": batch_size * output_len / elapsed}
     if batch_size == 1 and output_len > 1:
         first = _run(llm, [rng.integers(3, vocab_size, input_len).tolist()], 1)
@@ -53,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arrival-gap-ms", type=float, default=0.0,
+                   help="request i joins G*i ms after the first (0: all at once)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (docs/scaling.md)")
     p.add_argument("--out", help="JSON file for every run")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.repeats < 1 or min(batch_sizes) < 1 or args.output_len < 1 or args.input_len < 1:
         p.error("--repeats, --batch-sizes, --input-len and --output-len must be positive")
+    if args.arrival_gap_ms < 0:
+        p.error(f"--arrival-gap-ms must be >= 0, got {args.arrival_gap_ms}")
 
     from engine import LLM
 
@@ -69,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
     for repeat in range(args.repeats):
         for b in batch_sizes:
-            runs[b].append(measure(llm, vocab_size, b, args.input_len, args.output_len, args.seed + repeat))
+            runs[b].append(measure(llm, vocab_size, b, args.input_len, args.output_len, args.seed + repeat,
+                                   args.arrival_gap_ms / 1000))
     summary = []
     for b in batch_sizes:
         row = {"batch_size": b, "output_tok_s": statistics.median(r["output_tok_s"] for r in runs[b])}

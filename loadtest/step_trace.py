@@ -2,12 +2,14 @@
 (a kernel compiled on first use, a first allocation) that a short serving benchmark averages in.
 
     python -m loadtest.step_trace --model DIR [--device cuda] [--requests 32] [--every 2] \
-        [--input-len 256] [--output-len 64] [--rounds 2]
+        [--input-len 256] [--output-len 64] [--rounds 2] [--warm-up]
 
 A new request (random prompt, greedy, EOS ignored) joins every `--every` steps, so prefill and
 decode rows mix as they do under a server; the same workload runs `--rounds` times on one
 engine. Each step slower than `--slow` times the round's median is printed with what the batch
-held; a stall that shows in round 1 only is warm-up.
+held; a stall that shows in round 1 only is warm-up. `--warm-up` first runs the dummy step the
+server's engine core runs before it reports ready (`ModelRunner.warm_up`): what is left in round
+1 then is what a served first request would still pay.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warm-up", action="store_true", help="run the engine core's warm-up step first")
     p.add_argument("--slow", type=float, default=5.0, help="print steps slower than this x the median")
     args = p.parse_args(argv)
     if min(args.requests, args.every, args.input_len, args.output_len, args.rounds) < 1 or args.slow <= 1:
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     print(f"engine up in {time.perf_counter() - start:.2f} s on {llm.engine.info.device}")
+    if args.warm_up:
+        start = time.perf_counter()
+        llm.engine.runner.warm_up()
+        print(f"warm-up step {1000 * (time.perf_counter() - start):.1f} ms")
     rng = np.random.default_rng(0)
     vocab = llm.engine.info.vocab_size
     for r in range(1, args.rounds + 1):
