@@ -134,6 +134,13 @@ def offline(args: argparse.Namespace, out: Path) -> dict:
         rows = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("{")]
         result["llama.cpp"] = [{"batch_size": r["pl"], "output_tok_s": r["pl"] * r["tg"] / r["t"],
                                 "decode_tok_s": r["speed_tg"], "prefill_tok_s": r["speed_pp"]} for r in rows]
+    bench = args.llama_bin / "llama-bench"
+    if bench.exists():  # one sequence: prefill and decode speeds apart
+        proc = subprocess.run([str(bench), "-m", str(args.gguf), "-t", str(args.threads), "-ngl", "0", "-p",
+                               str(args.input_len), "-n", str(args.output_len), "-r", "3", "-o", "json"],
+                              capture_output=True, text=True, check=True)
+        result["llama-bench"] = [{"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "avg_tok_s": r["avg_ts"]}
+                                 for r in json.loads(proc.stdout)]
     return result
 
 
@@ -168,6 +175,10 @@ def markdown(summary: dict) -> str:
                          f"{r['content_chunks']} chunks) | {hits} |")
     lines.append("")
     for engine, rows in summary.get("offline", {}).items():
+        if engine == "llama-bench":
+            lines += [f"- llama-bench, 1 sequence, prompt {r['n_prompt']} / gen {r['n_gen']}: "
+                      f"{r['avg_tok_s']:.1f} tok/s (mean of 3)" for r in rows]
+            continue
         for r in rows:
             tpot = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
             lines.append(f"- offline {engine}, batch {r['batch_size']}: {r['output_tok_s']:.1f} output tok/s{tpot}")
