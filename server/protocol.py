@@ -20,6 +20,8 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     Tag,
@@ -63,7 +65,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class JSONSchemaSpec(_Request):
@@ -73,7 +75,7 @@ class JSONSchemaSpec(_Request):
     name: StrictStr = Field(max_length=64)
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormatText(_Request):
@@ -120,26 +122,26 @@ class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's and vLLM's extras)."""
 
     model: StrictStr | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    n: StrictInt | None = Field(None, ge=1, le=MAX_N)
     stop: Stop | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
     # Extras (vLLM names).
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = False
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
-    skip_special_tokens: bool | None = True
+    skip_special_tokens: StrictBool | None = True
     # vLLM's structured-output extras (at most one of these and a non-text response_format). Left out
     # of the OpenAPI document: OpenAI clients do not send them, and a fuzzer that sets several at once
     # only ever gets the at-most-one 400 (docs/structured_outputs.md documents them).
@@ -152,11 +154,11 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
+    max_tokens: StrictInt | None = Field(16, ge=0)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool | None = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
 
 
 class TextContentPart(_Request):
@@ -189,15 +191,15 @@ _TOOL_CHOICE_SCHEMA = {"anyOf": [
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # validated in server/tool_parsers.py (400s naming the bad field); typed here for the published schema
     tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool | None = True
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -205,7 +207,7 @@ class TokenizeRequest(_Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: StrictBool | None = None
 
 
 class DetokenizeRequest(_Request):
