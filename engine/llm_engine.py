@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 _SEED_MASK = 2**63 - 1
 
 
+def _host_cores() -> int:
+    """The cores this process may run on (the affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class StepFailed(RuntimeError):
     """A step raised; its requests were aborted. The cause is chained."""
 
@@ -94,8 +99,7 @@ class LLMEngine:
         # constrained requests wait there (not in the scheduler) while their grammar compiles
         self.structured = StructuredOutputManager(
             self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
-            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(),
-                                          len(os.sched_getaffinity(0))))
+            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(), _host_cores()))
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         self.prompt_tokens_total = 0
