@@ -112,10 +112,13 @@ def test_kvserve_run_with_disconnects_frees_kv_cache(kvserve_url, tmp_path):
                     "--metrics-interval", "0.05")
     check_consistent(doc, 24)
     s, server = doc["summary"], doc["server_metrics"]
-    # 12 clients plan to hang up after k chunks; a stream with fewer chunks (the
-    # server may merge tokens into one chunk) completes normally instead.
+    # 12 clients plan to hang up after k chunks; a stream with fewer chunks (a busy
+    # server merges tokens into one chunk, more so on a loaded CI machine) completes
+    # normally instead. Seed 0 plans one hang-up right after the headers, which
+    # always happens; how many of the others do depends on load.
     planned = [r for r in doc["requests"] if r["disconnect_after_chunks"] is not None]
-    assert len(planned) == 12 and s["disconnected"] >= 6
+    assert len(planned) == 12 and any(r["disconnect_after_chunks"] == 0 for r in planned)
+    assert s["disconnected"] == sum(r["status"] == "disconnected" for r in doc["requests"]) >= 1
     for r in planned:
         assert r["status"] == "disconnected" or r["num_chunks"] < r["disconnect_after_chunks"]
     # The KV gauge is sampled, and a 0.5 s run can fall between busy moments: assert
