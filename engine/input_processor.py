@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.config import RuntimeInfo
@@ -177,9 +178,38 @@ async def run_off_loop(fn: Callable[..., T], *args: Any, num_chars: int | None =
     return await asyncio.get_running_loop().run_in_executor(_tokenizer_executor(), functools.partial(fn, *args))
 
 
+# model_types for which AutoTokenizer loads a `tokenizer_class: PreTrainedTokenizerFast` checkpoint
+# with that class itself (transformers 5 swaps in its own class for some others, e.g. qwen2).
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "mistral", "qwen3", "gpt2"})
+_GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer, as `transformers.AutoTokenizer` picks it (its choice of class
-    depends on config.json and the transformers version: both processes must agree)."""
+    depends on config.json and the transformers version: both processes must agree).
+
+    A checkpoint that names the generic fast tokenizer class is loaded with that class directly:
+    the same object, without AutoTokenizer's import of transformers' config machinery (over a
+    second of start-up; tests/test_hf_config.py checks the two agree)."""
+    if _names_generic_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _names_generic_fast_tokenizer(path: str) -> bool:
+    def read(name: str) -> dict:
+        try:
+            value = json.loads((Path(path) / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    tokenizer_config = read("tokenizer_config.json")
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in tokenizer_config
+            and (Path(path) / "tokenizer.json").is_file()
+            and read("config.json").get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES)

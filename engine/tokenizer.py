@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
+from engine.input_processor import load_tokenizer
 from models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
+from models.hf_config import load_hf_config
 from models.timing import phase
 
 if TYPE_CHECKING:
@@ -19,7 +21,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
     model_path: str
-    hf_config: transformers.PretrainedConfig
+    hf_config: transformers.PretrainedConfig  # or models.hf_config.CheckpointConfig (same attributes)
     tokenizer: transformers.PreTrainedTokenizerBase
     max_model_len: int
     eos_token_ids: tuple[int, ...]
@@ -32,12 +34,10 @@ def load_model_files(config: ModelConfig) -> ModelFiles:
             logger.info("no model given: serving the embedded default model at %s", model_path)
         else:
             model_path = resolve_model_path(config.model)
-    with phase("config"):  # importing transformers' config machinery is most of it
-        import transformers
-
-        hf_config = transformers.AutoConfig.from_pretrained(model_path)
+    with phase("config"):
+        hf_config = load_hf_config(model_path)
     with phase("tokenizer"):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+        tokenizer = load_tokenizer(config.tokenizer or model_path)
     model_limit = get_max_model_len(hf_config)
     max_model_len = config.max_model_len or model_limit
     if max_model_len > model_limit:
