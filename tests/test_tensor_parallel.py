@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,8 +176,13 @@ def test_killed_worker_makes_the_engine_dead(llama_dir):
     engine = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
                                  max_num_seqs=1))
     core = engine.core_pid
+    # One CI run once saw a second spawn child of the core here (not reproduced alone or with
+    # this file): allow a short-lived one to go, and name what is there if one stays.
+    try:
+        wait_until(lambda: len(core_children(core)) == 1, 10, "the core to have one child, its worker")
+    except AssertionError:
+        raise AssertionError({pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in core_children(core)})
     workers = core_children(core)
-    assert len(workers) == 1
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run() -> list[BaseException]:
