@@ -2,10 +2,11 @@
 
 Importing transformers' config classes (5.x) pulls in torch.distributed, torch._dynamo and sympy:
 over a second, most of a small model's start-up. For a plain config of a family in
-`FAMILY_DEFAULTS` the file is read here instead, with the defaults and derived values transformers
-gives the attributes our models read (tests/test_hf_config.py checks them against transformers for
-every family). Anything else (rope scaling, an unknown `model_type`, nested text configs) goes to
-`transformers.AutoConfig`, so no config is read differently from the reference.
+`FAMILY_DEFAULTS` (rope: default, linear or llama3) the file is read here instead, with the
+defaults and derived values transformers gives the attributes our models read
+(tests/test_hf_config.py checks them against transformers for every family). Anything else (other
+rope types, an unknown `model_type`, nested text configs) goes to `transformers.AutoConfig`, so no
+config is read differently from the reference.
 """
 
 from __future__ import annotations
@@ -99,21 +100,34 @@ def read_plain_config(raw: dict[str, Any]) -> CheckpointConfig | None:
     it is not a plain config of a family in `FAMILY_DEFAULTS`."""
     model_type = raw.get("model_type")
     defaults = FAMILY_DEFAULTS.get(model_type)
-    if defaults is None or not _plain_rope(raw) or "text_config" in raw:
+    if defaults is None or "text_config" in raw:
         return None
     values = {**defaults, **raw}
     if model_type != "gpt2":
+        rope = _rope(raw)
+        if rope is None:
+            return None
+        values.pop("rope_theta", None)
+        values.pop("rope_scaling", None)
+        values["rope_parameters"] = rope
         _derive_decoder_values(model_type, values)
     return CheckpointConfig(values, _ALIASES.get(model_type, {}))
 
 
-def _plain_rope(raw: dict[str, Any]) -> bool:
-    """Default rope only: scaled variants need transformers' standardisation."""
-    if raw.get("rope_scaling"):
-        return False
-    params = raw.get("rope_parameters")
-    return params is None or (isinstance(params, dict) and params.get("rope_type", "default") == "default"
-                              and set(params) <= {"rope_type", "rope_theta"})
+_ROPE_TYPES = ("default", "linear", "llama3")  # what models.layers.rope_inv_freq computes
+
+
+def _rope(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5's `rope_parameters` for `raw`, or None for a rope set-up we leave to it."""
+    params, scaling = raw.get("rope_parameters"), raw.get("rope_scaling")
+    if params is not None:  # written by transformers 5
+        ok = isinstance(params, dict) and scaling is None and params.get("rope_type", "default") in _ROPE_TYPES
+        return dict(params) if ok and "rope_theta" in params else None
+    theta = raw.get("rope_theta", 10000.0)
+    if scaling is None:
+        return {"rope_theta": theta, "rope_type": "default"}
+    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    return {**scaling, "rope_theta": theta, "rope_type": rope_type} if rope_type in _ROPE_TYPES else None
 
 
 def _derive_decoder_values(model_type: str, values: dict[str, Any]) -> None:
@@ -122,8 +136,6 @@ def _derive_decoder_values(model_type: str, values: dict[str, Any]) -> None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     if "head_dim" in values and values["head_dim"] is None:  # Qwen2 has no head_dim attribute
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-    theta = (values.get("rope_parameters") or {}).get("rope_theta", values.pop("rope_theta"))
-    values["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
     if model_type in ("qwen2", "qwen3"):
         if not values["use_sliding_window"]:
             values["sliding_window"] = None

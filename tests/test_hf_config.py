@@ -26,6 +26,8 @@ ATTRIBUTES = (
     "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
 )
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
 DECODER_VARIANTS = [
     {},
@@ -36,6 +38,9 @@ DECODER_VARIANTS = [
     dict(SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=1),
     dict(SMALL, use_sliding_window=False, sliding_window=16),
     dict(SMALL, sliding_window=None, attention_bias=True, mlp_bias=True),
+    dict(SMALL, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    dict(SMALL, rope_scaling={"type": "linear", "factor": 2.0}),
+    dict(SMALL, rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}),
 ]
 GPT2_VARIANTS = [
     {},
@@ -87,9 +92,10 @@ def test_configs_saved_by_transformers_read_the_same(tmp_path, family):
 
 
 @pytest.mark.parametrize("values", [
-    {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-    {"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+    {"model_type": "qwen2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32768}},
+    {"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+    {"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
     {"model_type": "phi3"},
 ])
 def test_other_configs_go_to_transformers(tmp_path, values):

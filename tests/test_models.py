@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import models.attention.torch_ref
 from models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
 from models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
+from models.hf_config import CheckpointConfig, load_hf_config
 from models.loader import resolve_model_path
 
 ATOL = 1e-4
@@ -104,7 +105,7 @@ def hf_logits(hf_model, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 def load_pair(path: Path, family: str, **overrides):
     model_dir = make_checkpoint(path, family, **overrides)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config = load_hf_config(model_dir)  # as the engine reads it (transformers' AutoConfig for what it cannot)
     model = load_model(model_dir, config, torch.float32, "cpu")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, hf_model, config
@@ -116,7 +117,7 @@ def family_models(request, checkpoint_dirs):
     """(family, attention backend): the CPU kernels' backend and the portable torch reference."""
     family, backend = request.param
     model_dir = checkpoint_dirs[family]  # conftest.py: one tiny checkpoint per family
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config = load_hf_config(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend=backend)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = make_prompts(config.vocab_size)
@@ -185,6 +186,7 @@ def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkey
 )
 def test_config_variants(tmp_path, family, overrides):
     model, hf_model, config = load_pair(tmp_path, family, **overrides)
+    assert isinstance(config, CheckpointConfig)  # every variant here is read without transformers
     prompts = make_prompts(config.vocab_size, [2, 11, 30])
     want = hf_logits(hf_model, prompts)
     runner = PagedRunner(model, block_size=4)
