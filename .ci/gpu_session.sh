@@ -4,8 +4,9 @@
 #   bash .ci/gpu_session.sh tests bench-1b     # call 1 (~7 min): pytest -m gpu, then bench_gpu llama-1b
 #   bash .ci/gpu_session.sh bench-8b serve     # call 2 (~8 min): bench_gpu llama-8b, then kvserve serve + load
 #
-# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | all. Each step runs under
-# `timeout`: its own cap (TESTS_S, BENCH_1B_S, BENCH_8B_S, ... seconds) or what is left of
+# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | startup | trace | all
+# (startup: bench_startup of the default model and the serve shape; trace: step_trace --warm-up).
+# Each step runs under `timeout`: its own cap (TESTS_S, BENCH_1B_S, BENCH_8B_S, ... seconds) or what is left of
 # SESSION_S (default 560) for the whole call, so the call returns its files before the tool's
 # 10 minutes; bench JSON is rewritten after every row, so a cut-off run keeps what it measured.
 # Results go to $OUT (the device tool's folder; default bench_out/gpu_session), at most
@@ -99,6 +100,23 @@ stage_structured() {  # what a JSON-schema constraint costs a GPU step (bitmask 
     || status=1
 }
 
+stage_startup() {  # `kvserve serve` to /health 200 on the GPU host: default model, then the 1B shape
+  local model="$MODELS/$SERVE_SHAPE"
+  "$PY" -c "from loadtest.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  {
+    run_capped "${STARTUP_S:-60}" "$PY" -m loadtest.bench_startup --repeats 3 --offline || status=1
+    run_capped "${STARTUP_S:-60}" "$PY" -m loadtest.bench_startup --model "$model" --repeats 3 --offline \
+      -- --device "$DEVICE" --max-model-len 4096 || status=1
+  } 2>&1 | tee "$OUT/startup.log"
+}
+
+stage_trace() {  # one-time stalls left after the core's warm-up step (what a first served request pays)
+  local model="$MODELS/$SERVE_SHAPE"
+  "$PY" -c "from loadtest.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  run_capped "${TRACE_S:-120}" "$PY" -m loadtest.step_trace --model "$model" --device "$DEVICE" --warm-up \
+    2>&1 | tee "$OUT/step_trace.log" || status=1
+}
+
 stop_server() {  # SIGINT (graceful), then SIGKILL after 20 s
   kill -INT "$1" 2>/dev/null
   for _ in $(seq 20); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
@@ -157,8 +175,10 @@ for stage in "$@"; do
     bench) stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}" ;;
     serve) stage_serve ;;
     structured) stage_structured ;;
+    startup) stage_startup ;;
+    trace) stage_trace ;;
     all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}"; stage_serve ;;
-    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | all"; status=2 ;;
+    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | all"; status=2 ;;
   esac
 done
 echo "######## done $(date -u +%T), status $status; files in $OUT:"
