@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import httpx
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -89,6 +91,22 @@ def api_schema(server):  # noqa: F811
     return schemathesis.openapi.from_url(server.url + "/openapi.json")
 
 
+@pytest.fixture(scope="module")
+def openapi_document(server) -> dict:  # noqa: F811
+    return httpx.get(server.url + "/openapi.json").json()
+
+
+def _satisfies_request_schema(document: dict, method: str, path: str, case: schemathesis.Case) -> bool:
+    """True when a "negative" case's JSON body satisfies the route's request schema after all.
+    Schemathesis marks a case negative when it is generated and does not re-check it, so a
+    shrunk or unlucky one can be valid (schemathesis issues #2900, #4332); accepting it is right."""
+    content = document["paths"][path][method.lower()].get("requestBody", {}).get("content", {})
+    if case.media_type != "application/json" or "application/json" not in content:
+        return False
+    schema = {**content["application/json"]["schema"], "components": document["components"]}
+    return jsonschema.Draft202012Validator(schema).is_valid(case.body)
+
+
 def test_every_route_is_fuzzed(api_schema):
     served = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     assert served == set(OPERATIONS)
@@ -118,23 +136,28 @@ CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemat
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
-def test_generated_requests_conform(api_schema, method, path, mode):
+def test_generated_requests_conform(api_schema, openapi_document, method, path, mode):
     operation = api_schema[path][method]
     statuses: list[int] = []
     accepted_invalid: list[object] = []  # negative cases answered outside 4xx: their bodies, for the failure message
+    valid_after_all = 0
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     def run(case: schemathesis.Case) -> None:
+        nonlocal valid_after_all
         _bound(case)
         status = case.call_and_validate(checks=CHECKS, timeout=60).status_code
         statuses.append(status)
         if mode == schemathesis.GenerationMode.NEGATIVE and not 400 <= status < 500:
-            accepted_invalid.append((status, case.body, case.query, case.headers))
+            if _satisfies_request_schema(openapi_document, method, path, case):
+                valid_after_all += 1
+            else:
+                accepted_invalid.append((status, case.body, case.query, case.headers, case.media_type))
 
     run()
-    print(method, path, mode.value, sorted(Counter(statuses).items()))
+    print(method, path, mode.value, sorted(Counter(statuses).items()), f"{valid_after_all} negative cases valid after all")
     if mode == schemathesis.GenerationMode.NEGATIVE:
         assert not accepted_invalid, (Counter(statuses), accepted_invalid)
     elif path != "/v1/models/{model}":   # a generated model name is rarely a served one
