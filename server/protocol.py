@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -35,7 +36,20 @@ MAX_N = 128
 MAX_SEQS_PER_REQUEST = 4096   # prompts x n: one request must not flood the engine
 MAX_STOP = 16
 
-TokenIds = list[StrictInt]
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(**bounds: int) -> Any:
+    """JSON Schema's "integer", as the published schema says: 2 and 2.0, not 2.5, true or "2".
+    `bounds` (ge, le) are checked after the conversion and published as minimum/maximum."""
+    return Annotated[Annotated[StrictInt, Field(**bounds)], BeforeValidator(_integral_float_to_int)]
+
+
+JsonInt = json_int()
+TokenIds = list[JsonInt]
 Stop = StrictStr | list[StrictStr]
 
 
@@ -124,9 +138,9 @@ class SamplingFields(_Request):
     model: StrictStr | None = None
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
-    n: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    n: json_int(ge=1, le=MAX_N) | None = None
     stop: Stop | None = None
-    seed: StrictInt | None = None
+    seed: JsonInt | None = None
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
@@ -135,10 +149,10 @@ class SamplingFields(_Request):
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
     # Extras (vLLM names).
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: json_int(ge=-1) | None = None
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
-    min_tokens: StrictInt | None = Field(None, ge=0)
+    min_tokens: json_int(ge=0) | None = None
     ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool | None = True
@@ -154,11 +168,11 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: StrictInt | None = Field(16, ge=0)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: json_int(ge=0) | None = 16
+    logprobs: json_int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: StrictBool | None = False
     suffix: str | None = None
-    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    best_of: json_int(ge=1, le=MAX_N) | None = None
 
 
 class TextContentPart(_Request):
@@ -191,10 +205,10 @@ _TOOL_CHOICE_SCHEMA = {"anyOf": [
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: json_int(ge=1) | None = None
+    max_completion_tokens: json_int(ge=1) | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: json_int(ge=0, le=MAX_LOGPROBS) | None = None
     # validated in server/tool_parsers.py (400s naming the bad field); typed here for the published schema
     tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None

@@ -58,6 +58,13 @@ BAD_REQUESTS = [
     ("stop-token-id-out-of-vocab", "/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400,
      "stop_token_ids", None),
     ("seed-string", "/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed", None),
+    ("n-fraction", "/v1/completions", {"prompt": "hi", "n": 1.5}, 400, "n", None),
+    ("n-bool", "/v1/completions", {"prompt": "hi", "n": True}, 400, "n", None),
+    ("max-tokens-numeric-string", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", None),
+    ("min-tokens-bool", "/v1/completions", {"prompt": "hi", "min_tokens": False}, 400, "min_tokens", None),
+    ("logprobs-integral-float-over-limit", "/v1/completions", {"prompt": "hi", "logprobs": 21.0}, 400,
+     "logprobs", None),
+    ("stream-int", "/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream", None),
     ("echo-string", "/v1/completions", {"prompt": "hi", "echo": "maybe"}, 400, "echo", None),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix", None),
     ("logit-bias-out-of-vocab", "/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 5}}, 400,
@@ -121,6 +128,19 @@ def test_bad_request(server, path, body, status, param, code):
         assert error["param"] == param, error
     if code is not None:
         assert error["code"] == code, error
+
+
+def test_integral_floats_are_integers(server):
+    """JSON Schema's "integer" (what the OpenAPI document publishes) includes 2.0: accepted as 2."""
+    body = {"prompt": [5.0, 6.0], "max_tokens": 3.0, "n": 2.0, "logprobs": 1.0, "seed": 7.0, "top_k": -1.0}
+    resp = httpx.post(server.url + "/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert len(choices) == 2 and all(len(c["logprobs"]["tokens"]) == 3 for c in choices)
+    chat = {"messages": MSG, "max_completion_tokens": 2.0, "top_logprobs": 1.0, "logprobs": True}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=chat)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_unknown_route_method_and_size(server):
