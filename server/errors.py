@@ -108,8 +108,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     for err in errors[:3]:
         where = _validation_param(tuple(err.get("loc", ()))) or "body"
-        parts.append(f"{where}: {err.get('msg')}")
+        parts.append(f"{where}: {err.get('msg')}{_got(err.get('input'))}")
     return "; ".join(parts), param
+
+
+def _got(value: Any) -> str:
+    """`, got <the value as JSON>` for a scalar (a short string included), else nothing."""
+    if isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40):
+        return f", got {json.dumps(value)}"
+    return ""
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -31,6 +31,8 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
+from engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_SEQS_PER_REQUEST = 4096   # prompts x n: one request must not flood the engine
@@ -151,7 +153,7 @@ class SamplingFields(_Request):
     # Extras (vLLM names).
     top_k: json_int(ge=-1) | None = None
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
+    repetition_penalty: StrictFloat | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: json_int(ge=0) | None = None
     ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
