@@ -6,7 +6,9 @@ over a second, most of a small model's start-up. For a plain config of a family 
 defaults and derived values transformers gives the attributes our models read
 (tests/test_hf_config.py checks them against transformers for every family). Anything else (other
 rope types, an unknown `model_type`, nested text configs) goes to `transformers.AutoConfig`, so no
-config is read differently from the reference.
+config is read differently from the reference. The defaults and derived values follow transformers 5
+(what the tests compare against); 4.x config objects carry rope as `rope_theta` + `rope_scaling`
+instead of `rope_parameters`, and the models read either form.
 """
 
 from __future__ import annotations
