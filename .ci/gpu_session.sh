@@ -89,31 +89,31 @@ stage_tests() {
 
 stage_bench() {  # $1 = shape, $2 = seconds
   # shellcheck disable=SC2086
-  run_capped "$2" "$PY" -m loadtest.bench_gpu --shape "$1" --device "$DEVICE" --cases a,b,c ${BENCH_ARGS:-} \
+  run_capped "$2" "$PY" -m benchmarks.bench_gpu --shape "$1" --device "$DEVICE" --cases a,b,c ${BENCH_ARGS:-} \
     --model-dir "$MODELS/$1" --out "$OUT/bench_$1.json" --hf-budget-s "${HF_BUDGET_S:-30}" \
     2>&1 | tee "$OUT/bench_$1.log" || status=1
 }
 
 stage_structured() {  # what a JSON-schema constraint costs a GPU step (bitmask fill on the host)
-  run_capped "${STRUCTURED_S:-150}" "$PY" -m loadtest.bench_structured --device "$DEVICE" --threads 8 --repeats 2 \
+  run_capped "${STRUCTURED_S:-150}" "$PY" -m benchmarks.bench_structured --device "$DEVICE" --threads 8 --repeats 2 \
     --model-dir "$MODELS/smollm-135m-random" --out "$OUT/bench_structured.json" 2>&1 | tee "$OUT/bench_structured.log" \
     || status=1
 }
 
 stage_startup() {  # `kvserve serve` to /health 200 on the GPU host: default model, then the 1B shape
   local model="$MODELS/$SERVE_SHAPE"
-  "$PY" -c "from loadtest.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  "$PY" -c "from benchmarks.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
   {
-    run_capped "${STARTUP_S:-60}" "$PY" -m loadtest.bench_startup --repeats 3 --offline || status=1
-    run_capped "${STARTUP_S:-60}" "$PY" -m loadtest.bench_startup --model "$model" --repeats 3 --offline \
+    run_capped "${STARTUP_S:-60}" "$PY" -m benchmarks.bench_startup --repeats 3 --offline || status=1
+    run_capped "${STARTUP_S:-60}" "$PY" -m benchmarks.bench_startup --model "$model" --repeats 3 --offline \
       -- --device "$DEVICE" --max-model-len 4096 || status=1
   } 2>&1 | tee "$OUT/startup.log"
 }
 
 stage_trace() {  # one-time stalls left after the core's warm-up step (what a first served request pays)
   local model="$MODELS/$SERVE_SHAPE"
-  "$PY" -c "from loadtest.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
-  run_capped "${TRACE_S:-120}" "$PY" -m loadtest.step_trace --model "$model" --device "$DEVICE" --warm-up \
+  "$PY" -c "from benchmarks.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  run_capped "${TRACE_S:-120}" "$PY" -m benchmarks.step_trace --model "$model" --device "$DEVICE" --warm-up \
     2>&1 | tee "$OUT/step_trace.log" || status=1
 }
 
@@ -126,7 +126,7 @@ stop_server() {  # SIGINT (graceful), then SIGKILL after 20 s
 
 stage_serve() {
   local model="$MODELS/$SERVE_SHAPE" url="http://127.0.0.1:$PORT" pid c n healthy=0
-  "$PY" -c "from loadtest.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  "$PY" -c "from benchmarks.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
   "$PY" -m server.cli serve --model "$model" --device "$DEVICE" --port "$PORT" --max-model-len 4096 >"$OUT/serve_server.log" 2>&1 &
   pid=$!
   for _ in $(seq "$(cap 150)"); do
@@ -160,8 +160,8 @@ for c in (1, 16, 64):
         points[f"concurrency_{c}"] = {k: result.get(k) for k in ("config", "summary", "server")}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(points, indent=1))
 EOF
-  echo "== offline engine, same workload (loadtest.bench_offline)" | tee -a "$OUT/serve_bench.log"
-  run_capped "${OFFLINE_S:-75}" "$PY" -m loadtest.bench_offline --model "$model" --dtype bfloat16 --device "$DEVICE" \
+  echo "== offline engine, same workload (benchmarks.bench_offline)" | tee -a "$OUT/serve_bench.log"
+  run_capped "${OFFLINE_S:-75}" "$PY" -m benchmarks.bench_offline --model "$model" --dtype bfloat16 --device "$DEVICE" \
     --input-len 256 --output-len 128 --batch-sizes 1,16,64 --repeats 1 2>&1 | tee -a "$OUT/serve_bench.log" || status=1
 }
 

@@ -1,4 +1,4 @@
-"""Smoke test of loadtest/bench_gpu.py on the CPU with the tiny shape and shrunk cases (speeds are not checked)."""
+"""Smoke test of benchmarks/bench_gpu.py on the CPU with the tiny shape and shrunk cases (speeds are not checked)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import transformers
 from safetensors import safe_open
 
-from loadtest import bench_gpu
-from loadtest.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
+from benchmarks import bench_gpu
+from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 
 ROW_FIELDS = {"tok_s", "elapsed_s", "num_steps", "ms_per_step", "ideal_ms_per_step", "measured_over_ideal"}
 
@@ -52,7 +52,7 @@ def test_hf_budget_runs_at_least_one_batch_and_counts_the_rest(tmp_path):
 
 
 def test_checkpoint_is_sharded_named_like_hf_and_reused(tmp_path, monkeypatch):
-    monkeypatch.setattr("loadtest.llama_shapes.SHARD_BYTES", 100_000)  # several shards from the tiny shape
+    monkeypatch.setattr("benchmarks.llama_shapes.SHARD_BYTES", 100_000)  # several shards from the tiny shape
     path = write_llama_checkpoint(tmp_path / "m", "tiny")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

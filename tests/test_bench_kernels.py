@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadtest import bench_kernels
+from benchmarks import bench_kernels
 from models import cpu_ops
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loadtest import bench_ipc, bench_offline
-from loadtest.smollm_checkpoint import build_smollm_like
+from benchmarks import bench_ipc, bench_offline
+from benchmarks.smollm_checkpoint import build_smollm_like
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)

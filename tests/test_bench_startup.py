@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loadtest import bench_startup
+from benchmarks import bench_startup
 
 
 def test_bench_startup_serves_once_and_times_the_engine(llama_dir, tmp_path, capsys):

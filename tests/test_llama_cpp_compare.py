@@ -1,4 +1,4 @@
-"""loadtest.llama_cpp_compare without llama.cpp: options, the llama-server command, the summary table."""
+"""benchmarks.llama_cpp_compare without llama.cpp: options, the llama-server command, the summary table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import llama_cpp_compare as compare
+from benchmarks import llama_cpp_compare as compare
 
 
 def _args(tmp_path: Path, *extra: str):

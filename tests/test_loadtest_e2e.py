@@ -1,6 +1,6 @@
 """loadtest/ end to end: real servers on loopback, a few seconds of load each.
 
-(a) loadtest/baseline_server.py on a tiny checkpoint; (b) a real `kvserve serve`.
+(a) benchmarks/baseline_server.py on a tiny checkpoint; (b) a real `kvserve serve`.
 Checks consistency, never speed: counts add up, token totals match the servers'
 usage, percentiles are ordered, result.json and PNG plots are written, and after
 a run with deliberate disconnects kvserve's KV cache usage is back to 0.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import cli
-from loadtest.procs import free_port, running_server
+from benchmarks.procs import free_port, running_server
 
 pytestmark = pytest.mark.slow  # real servers; a minute or so on 2 CPU cores
 
@@ -32,7 +32,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def baseline_url(tiny_checkpoint, tmp_path_factory):
     port = free_port()
-    cmd = [sys.executable, "-m", "loadtest.baseline_server", "--model", tiny_checkpoint, "--port", str(port)]
+    cmd = [sys.executable, "-m", "benchmarks.baseline_server", "--model", tiny_checkpoint, "--port", str(port)]
     log = tmp_path_factory.mktemp("baseline_log") / "server.log"
     with running_server(cmd, port, log, timeout_s=120) as url:  # always stopped on exit
         yield url

@@ -451,7 +451,7 @@ def test_plots_from_a_result_document(tmp_path):
 
 
 def test_smollm_tokenizer_every_id_decodes_to_ascii(tmp_path):
-    from loadtest.smollm_checkpoint import ascii_bpe_vocab, save_tokenizer
+    from benchmarks.smollm_checkpoint import ascii_bpe_vocab, save_tokenizer
 
     vocab, merges = ascii_bpe_vocab(49152)
     assert len(vocab) == 49152 and sorted(vocab.values()) == list(range(49152))
@@ -475,6 +475,6 @@ def test_result_files_are_strict_json(tmp_path):
 
 def test_cli_reports_an_unreachable_server():
     from loadtest.cli import main
-    from loadtest.procs import free_port
+    from benchmarks.procs import free_port
 
     assert main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 2

@@ -203,8 +203,8 @@ def test_ops_are_registered_custom_ops_with_fake_impls():
 
 
 def test_bench_kernels_elementwise_table_runs_on_the_cpu(capsys):
-    """loadtest/bench_kernels' GPU table, smoke-tested here with tiny sizes (timings are not checked)."""
-    from loadtest import bench_kernels
+    """benchmarks/bench_kernels' GPU table, smoke-tested here with tiny sizes (timings are not checked)."""
+    from benchmarks import bench_kernels
 
     results = bench_kernels.bench_elementwise("cpu", rows=(1, 3), impls=("eager", "triton"), hidden=96,
                                               intermediate=40, dtype=torch.float32, calls=2)

@@ -1,5 +1,5 @@
 // CPU kernels for the places where PyTorch's generic CPU ops leave most of the machine
-// idle (measured in docs/benchmarks.md; `python -m loadtest.bench_kernels`):
+// idle (measured in docs/benchmarks.md; `python -m benchmarks.bench_kernels`):
 //
 //  * kvserve::linear_bf16    y = x @ W.T + b for bf16, with W pre-packed once into
 //    64-column blocks of input-feature pairs. One 6x64 register tile of vdpbf16ps at any

@@ -19,7 +19,7 @@ to fp32, and results are rounded to the model dtype where HF rounds:
 The reduction order of the RMS sum differs from torch's (fp32 rounding noise only).
 
 The `compiled_*` functions are `torch.compile`d versions of the torch ops (models/fused_ops.py),
-compiled lazily on first use, for loadtest/bench_kernels.py to compare against the kernels.
+compiled lazily on first use, for benchmarks/bench_kernels.py to compare against the kernels.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return _silu_and_mul_op(x)
 
 
-# ---- torch.compile'd alternatives (measured against the kernels in loadtest/bench_kernels.py) ----
+# ---- torch.compile'd alternatives (measured against the kernels in benchmarks/bench_kernels.py) ----
 
 
 @functools.cache

@@ -6,7 +6,7 @@ never read, then every 10 s prints the server process's RSS and `num_requests_ru
 At the end it checks that a new request is answered and counts the stall aborts logged.
 Not part of the test suite.
 
-    python -m loadtest.stalled_readers --model CKPT --duration 90 -- --stream-idle-timeout 60
+    python -m benchmarks.stalled_readers --model CKPT --duration 90 -- --stream-idle-timeout 60
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.slowloris import _free_port
+from benchmarks.slowloris import _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

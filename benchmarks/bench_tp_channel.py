@@ -6,7 +6,7 @@ the reply is the step's first collective). Shared memory: the bytes go into a
 `multiprocessing.shared_memory` buffer and two POSIX semaphores signal each way (no spinning:
 the machine has fewer cores than busy processes).
 
-    python -m loadtest.bench_tp_channel [--steps 2000]
+    python -m benchmarks.bench_tp_channel [--steps 2000]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Micro-benchmarks of kvserve's kernels (no model, no engine): the CPU kernels on SmolLM-135M
 shapes, and with `--device cuda` the GPU's elementwise ops at Llama-8B sizes.
 
-    python -m loadtest.bench_kernels [--rows 1,16,64,256,2048] [--contexts 192,512] [--threads 2]
+    python -m benchmarks.bench_kernels [--rows 1,16,64,256,2048] [--contexts 192,512] [--threads 2]
 
 linear: the 30 layers' q/k/v, o, gate/up and down matrices (and the tied LM head) at each row
 count, kvserve's `linear_bf16` on its packed weights vs oneDNN's packed bf16 linear, weights
@@ -12,7 +12,7 @@ the layers in turn, so every call reads its 9+ MB from DRAM as in a decode step;
 repeats one layer. For scale, a gather copy of the same blocks (index_select).
 Prints one line per measurement; numbers move 10-20% between runs on a shared VM.
 
-    python -m loadtest.bench_kernels --device cuda [--rows 1,64,2048] [--impls eager,compile,triton]
+    python -m benchmarks.bench_kernels --device cuda [--rows 1,64,2048] [--impls eager,compile,triton]
 
 On a GPU: add + RMSNorm (hidden 4096) and SiLU * up (intermediate 14336), Llama-8B's sizes in
 bf16, per call (median of 5 CUDA-event timings of 50 calls each; `--cuda-graphs`: replayed

@@ -1,6 +1,6 @@
 """kvserve vs llama.cpp's `llama-server` on one machine: same checkpoint, client, prompts and threads.
 
-    python -m loadtest.llama_cpp_compare --llama-bin /work/llama-build/bin \\
+    python -m benchmarks.llama_cpp_compare --llama-bin /work/llama-build/bin \\
         --llama-cpp-dir LLAMA_CPP_SRC --convert-python /work/llama-venv/bin/python \\
         --model loadtest_out/models/smollm-135m-random --dtype bfloat16 --threads 2 \\
         --concurrency 1,16,64 --seed 1000 --out loadtest_out/llama_cpp_compare/run1
@@ -14,7 +14,7 @@ Steps (each can be left out with --skip):
 - llama: for each concurrency C a fresh `llama-server -t T -tb T -ngl 0 --parallel C` with
   prompt caching off, then `python -m loadtest serve --max-concurrency C` against it.
 - kvserve: one `kvserve serve --dtype D`, then the same `loadtest serve` runs against it.
-- offline: `python -m loadtest.bench_offline` (kvserve's engine, no server), and llama.cpp's
+- offline: `python -m benchmarks.bench_offline` (kvserve's engine, no server), and llama.cpp's
   `llama-batched-bench` (no server, no sampling) if it is in --llama-bin.
 - startup: launch to first `GET /health` 200, --startup-repeats times, for both servers.
 
@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest.bench_startup import serve_command, time_to_healthy
-from loadtest.procs import free_port, running_server
+from benchmarks.bench_startup import serve_command, time_to_healthy
+from benchmarks.procs import free_port, running_server
 
 STEPS = ("convert", "llama", "kvserve", "offline", "startup")
 _GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -118,7 +118,7 @@ def serve_kvserve(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def offline(args: argparse.Namespace, out: Path) -> dict:
     batch_sizes = ",".join(map(str, args.concurrency))
-    subprocess.run([sys.executable, "-m", "loadtest.bench_offline", "--model", args.model, "--dtype", args.dtype,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", args.model, "--dtype", args.dtype,
                     "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--batch-sizes",
                     batch_sizes, "--repeats", str(args.offline_repeats), "--seed", str(args.seed),
                     "--out", str(out / "bench_offline.json")], check=True)
@@ -189,7 +189,7 @@ def markdown(summary: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.llama_cpp_compare",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llama_cpp_compare",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-bin", type=Path, required=True, help="folder with llama-server (and llama-batched-bench)")
     p.add_argument("--model", required=True, help="HF checkpoint directory (kvserve's model, the GGUF's source)")

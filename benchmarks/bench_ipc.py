@@ -1,6 +1,6 @@
 """What the server <-> engine-core channel costs: message codec and pipe round trip.
 
-    python -m loadtest.bench_ipc [--iters 2000]
+    python -m benchmarks.bench_ipc [--iters 2000]
 
 1. Encoding + decoding one step's message (`engine.messages`, pickle protocol 5) with
    B = 1 and 64 requests, each delta one token (and with 5 logprobs per token), and, if
@@ -131,7 +131,7 @@ def bench_round_trip(iters: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_ipc", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_ipc", description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args(argv)
     if args.iters < 1:

@@ -1,6 +1,6 @@
 """Start-up time: `kvserve serve` launched to its first `GET /health` 200, repeated.
 
-    python -m loadtest.bench_startup [--model PATH] [--repeats 3] [--offline] [--out startup.json] \\
+    python -m benchmarks.bench_startup [--model PATH] [--repeats 3] [--offline] [--out startup.json] \\
         [-- extra kvserve serve flags]
 
 Each repeat starts `python -m server.cli serve` on a free port, polls /health every 20 ms,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.procs import _tail, free_port, stop
+from benchmarks.procs import _tail, free_port, stop
 
 _OFFLINE_CHILD = """
 import json, logging, sys, time

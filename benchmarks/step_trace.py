@@ -1,7 +1,7 @@
 """Time every engine step of a staggered workload and print the slow ones: finds one-time stalls
 (a kernel compiled on first use, a first allocation) that a short serving benchmark averages in.
 
-    python -m loadtest.step_trace --model DIR [--device cuda] [--requests 32] [--every 2] \
+    python -m benchmarks.step_trace --model DIR [--device cuda] [--requests 32] [--every 2] \
         [--input-len 256] [--output-len 64] [--rounds 2] [--warm-up]
 
 A new request (random prompt, greedy, EOS ignored) joins every `--every` steps, so prefill and
@@ -43,7 +43,7 @@ def run_round(llm: LLM, prompts: list[list[int]], every: int, output_len: int, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.step_trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_trace", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -1,7 +1,7 @@
 """Soak test: minutes of mixed, partly hostile traffic against kvserve, watching memory and the KV cache.
 
-    python -m loadtest.soak --model PATH --minutes 10 --restart-at 0.5    # starts (and restarts) its own server
-    python -m loadtest.soak --url http://127.0.0.1:8000 --server-pid PID --minutes 10
+    python -m benchmarks.soak --model PATH --minutes 10 --restart-at 0.5    # starts (and restarts) its own server
+    python -m benchmarks.soak --url http://127.0.0.1:8000 --server-pid PID --minutes 10
 
 Each of `--concurrency` workers loops over requests: streaming and non-streaming completions;
 `--disconnect-fraction` of them hang up mid-stream, `--stall-fraction` stop reading for
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.metrics_scraper import parse_metrics
-from loadtest.procs import free_port, stop, wait_healthy
+from benchmarks.procs import free_port, stop, wait_healthy
 
 WORDS = ("the quick brown fox jumps over lazy dog a server streams tokens while clients come and go "
          "memory should stay flat under load every block returns to the pool").split()
@@ -268,7 +268,7 @@ async def run(args: argparse.Namespace, server: Server) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--model", help="start `kvserve serve --model MODEL` (extra flags: --server-arg)")
     target.add_argument("--url", help="soak a running server instead")

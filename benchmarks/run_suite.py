@@ -1,10 +1,10 @@
 """The standard benchmark suite: kvserve vs a one-request-at-a-time baseline.
 
-`python -m loadtest.run_suite [--quick]`
+`python -m benchmarks.run_suite [--quick]`
 
 1. Builds (once) a random SmolLM-135M-shaped checkpoint (see smollm_checkpoint.py).
 2. For each server (kvserve via `python -m server.cli serve`, then
-   loadtest/baseline_server.py), starts it on a free loopback port and runs:
+   benchmarks/baseline_server.py), starts it on a free loopback port and runs:
    a concurrency sweep (1, 4, 16, 64; rate inf), a Poisson rate sweep, and one
    prefix-repetition point (prefix-cache behaviour). Both servers get exactly the
    same prompts (token ids from the checkpoint's tokenizer, same seed).
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest import cli
-from loadtest.procs import free_port, running_server
+from benchmarks.procs import free_port, running_server
 from loadtest.report import dump_json, fmt_number, markdown_table
-from loadtest.smollm_checkpoint import build_smollm_like
+from benchmarks.smollm_checkpoint import build_smollm_like
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def server_commands(args: argparse.Namespace, model_dir: Path, port: int) -> dic
     if not args.skip_kvserve:
         cmds["kvserve"] = kvserve + common + shlex.split(args.kvserve_args)
     if not args.skip_baseline:
-        cmds["baseline"] = [sys.executable, "-m", "loadtest.baseline_server"] + common
+        cmds["baseline"] = [sys.executable, "-m", "benchmarks.baseline_server"] + common
     return cmds
 
 
@@ -135,7 +135,7 @@ def write_report(out: Path, args: argparse.Namespace, size: SuiteSize, commands:
         f"- model: random SmolLM-135M-shaped Llama at {args.model_dir} (--dtype {args.dtype})",
         f"- load: input {size.input_len} tokens, output {size.output_len} tokens (ignore_eos), "
         f"{size.num_prompts} requests per point",
-        f"- command: `python -m loadtest.run_suite {shlex.join(sys.argv[1:])}`",
+        f"- command: `python -m benchmarks.run_suite {shlex.join(sys.argv[1:])}`",
         *[f"- {name} server: `{shlex.join(cmd)}`" for name, cmd in commands.items()],
         *[f"- note: {n}" for n in notes],
     ]
@@ -153,7 +153,7 @@ def write_report(out: Path, args: argparse.Namespace, size: SuiteSize, commands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.run_suite", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run_suite", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small lengths and counts (minutes on 2 CPU cores)")
     p.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random",
                    help="checkpoint folder; built there if missing")

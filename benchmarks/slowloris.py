@@ -6,7 +6,7 @@ server closes), and meanwhile asks `/health` twice a second with a short timeout
 mode, how many health checks succeeded, their latency, the server's open fds, and how many
 bytes of log it wrote. Not part of the test suite.
 
-    python -m loadtest.slowloris --model CKPT --sockets 1100 --nofile 1024 --duration 30 \
+    python -m benchmarks.slowloris --model CKPT --sockets 1100 --nofile 1024 --duration 30 \
         --mode defaults --mode no-limits --mode limit-concurrency
 
 Modes: `defaults` (kvserve's --header-timeout and --max-connections), `no-limits` (both off:

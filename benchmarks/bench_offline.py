@@ -1,6 +1,6 @@
 """The offline engine on a serving benchmark's workload: the figures a server should reach.
 
-    python -m loadtest.bench_offline --model DIR --input-len 128 --output-len 128 \
+    python -m benchmarks.bench_offline --model DIR --input-len 128 --output-len 128 \
         --batch-sizes 1,16,64 --repeats 3 [--dtype bfloat16]
 
 For each batch size B, `LLM.generate` runs B random prompts at once (greedy, EOS
@@ -76,7 +76,7 @@ def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_offline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_offline", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")

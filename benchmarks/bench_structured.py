@@ -1,8 +1,8 @@
 """Structured outputs: what a JSON-schema constraint costs the engine, and what a large schema costs to compile.
 
-    python -m loadtest.bench_structured [--dtype bfloat16] [--threads 2] [--repeats 3]
+    python -m benchmarks.bench_structured [--dtype bfloat16] [--threads 2] [--repeats 3]
 
-On the SmolLM-135M-shaped random Llama (loadtest/smollm_checkpoint.py; 49,152-token
+On the SmolLM-135M-shaped random Llama (benchmarks/smollm_checkpoint.py; 49,152-token
 vocabulary), 64 requests, prompt 128, 128 new tokens, greedy, run alternately:
   plain        no constraint (bench_engine's case b)
   json_schema* every request constrained by a JSON schema whose output cannot end within
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.smollm_checkpoint import build_smollm_like
+from benchmarks.smollm_checkpoint import build_smollm_like
 
 def long_schema(item: dict) -> dict:
     """An object holding an array of at least 1,000 `item`s: its output cannot end within 128 tokens."""

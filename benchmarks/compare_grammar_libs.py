@@ -1,9 +1,9 @@
 """xgrammar vs llguidance on real generation: the per-step bitmask fill for the same token sequences.
 
     pip install llguidance==1.9.1   # not a kvserve dependency; only this comparison uses it
-    python -m loadtest.compare_grammar_libs [--cases json_schema_bounded,json_schema,json_schema_mixed]
+    python -m benchmarks.compare_grammar_libs [--cases json_schema_bounded,json_schema,json_schema_mixed]
 
-For each case of loadtest/bench_structured.py, the engine generates 64 greedy constrained
+For each case of benchmarks/bench_structured.py, the engine generates 64 greedy constrained
 sequences (64 tokens, SmolLM-135M-shaped checkpoint, bf16, CPU); their tokens are then replayed
 into one matcher per sequence of each library, and each step's batched fill (2 threads) is timed.
 Also counts the rows whose masks differ and the rows llguidance refused a token xgrammar allowed
@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from loadtest.bench_structured import CASES
-from loadtest.smollm_checkpoint import build_smollm_like
+from benchmarks.bench_structured import CASES
+from benchmarks.smollm_checkpoint import build_smollm_like
 
 
 def _matchers(tokenizer, vocab_size: int, eos: list[int], schema: dict, count: int):
@@ -84,7 +84,7 @@ def compare(llm, case: str, num_seqs: int, num_tokens: int, rng) -> str:
 def main(argv: list[str] | None = None) -> int:
     from engine import LLM
 
-    p = argparse.ArgumentParser(prog="python -m loadtest.compare_grammar_libs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare_grammar_libs", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")
     p.add_argument("--cases", default="json_schema_bounded,json_schema,json_schema_mixed")
     p.add_argument("--num-seqs", type=int, default=64)

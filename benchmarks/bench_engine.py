@@ -1,8 +1,8 @@
 """Offline throughput: the kvserve engine vs `transformers` generate, side by side in one run.
 
-    python -m loadtest.bench_engine [--dtype bfloat16] [--threads 2] [--cases a,b,c] [--repeats 1]
+    python -m benchmarks.bench_engine [--dtype bfloat16] [--threads 2] [--cases a,b,c] [--repeats 1]
 
-On the SmolLM-135M-shaped random Llama (loadtest/smollm_checkpoint.py), greedy,
+On the SmolLM-135M-shaped random Llama (benchmarks/smollm_checkpoint.py), greedy,
 EOS ignored so every request produces exactly its requested tokens:
   (a) 1 request, prompt 128, 128 new tokens   vs transformers at batch 1
   (b) 64 requests, prompt 128, 128 new tokens vs transformers' static batch of 32
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.smollm_checkpoint import build_smollm_like
+from benchmarks.smollm_checkpoint import build_smollm_like
 
 
 def make_case(name: str, vocab_size: int, rng: np.random.Generator) -> tuple[list[list[int]], list[int]]:

@@ -1,8 +1,8 @@
 """GPU offline throughput: kvserve vs `transformers` generate on random Llama-shaped models, with a roofline.
 
-    python -m loadtest.bench_gpu --shape llama-1b|llama-8b|tiny --device cuda --cases a,b,c [--out FILE]
+    python -m benchmarks.bench_gpu --shape llama-1b|llama-8b|tiny --device cuda --cases a,b,c [--out FILE]
 
-Writes a random-weight checkpoint of the shape (loadtest/llama_shapes.py: straight from device
+Writes a random-weight checkpoint of the shape (benchmarks/llama_shapes.py: straight from device
 tensors, sharded safetensors), then runs, one model in memory at a time, bf16, greedy, EOS
 ignored so every request produces exactly its requested tokens:
   (a) 1 request, prompt 128, 256 new tokens
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from engine.device import resolve_device
-from loadtest.bench_engine import left_pad
-from loadtest.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
+from benchmarks.bench_engine import left_pad
+from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 
 # (number of requests, prompt length range, output length range); ranges inclusive
 CASES = {"a": (1, (128, 128), (256, 256)), "b": (64, (1024, 1024), (256, 256)), "c": (256, (64, 2048), (32, 512))}

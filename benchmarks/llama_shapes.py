@@ -1,6 +1,6 @@
 """Random-weight Llama checkpoints of real shapes, written straight from device tensors.
 
-    from loadtest.llama_shapes import write_llama_checkpoint
+    from benchmarks.llama_shapes import write_llama_checkpoint
     write_llama_checkpoint("/tmp/llama-8b", "llama-8b", device="cuda")
 
 Shapes (config.json as the Hub has them; only the weights are random):
@@ -14,7 +14,7 @@ Each tensor is drawn on `device` (normal, std 0.02; norms 1) and written with sa
 in shards of about 2 GiB, with `model.safetensors.index.json`, so no 16 GB `save_pretrained`
 and no whole model in host memory. Tensor names and shapes come from a `transformers` model
 built on the meta device, so they are exactly the names `from_pretrained` expects. The
-tokenizer is the printable-ASCII byte-level BPE of loadtest/smollm_checkpoint.py built with
+tokenizer is the printable-ASCII byte-level BPE of benchmarks/smollm_checkpoint.py built with
 exactly `vocab_size` tokens, so every id the random model samples decodes to visible text
 (what a serving benchmark streams).
 """
@@ -67,7 +67,7 @@ def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dt
     import transformers
     from safetensors.torch import save_file
 
-    from loadtest.smollm_checkpoint import SPECIAL_TOKENS, save_tokenizer
+    from benchmarks.smollm_checkpoint import SPECIAL_TOKENS, save_tokenizer
 
     path = Path(path)
     marker = path / "kvserve_checkpoint.json"

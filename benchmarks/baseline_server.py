@@ -1,6 +1,6 @@
 """A minimal OpenAI-compatible server that runs ONE request at a time.
 
-`python -m loadtest.baseline_server --model DIR --port P`
+`python -m benchmarks.baseline_server --model DIR --port P`
 
 It is the "no continuous batching" reference for benchmarks: a single worker
 thread (the lock) pulls requests from a FIFO queue and decodes them token by
