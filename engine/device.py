@@ -33,8 +33,8 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA; on CPU bf16 where the CPU has bf16 units (measured in
-    docs/benchmarks.md: it halves the weight traffic that bounds decode), else fp32."""
+    """"auto": bf16 on CUDA; on CPU bf16 where the CPU has bf16 units (docs/performance.md:
+    it halves the weight traffic that bounds decode), else fp32."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda" or cpu_has_fast_bf16():

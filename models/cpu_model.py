@@ -60,7 +60,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
 
     With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout, on
-    huge pages: their kernel beats oneDNN at every batch size here (docs/benchmarks.md).
+    huge pages: their kernel beats oneDNN at every batch size (`python -m benchmarks.bench_kernels`).
     Without them, oneDNN's blocked layout; that uses a private oneDNN op, so anything
     unexpected keeps F.linear. The plain weight's storage is released. Returns the
     number of layers packed.

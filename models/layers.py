@@ -136,7 +136,7 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 def rope_inv_freq(head_dim: int, params: dict) -> Tensor:
     """Inverse frequencies [head_dim // 2] (fp32) for rope types default, linear and llama3."""
     base = float(params["rope_theta"])
-    # on the CPU even inside the loader's meta-device context: meta arange imports torch._dynamo (~0.8 s)
+    # on the CPU even inside the loader's meta-device context: meta arange imports torch._dynamo, slow at start-up
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
     inv_freq = 1.0 / (base ** (steps.float() / head_dim))
     rope_type = params["rope_type"]

@@ -175,7 +175,7 @@ def load_model(
     with phase("weights"):
         load_weights(model, model_dir)
     if device.type == "cpu":
-        with phase("kernels"):  # the cached library; a first build takes ~15-25 s
+        with phase("kernels"):  # the cached library; the first use builds it (docs/performance.md)
             cpu_ops.load()
         if dtype == torch.bfloat16:
             from models.cpu_model import pack_for_cpu

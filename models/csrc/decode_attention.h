@@ -62,7 +62,7 @@ KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const
 // the compute that precedes their use. Cached blocks are scattered 2-6 KB runs that the
 // hardware prefetchers barely follow: without this the cold kernel waited for DRAM and
 // then computed (time = read + compute); spread like this the reads overlap the compute
-// (about 1.7x faster at batch 64, docs/benchmarks.md). Bursts of prefetches did not help:
+// (benchmarks/bench_kernels.py measures it). Bursts of prefetches did not help:
 // they fill the miss buffers and stall the core just as the loads would.
 struct RowPrefetcher {
   const char* rows[16];

@@ -18,7 +18,7 @@ constexpr int64_t kBlockM = 96;   // rows per work item: their slice of x stays 
 // One MR x 64 tile over all input features, then the bias, written as bf16 to y. The
 // tile streams its column block's weights from L2 (the item's first tile brings them in);
 // no K blocking: splitting K to keep weights in L1 cost more in partial-sum traffic than
-// it saved (docs/benchmarks.md).
+// it saved (benchmarks/bench_kernels.py).
 template <int MR>
 KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t half_k,
                                 const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
