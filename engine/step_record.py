@@ -1,8 +1,8 @@
 """The scheduler -> runner contract: one plain-data `StepRecord` per step (no torch, no live objects).
 
 Everything here is ints, floats, strs, tuples and dicts of those: a record pickles
-as-is, so the same contract can carry steps to runner processes (tensor-parallel
-workers) later. It carries deltas, not histories:
+as-is, and the same contract carries each step to the tensor-parallel workers
+(engine/worker.py). It carries deltas, not histories:
 
 - a request new to the runner (first scheduled, or resumed after a preemption)
   comes once as `NewRequestData`: its tokens so far, block table and sampling inputs;

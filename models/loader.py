@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import Tensor, nn
+from torch import nn
 
 from models import cpu_ops
 from models.attention import Attention, select_backend
@@ -55,12 +55,6 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
             "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True)`."
         )
     raise ValueError(f"no *.safetensors weights in {root}")
-
-
-def iter_checkpoint(model_dir: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) for every checkpoint tensor, one at a time (memory-mapped, on the CPU)."""
-    for name, lazy in iter_checkpoint_lazy(model_dir):
-        yield name, lazy.read()
 
 
 def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:

@@ -21,7 +21,7 @@ from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, apply_penalty_state, penalty_state
-from engine.sampling_inputs import build_sampling_tensors
+from sampling_inputs import build_sampling_tensors
 from engine.scheduler import Scheduler
 from engine.step_record import NewRequestData, SamplingInputs, StepRecord
 

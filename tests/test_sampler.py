@@ -17,7 +17,7 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.request import Request
-from engine.sampling_inputs import build_sampling_tensors
+from sampling_inputs import build_sampling_tensors
 
 sampler = Sampler()
 NUM_DRAWS = 6000

@@ -1,6 +1,6 @@
 """The sampler's inputs built from scratch out of live `Request`s: the reference.
 
-The runner no longer uses this: its persistent `InputBatch` (engine/input_batch.py)
+A test helper: the runner's persistent `InputBatch` (engine/input_batch.py)
 keeps the same tensors current from the plain-data step records, and the tests
 check it against this builder step by step. One pass over the batch gathers plain
 Python values; `SamplingTensors.from_lists` normalizes them (so fast paths
