@@ -19,7 +19,8 @@ from torch import nn
 
 from models import cpu_ops
 from models.attention import Attention, select_backend
-from models.fused_ops import bind_ops, select_ops
+from models.cpu_model import CpuFusedOps, pack_for_cpu
+from models.fused_ops import TORCH_OPS, FusedOps
 from models.layers import LazyTensor, default_weight_loader
 from models.parallel import ParallelState, tensor_parallel
 from models.registry import get_model_class
@@ -172,8 +173,6 @@ def load_model(
         with phase("kernels"):  # the cached library; the first use builds it (docs/performance.md)
             cpu_ops.load()
         if dtype == torch.bfloat16:
-            from models.cpu_model import pack_for_cpu
-
             with phase("CPU packing"):
                 pack_for_cpu(model)
     attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -234,3 +233,21 @@ def resolve_model_path(name_or_path: str) -> str:
             f"({type(online_error).__name__}: {online_error}). Pass a local checkpoint directory, "
             "or check the network / HF_TOKEN."
         ) from None
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str) -> FusedOps:
+    """The fused ops that go with the model's attention backend (Triton's also on the CPU, where
+    only the interpreter runs them: the tests)."""
+    if attention_backend == "triton":
+        from models.kernels.triton_ops import TritonFusedOps  # imports triton: only when chosen
+
+        return TritonFusedOps()
+    if device.type == "cpu":
+        return CpuFusedOps()
+    return TORCH_OPS
+
+
+def bind_ops(model: torch.nn.Module, ops: FusedOps) -> None:
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops

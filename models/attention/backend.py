@@ -1,34 +1,24 @@
-"""The interface every attention backend implements, and the choice of one at load.
+"""The attention-backend registry: the choice of one backend at load.
 
-A backend owns everything device-specific about one attention layer's step: how the
-new tokens' q/k get their rotary embedding, how K/V reach the paged cache, and which
-kernels attend. The loader picks one backend per model (`select_backend`) and gives
-it to every `Attention` layer; model files never branch on the device.
+The loader picks one backend per model (`select_backend`) and gives it to every
+`Attention` layer; model files never branch on the device. The interface the backends
+implement is `AttentionBackend` in models/attention/layer.py. This registry imports the
+backends (and they import the layer), so it is the one place allowed to close an import
+cycle (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 if TYPE_CHECKING:
-    from models.attention.layer import Attention
+    from models.attention.layer import AttentionBackend
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
-
-
-class AttentionBackend:
-    name = "base"
-    index_dtype = torch.int64  # of the metadata's slot_mapping / block_table / seq_lens / cu_seqlens_q
-    supports_cuda_graphs = False  # its decode path depends on no host value that changes between steps
-
-    def forward(self, layer: Attention, qkv: Tensor) -> Tensor:
-        """qkv [T, (H + 2 KvH) * D] (rows may be strided) -> [T, H * D]: rotary on q and k,
-        the new K/V into the layer's cache, then causal attention over the cache."""
-        raise NotImplementedError
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int]) -> AttentionBackend:
@@ -39,9 +29,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
     if name == "auto":
         name = "cpu" if device.type == "cpu" else "triton" if _triton_available() else "torch"
     if name == "torch":
-        from models.attention.torch_ref import TorchAttentionBackend
-
-        return TorchAttentionBackend()
+        return reference_backend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device}")
@@ -55,6 +43,14 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
     from models.attention.triton import TritonAttentionBackend
 
     return TritonAttentionBackend()
+
+
+@functools.cache
+def reference_backend() -> AttentionBackend:
+    """The portable PyTorch backend: what a layer uses until the loader sets the device's."""
+    from models.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()
 
 
 def _triton_available() -> bool:

@@ -11,17 +11,13 @@ Which of these apply is settled once, when the loader builds the backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from models import cpu_ops
+from models.attention.layer import Attention
 from models.attention.metadata import ForwardContext
 from models.attention.torch_ref import PrefillRequest, StepPlan, TorchAttentionBackend, cos_sin_of
-
-if TYPE_CHECKING:
-    from models.attention.layer import Attention
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -1,13 +1,24 @@
-"""The attention layer the model files use; its backend does the device-specific work."""
+"""The attention layer the model files use, and the interface of the backends that do its
+device-specific work."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from models.attention.backend import AttentionBackend
-from models.attention.torch_ref import TorchAttentionBackend
+from models.attention.backend import reference_backend
 
-_DEFAULT_BACKEND = TorchAttentionBackend()
+
+class AttentionBackend:
+    name = "base"
+    index_dtype = torch.int64  # of the metadata's slot_mapping / block_table / seq_lens / cu_seqlens_q
+    supports_cuda_graphs = False  # its decode path depends on no host value that changes between steps
+
+    def forward(self, layer: Attention, qkv: Tensor) -> Tensor:
+        """qkv [T, (H + 2 KvH) * D] (rows may be strided) -> [T, H * D]: rotary on q and k,
+        the new K/V into the layer's cache, then causal attention over the cache."""
+        raise NotImplementedError
+
 
 
 class Attention(nn.Module):
@@ -32,7 +43,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.rotary = rotary
-        self.backend: AttentionBackend = _DEFAULT_BACKEND
+        self.backend: AttentionBackend = reference_backend()
         self._kv_cache: Tensor | None = None
         self.kv: tuple[Tensor, Tensor] | None = None  # the cache's K and V halves, views made once
 

@@ -21,18 +21,14 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.attention.backend import AttentionBackend
+from models.attention.layer import Attention, AttentionBackend
 from models.attention.metadata import AttentionMetadata, ForwardContext, current_context
 from models.layers import apply_rotary
-
-if TYPE_CHECKING:
-    from models.attention.layer import Attention
 
 # CPU decode attention is memory-bound: gathering every row's keys before one SDPA call
 # streams them through DRAM twice. Gathering and attending in chunks of about this many

@@ -11,17 +11,12 @@ capture fixes at max_model_len, so decode steps can be captured and replayed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from models.attention.backend import AttentionBackend
+from models.attention.layer import Attention, AttentionBackend
 from models.attention.metadata import current_context
 from models.kernels import triton_attention, triton_ops
-
-if TYPE_CHECKING:
-    from models.attention.layer import Attention
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from models.fused_ops import TORCH_OPS, FusedOps
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -251,13 +253,31 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return _silu_and_mul_op(x)
 
 
+# ---- as the model's FusedOps ----
+
+
+class TritonFusedOps(FusedOps):
+    """The kernels above: one launch each (rows the kernels cannot take use the torch ops)."""
+
+    name = "triton"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if x.dim() != 2 or x.stride(-1) != 1:  # e.g. Qwen3's per-head q/k norm on strided views
+            return super().rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        return silu_and_mul(x)
+
+
 # ---- torch.compile'd alternatives (measured against the kernels in benchmarks/bench_kernels.py) ----
 
 
 @functools.cache
 def _compiled(name: str) -> Callable:
-    from models.fused_ops import TORCH_OPS
-
     return torch.compile(getattr(TORCH_OPS, name), dynamic=True)
 
 
