@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from models.checkpoint_writer import random_tensors, write_checkpoint
+
 LLAMA_SHAPES: dict[str, dict] = {
     "llama-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -50,24 +52,10 @@ def shape_config(shape: str, **overrides) -> dict:
     return {**LLAMA_SHAPES[shape], "bos_token_id": 0, "eos_token_id": 0, **overrides}
 
 
-def parameter_shapes(config) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape, from a model built on the meta device (tied weights once)."""
-    import torch
-    import transformers
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # dedups tied weights
-
-
 def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dtype: str = "bfloat16",
                            seed: int = 0, **overrides) -> Path:
     """Write `shape`'s checkpoint to `path` unless a complete one is there; returns the path."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from benchmarks.smollm_checkpoint import SPECIAL_TOKENS, save_tokenizer
+    from benchmarks.smollm_checkpoint import ascii_bpe_tokenizer
 
     path = Path(path)
     marker = path / "kvserve_checkpoint.json"
@@ -78,48 +66,9 @@ def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dt
     path.mkdir(parents=True, exist_ok=True)
     for old in path.glob("*.safetensors"):
         old.unlink()
-    config = transformers.LlamaConfig(**fields)
-    config.architectures = ["LlamaForCausalLM"]
-    config.dtype = dtype
-    config.save_pretrained(path)
-    eos_token_ids = [0, SPECIAL_TOKENS.index("<|im_end|>")]
-    transformers.GenerationConfig(bos_token_id=0, eos_token_id=eos_token_ids).save_pretrained(path)
-    save_tokenizer(path, fields["vocab_size"])
-
-    torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict] = [{}]
-    shard_bytes = 0
-    weight_map: dict[str, int] = {}
-    total = 0
-
-    def flush() -> None:
-        nonlocal shard_bytes
-        if shards[-1]:
-            save_file(shards[-1], str(path / f"shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
-            shards[-1] = {}  # free the device tensors
-            shards.append({})
-            shard_bytes = 0
-
-    for name, dims in parameter_shapes(config).items():
-        if name.endswith("norm.weight"):
-            tensor = torch.ones(dims, dtype=torch_dtype, device=device)
-        else:
-            tensor = torch.empty(dims, dtype=torch_dtype, device=device).normal_(0.0, INIT_STD, generator=gen)
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard_bytes and shard_bytes + nbytes > SHARD_BYTES:
-            flush()
-        shards[-1][name] = tensor
-        weight_map[name] = len(shards)
-        shard_bytes += nbytes
-        total += nbytes
-    flush()
-    num_shards = len(shards) - 1
-    files = {i: f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)}
-    for i, name in files.items():
-        (path / f"shard-{i:05d}.safetensors").rename(path / name)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: files[v] for k, v in weight_map.items()}}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, **fields}
+    tensors = random_tensors(config, seed=seed, dtype=dtype, device=device, init="normal", std=INIT_STD)
+    write_checkpoint(path, config, tensors, ascii_bpe_tokenizer(fields["vocab_size"]), shard_bytes=SHARD_BYTES)
     marker.write_text(json.dumps(recipe) + "\n")
     return path
 

@@ -19,7 +19,7 @@ import itertools
 import json
 from pathlib import Path
 
-from models.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # the same ChatML set-up
+from models.checkpoint_writer import SPECIAL_TOKENS, random_tensors, write_checkpoint, write_tokenizer
 
 SMOLLM_135M_SHAPE = dict(
     vocab_size=49152,
@@ -58,42 +58,32 @@ def ascii_bpe_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, st
     return vocab, merges
 
 
-def save_tokenizer(path: Path, vocab_size: int):
+def ascii_bpe_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab, merges = ascii_bpe_vocab(vocab_size)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=SPECIAL_TOKENS[0],
-        bos_token=SPECIAL_TOKENS[0],
-        pad_token=SPECIAL_TOKENS[0],
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(path)
-    return hf_tok
+    return tok
+
+
+def save_tokenizer(path: Path, vocab_size: int):
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, ascii_bpe_tokenizer(vocab_size))
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def build_smollm_like(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:
     """Write the checkpoint to `path` unless a complete one is already there."""
-    import torch
-    import transformers
-
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
-    path.mkdir(parents=True, exist_ok=True)
     shape = {**SMOLLM_135M_SHAPE, **overrides}
-    save_tokenizer(path, shape["vocab_size"])
-    config = transformers.LlamaConfig(**shape)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config.eos_token_id = [0, SPECIAL_TOKENS.index("<|im_end|>")]
-    model.save_pretrained(path, safe_serialization=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, **shape}
+    write_checkpoint(path, config, random_tensors(config, seed=seed, dtype=dtype), ascii_bpe_tokenizer(shape["vocab_size"]))
     (path / "loadtest_checkpoint.json").write_text(json.dumps({"seed": seed, "shape": shape}) + "\n")
     return path

@@ -39,25 +39,19 @@ by recipe (`DEFAULT_MODEL_NAME`), not by content.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from models.checkpoint_writer import SPECIAL_TOKENS, write_checkpoint
+
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL_NAME = "default-model-v1"  # bump when the recipe changes: caches are keyed by it
 CORPUS_PATH = Path(__file__).with_name("default_corpus.txt")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 VOCAB_SIZE = 2048
 MODEL_CONFIG = dict(
     architectures=["LlamaForCausalLM"],
@@ -245,35 +239,7 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _write_checkpoint(out: Path, config: dict, tokenizer, state: dict[str, torch.Tensor]) -> None:
-    import torch  # only building needs it: finding a built model must stay light
-    from safetensors.torch import save_file
-
-    def write_json(name: str, obj: dict) -> None:
-        (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-    im_end = tokenizer.token_to_id("<|im_end|>")
-    save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json("config.json", config)
-    write_json("generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, im_end]})
-    tokenizer.save(str(out / "tokenizer.json"))
-    write_json(
-        "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<|endoftext|>",
-            "eos_token": "<|endoftext|>",
-            "pad_token": "<|endoftext|>",
-            "unk_token": None,
-            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-            "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False,
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
-    write_json("special_tokens_map.json", {
-        "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-    })
+    write_checkpoint(out, config, sorted(state.items()), tokenizer)
     (out / "README.md").write_text(
         f"# kvserve {DEFAULT_MODEL_NAME}\n\nBuilt by `models/default_model.py`; its docstring says what this is.\n"
     )

@@ -3,7 +3,8 @@
 Every test that needs a model calls `make_checkpoint(tmp_dir, family)`: it writes
 `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`
 and `tokenizer_config.json` (with a ChatML chat template) exactly as a real
-checkpoint on the Hub has them, so that both kvserve and `transformers` load it.
+checkpoint on the Hub has them, so that both kvserve and `transformers` load it
+(models/checkpoint_writer.py, the writer the benchmarks and the default model use too).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
 import transformers
 from tokenizers import Tokenizer
 
-from models.default_model import CHAT_TEMPLATE, train_bytelevel_bpe
+from models.checkpoint_writer import random_tensors, write_checkpoint, write_tokenizer
+from models.default_model import train_bytelevel_bpe
 
 # A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
 # split characters across tokens (the detokenizer must cope).
@@ -31,6 +32,8 @@ CORPUS = [
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -40,16 +43,9 @@ def train_tokenizer(vocab_size: int = 384) -> Tokenizer:
 
 
 def save_tokenizer(path: Path, vocab_size: int = 384) -> transformers.PreTrainedTokenizerFast:
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab_size),
-        eos_token="<|endoftext|>",
-        bos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(path)
-    return hf_tok
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, train_tokenizer(vocab_size))
+    return transformers.PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.PretrainedConfig:
@@ -87,17 +83,10 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
 
 def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> str:
     """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    hf_tok = save_tokenizer(path)
-    config = tiny_config(family, vocab_size=len(hf_tok), **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init is near-uniform over the vocabulary; scale up the head so the
+    tokenizer = train_tokenizer()
+    config = tiny_config(family, vocab_size=tokenizer.get_vocab_size(), **overrides).to_dict()
+    config["architectures"] = [ARCHITECTURES[family]]
+    # Random init is near-uniform over the vocabulary; scale up the matrices so the
     # distribution is peaked enough that greedy decoding is not decided by ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0 if p.dim() > 1 else 1.0)
-    model.generation_config.eos_token_id = [0, hf_tok.convert_tokens_to_ids("<|im_end|>")]
-    model.save_pretrained(path, safe_serialization=True)
+    write_checkpoint(path, config, random_tensors(config, seed=seed, matrix_scale=3.0), tokenizer)
     return str(path)
