@@ -86,11 +86,12 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
 
 
 def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`."""
+    """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`. A `vocab_size`
+    override larger than the tokenizer's gives the model ids that only token-id prompts use."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_tok = save_tokenizer(path)
-    config = tiny_config(family, vocab_size=len(hf_tok), **overrides)
+    config = tiny_config(family, vocab_size=overrides.pop("vocab_size", len(hf_tok)), **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is near-uniform over the vocabulary; scale up the head so the
