@@ -56,9 +56,10 @@ def bench_block_key(block_size: int, repeats: int) -> dict[str, float]:
     stored = tuple(tokens)
     cases = {
         "old: hash((parent, *tokens))": lambda: hash((12345, *tokens)),
-        "new: sha256(parent + int64 tokens)": lambda: new_kv.hash_block(digest, tokens),
-        "alt: blake2b-256(parent + int64 tokens)": lambda: hashlib.blake2b(
-            digest + array("q", tokens).tobytes(), digest_size=32).digest(),
+        "new: sha256(parent + uint32 tokens)": lambda: new_kv.hash_block(digest, new_kv.pack_token_ids(tokens)),
+        "alt: blake2b-256(parent + uint32 tokens)": lambda: hashlib.blake2b(
+            digest + array("I", tokens).tobytes(), digest_size=32).digest(),
+        "  of which packing the tokens": lambda: new_kv.pack_token_ids(tokens),
         "hit check: stored == tuple(tokens)": lambda: stored == tuple(tokens),
     }
     results = {name: [] for name in cases}

@@ -52,14 +52,21 @@ def prefix_root(cache_salt: str | None = None) -> bytes:
 ROOT_DIGEST = prefix_root()
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """A full block's key: SHA-256 over the parent's digest and the block's token ids.
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes a key is made of: 4 bytes each (an id beyond uint32 raises).
+
+    Native byte order: keys are never shared between processes or machines."""
+    return array("I", token_ids).tobytes()
+
+
+def hash_block(parent_hash: bytes, token_bytes: bytes) -> bytes:
+    """A full block's key: SHA-256 over the parent's digest and the block's packed token ids.
 
     Cryptographic, so that nobody can craft a block whose key equals another's (Python's
     built-in hash is unkeyed and cheap to collide); 32-byte digests also make an accidental
-    collision impossible in practice. Token ids are packed as 8-byte integers.
+    collision impossible in practice. Fixed-width fields, so the input is never ambiguous.
     """
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent_hash + token_bytes).digest()
 
 
 class Block:
@@ -155,11 +162,12 @@ class BlockManager:
                        root: bytes) -> list[bytes]:
         hashes = self._req_hashes.setdefault(request_id, [])
         root = self._req_roots.setdefault(request_id, root)
-        bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else root
-            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
+        start, bs = len(hashes), self.block_size
+        if start < num_full_blocks:
+            packed = pack_token_ids(token_ids[start * bs:num_full_blocks * bs])  # one conversion for all
+            width = len(packed) // (num_full_blocks - start)
+            for offset in range(0, len(packed), width):
+                hashes.append(hash_block(hashes[-1] if hashes else root, packed[offset:offset + width]))
         return hashes
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int],

@@ -17,7 +17,7 @@ from server_fixtures import ServerProcess, metric, scrape, server_checkpoint, wa
 import engine.kv_cache as kv_cache
 from engine import LLM, SamplingParams
 from engine.input_processor import split_prompt
-from engine.kv_cache import ROOT_DIGEST, BlockManager, hash_block, prefix_root
+from engine.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
 
 OLD_ROOT_HASH = 0x6B76736572766531   # the old key's parent of every first block
 # Different 16-token blocks with equal old keys: hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B)).
@@ -32,7 +32,7 @@ def test_collision_fixture_collides_under_the_old_key_only():
     assert BLOCK_A != BLOCK_B and len(BLOCK_A) == len(BLOCK_B) == 16
     assert max(BLOCK_A + BLOCK_B) < COLLISION_VOCAB
     assert hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B))
-    assert hash_block(ROOT_DIGEST, BLOCK_A) != hash_block(ROOT_DIGEST, BLOCK_B)
+    assert hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_A)) != hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_B))
 
 
 def _cache(bm: BlockManager, request_id: str, token_ids: list[int], root: bytes = ROOT_DIGEST) -> None:
@@ -41,9 +41,16 @@ def _cache(bm: BlockManager, request_id: str, token_ids: list[int], root: bytes 
     bm.free(request_id)
 
 
+def test_block_manager_keeps_the_old_collision_apart():
+    bm = BlockManager(num_blocks=8, block_size=16)
+    _cache(bm, "a", BLOCK_A + TAIL)
+    assert bm.find_cached_prefix("b", BLOCK_B + TAIL) == []
+    assert len(bm.find_cached_prefix("a2", BLOCK_A + TAIL)) == 1
+
+
 def test_colliding_keys_are_misses_yet_identical_prompts_hit(monkeypatch):
     """Every block gets the same key: the stored parent digest and tokens still tell them apart."""
-    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_ids: b"\x00" * 32)
+    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_bytes: b"\x00" * 32)
     bm = BlockManager(num_blocks=16, block_size=4)
     a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 5, 5, 6, 7, 8, 9]
     _cache(bm, "a", a)
@@ -115,7 +122,7 @@ def test_old_key_collision_is_not_served_from_the_other_prompts_kv(wide_vocab_di
 
 def test_forced_collisions_are_misses_end_to_end(wide_vocab_dir, monkeypatch):
     alone = _run(_llm(wide_vocab_dir), BLOCK_B + TAIL)
-    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_ids: b"\x00" * 32)
+    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_bytes: b"\x00" * 32)
     llm = _llm(wide_vocab_dir)
     first = _run(llm, BLOCK_A + TAIL)
     assert _run(llm, BLOCK_B + TAIL) == alone
