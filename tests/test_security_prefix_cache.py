@@ -241,3 +241,46 @@ def test_invalid_cache_salt_is_a_400_naming_it(tenant_server, path, salt):
 
 def test_null_cache_salt_is_no_salt(tenant_server):
     assert _complete(tenant_server, KEY_1, cache_salt=None).status_code == 200
+
+
+# --------------------------------------------------------------------------- configuration and schema
+
+def test_api_keys_options_and_their_checks(monkeypatch):
+    from server.cli import build_parser, load_config
+    from server.config import ServerConfig
+
+    monkeypatch.setenv("KVSERVE_API_KEY", "a, b")
+    assert load_config(build_parser().parse_args(["serve"])).api_key == ["a", "b"]
+    config = load_config(build_parser().parse_args(["serve", "--api-key", "c", "--api-key", "d,e",
+                                                    "--cache-salt-per-api-key"]))
+    assert config.api_key == ["c", "d", "e"] and config.cache_salt_per_api_key
+    monkeypatch.delenv("KVSERVE_API_KEY")
+    for flag in ("--cache-salt-per-api-key", "--metrics-require-api-key"):
+        with pytest.raises(ValueError, match=f"{flag} needs at least one --api-key"):
+            load_config(build_parser().parse_args(["serve", flag]))
+    with pytest.raises(ValueError):
+        ServerConfig(metrics_require_api_key=True)
+
+
+def test_tenant_tags_hide_the_keys():
+    from server.middleware import tenant_tags
+    from server.validation import tenant_cache_salt
+
+    tags = tenant_tags([KEY_1, KEY_2])
+    assert len(set(tags)) == 2 and all(KEY_1 not in t and KEY_2 not in t for t in tags)
+    assert tenant_tags([KEY_1]) != tags[:1]   # a fresh secret per start: tags are not the key's hash
+    assert tenant_cache_salt(tags[0], None) != tenant_cache_salt(tags[0], "x") != tenant_cache_salt(tags[1], "x")
+
+
+def test_published_schema_has_cache_salt_and_the_metrics_401():
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    doc = create_app(ServerConfig(stats_log_interval=0, api_key=["k"], metrics_require_api_key=True)).openapi()
+    assert "401" in doc["paths"]["/metrics"]["get"]["responses"]
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        salt = doc["components"]["schemas"][name]["properties"]["cache_salt"]
+        assert {"type": "string", "minLength": 1} in salt["anyOf"] and {"type": "null"} in salt["anyOf"]
+    doc = create_app(ServerConfig(stats_log_interval=0, api_key=["k"])).openapi()
+    assert "401" not in doc["paths"]["/metrics"]["get"]["responses"]
