@@ -5,10 +5,11 @@ Three measurements, old and new side by side, alternating within one run:
      a hit adds;
   2. the block manager's work for one long prompt that misses (look-up, allocation, keys
      registered chunk by chunk as prefill computes them, free);
-  3. the same prompt again once it is cached (a full-prefix hit: keys and token checks).
+  3. the same prompt again once it is cached (a full-prefix hit: keys and token checks);
+and with --engine, for scale, the whole prefill of a prompt on the embedded default model.
 The old block manager is `engine/kv_cache.py` at --old-rev, read with `git show`.
 
-    python benchmarks/bench_prefix_keys.py --prompt-tokens 8192 --repeats 15
+    python benchmarks/bench_prefix_keys.py --prompt-tokens 8192 --repeats 31 --engine
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-from array import array
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,12 +54,14 @@ def bench_block_key(block_size: int, repeats: int) -> dict[str, float]:
     tokens = [random.randrange(150_000) for _ in range(block_size)]
     digest = hashlib.sha256(b"parent").digest()
     stored = tuple(tokens)
+    packed = new_kv.pack_token_ids(tokens)
     cases = {
         "old: hash((parent, *tokens))": lambda: hash((12345, *tokens)),
-        "new: sha256(parent + uint32 tokens)": lambda: new_kv.hash_block(digest, new_kv.pack_token_ids(tokens)),
-        "alt: blake2b-256(parent + uint32 tokens)": lambda: hashlib.blake2b(
-            digest + array("I", tokens).tobytes(), digest_size=32).digest(),
-        "  of which packing the tokens": lambda: new_kv.pack_token_ids(tokens),
+        "new: hash_block(parent, pack_token_ids(tokens))": lambda: new_kv.hash_block(
+            digest, new_kv.pack_token_ids(tokens)),
+        "  packing 16 ids to uint32 bytes": lambda: new_kv.pack_token_ids(tokens),
+        "  sha256(parent + packed), inline": lambda: hashlib.sha256(digest + packed).digest(),
+        "  blake2b-256(parent + packed), inline": lambda: hashlib.blake2b(digest + packed, digest_size=32).digest(),
         "hit check: stored == tuple(tokens)": lambda: stored == tuple(tokens),
     }
     results = {name: [] for name in cases}
@@ -96,6 +98,40 @@ def hit(module, prompt: list[int], block_size: int) -> float:
     return elapsed
 
 
+def engine_prefill(old_kv, repeats: int) -> None:
+    """End to end on the embedded default model (CPU): a prompt as long as its context, once
+    cold and once cached, with the old block manager swapped in and the new one, alternating."""
+    from engine import LLM, SamplingParams
+
+    class OldKeys(old_kv.BlockManager):   # the old manager under the scheduler's new call signature
+        def find_cached_prefix(self, request_id, token_ids, root=None):
+            return super().find_cached_prefix(request_id, token_ids)
+
+        def cache_full_blocks(self, request_id, token_ids, num_computed_tokens, root=None):
+            return super().cache_full_blocks(request_id, token_ids, num_computed_tokens)
+
+    engines = {"old": LLM(dtype="float32", device="cpu"), "new": LLM(dtype="float32", device="cpu")}
+    bm = engines["old"].engine.block_manager
+    engines["old"].engine.block_manager = engines["old"].engine.scheduler.block_manager = OldKeys(
+        bm.num_blocks, bm.block_size, bm.enable_prefix_caching)
+    info = engines["new"].engine.info
+    num_tokens = info.max_model_len - 1
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    times = {(kind, impl): [] for kind in ("cold", "cached") for impl in engines}
+    for _ in range(repeats):
+        prompt = [random.randrange(3, info.vocab_size) for _ in range(num_tokens)]
+        for impl, llm in engines.items():
+            for kind in ("cold", "cached"):
+                start = time.perf_counter()
+                llm.generate([prompt], params, use_tqdm=False)
+                times[(kind, impl)].append(time.perf_counter() - start)
+    print(f"\nengine, default model ({info.max_model_len}-token context, CPU), one {num_tokens}-token prompt "
+          f"and 1 generated token, median of {repeats}:")
+    for kind in ("cold", "cached"):
+        old_ms, new_ms = (statistics.median(times[(kind, impl)]) * 1e3 for impl in ("old", "new"))
+        print(f"  {kind:8s} old {old_ms:8.1f} ms   new {new_ms:8.1f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=8192)
@@ -103,6 +139,8 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--old-rev", default="393ee78", help="git revision with the old tuple-hash keys")
+    parser.add_argument("--engine", action="store_true",
+                        help="also time prefill end to end on the embedded default model (CPU)")
     args = parser.parse_args()
     random.seed(0)
     old_kv = load_old(args.old_rev)
@@ -110,7 +148,7 @@ def main() -> int:
 
     print(f"\nper block of {args.block_size} tokens (median of {args.repeats}, best-of-3 each):")
     for name, ns in bench_block_key(args.block_size, args.repeats).items():
-        print(f"  {name:42s} {ns:8.0f} ns")
+        print(f"  {name:48s} {ns:8.0f} ns")
 
     prompt = [random.randrange(150_000) for _ in range(args.prompt_tokens)]
     rows = {(kind, impl): [] for kind in ("miss", "hit") for impl in ("old", "new")}
@@ -126,6 +164,8 @@ def main() -> int:
         old_ms = statistics.median(rows[(kind, "old")]) * 1e3
         new_ms = statistics.median(rows[(kind, "new")]) * 1e3
         print(f"  {what:42s} old {old_ms:7.3f} ms   new {new_ms:7.3f} ms   (+{new_ms - old_ms:.3f} ms)")
+    if args.engine:
+        engine_prefill(old_kv, max(3, args.repeats // 3))
     return 0
 
 
