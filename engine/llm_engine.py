@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from functools import partial
 
 import torch
