@@ -10,9 +10,11 @@ into tenants, checked through the engine's and the server's hit counters.
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
-from server_fixtures import ServerProcess, metric, scrape, server_checkpoint, wait_idle  # noqa: F401
+from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
 import engine.kv_cache as kv_cache
 from engine import LLM, SamplingParams
@@ -241,6 +243,24 @@ def test_invalid_cache_salt_is_a_400_naming_it(tenant_server, path, salt):
 
 def test_null_cache_salt_is_no_salt(tenant_server):
     assert _complete(tenant_server, KEY_1, cache_salt=None).status_code == 200
+
+
+def test_cache_salt_without_api_keys(server):  # noqa: F811
+    """The plain server (no keys): clients isolate themselves with their own salts."""
+    tag = uuid.uuid4().hex   # salts no earlier request on this shared server used
+
+    def hits(**fields) -> float:
+        before = metric(scrape(server.url), "kvserve:prefix_cache_hits_total")
+        response = httpx.post(server.base_url + "/completions", timeout=60,
+                              json={"prompt": PROMPT[::-1], "max_tokens": 2, **fields})
+        assert response.status_code == 200, response.text
+        return metric(scrape(server.url), "kvserve:prefix_cache_hits_total") - before
+
+    assert hits(cache_salt=f"{tag}-a") == 0
+    assert hits(cache_salt=f"{tag}-b") == 0
+    assert hits(cache_salt=f"{tag}-a") == 32
+    response = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "cache_salt": ""}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
 
 
 # --------------------------------------------------------------------------- configuration and schema
