@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from engine import messages
 from engine.config import EngineArgs, RuntimeInfo
-from engine.input_processor import load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
+from engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from models import built_default_model
@@ -144,9 +144,12 @@ class AsyncLLM:
         return self._stats
 
     # ---- asyncio side ------------------------------------------------------
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+    async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
+
+        `prompt` is text, token ids, or a dict `{"prompt": text}` / `{"prompt_token_ids": [...]}`
+        with an optional `"cache_salt"` (only requests with the same salt share cached KV).
 
         Raises ValueError for bad input before yielding. Leaving the loop early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
@@ -155,7 +158,8 @@ class AsyncLLM:
         if not self.is_healthy:
             raise self._not_running() from self._error
         # big prompts are tokenized (and token ids checked) in a worker thread, off this loop
-        size = len(prompt) if isinstance(prompt, str) else len(prompt) // 8 if isinstance(prompt, Sequence) else None
+        inner = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
+        size = len(inner) if isinstance(inner, str) else len(inner) // 8 if isinstance(inner, Sequence) else None
         processed = await run_off_loop(process_prompt, self.tokenizer, self.info, prompt, params,
                                        self._max_chars_per_token, num_chars=size)
         if request_id in self._streams:

@@ -44,6 +44,12 @@ _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Unic
                            "Split"}
 
 
+# A prompt: text, token ids, or (as vLLM takes them) a dict {"prompt": text} or
+# {"prompt_token_ids": [...]}, optionally with "cache_salt".
+PromptType = str | Sequence[int] | dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessedPrompt:
     """A validated request, ready to be queued."""
@@ -52,6 +58,8 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    # requests share cached KV blocks only with requests of the same salt (docs/security.md)
+    cache_salt: str | None = None
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""
@@ -60,10 +68,36 @@ class ProcessedPrompt:
                                     p.prompt_logprobs is not None, arrival_time)
 
 
-def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int], params: SamplingParams,
+def check_cache_salt(cache_salt: Any) -> str | None:
+    """`cache_salt` as vLLM accepts it: None, or a non-empty string; ValueError otherwise."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return cache_salt
+
+
+def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
+    """(text or token ids, cache salt) of a prompt; ValueError for a malformed prompt dict."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    given = _PROMPT_KEYS & prompt.keys()
+    unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt"}
+    if len(given) != 1 or unknown:
+        raise ValueError(f"a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', and optionally "
+                         f"'cache_salt'; got {sorted(map(str, prompt))}")
+    (key,) = given
+    value = prompt[key]
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+    if key == "prompt_token_ids" and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+        raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
+    return value, check_cache_salt(prompt.get("cache_salt"))
+
+
+def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
                    max_chars_per_token: int | None = None) -> ProcessedPrompt:
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
     (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing."""
+    prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     params.validate()  # the caller may have mutated a validated object
@@ -93,7 +127,7 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: str | Sequence[int], pa
     if num_prompt + max_tokens > capacity:
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-    return ProcessedPrompt(text, token_ids, params, max_tokens)
+    return ProcessedPrompt(text, token_ids, params, max_tokens, cache_salt)
 
 
 def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,

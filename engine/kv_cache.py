@@ -8,10 +8,14 @@ tail of a free list (a doubly linked list threaded through the blocks, so removi
 a block from the middle is O(1)); allocation pops from the head, so the least
 recently freed block is reused first (LRU).
 
-Prefix caching: once a block is full, it is registered under a hash chained over
-its parent's hash and its own tokens. A freed block keeps its hash until it is
-reused, so a later request with the same prefix can pick it back up, and requests
-running at the same time (e.g. the n samples of one prompt) share blocks.
+Prefix caching: once a block is full, it is registered under a SHA-256 digest
+chained over its parent's digest and its own tokens; the first block's parent is the
+request's root digest (`prefix_root`), which covers every other input that changes the
+block's K/V (the cache salt). A hit also compares the block's stored parent digest and
+token ids with the request's, so even a forged digest collision is a miss, never
+another request's KV (docs/security.md, "Prefix cache"). A freed block keeps its key
+until it is reused, so a later request with the same prefix can pick it back up, and
+requests running at the same time (e.g. the n samples of one prompt) share blocks.
 
 Backpressure is `None`, never an exception: `allocate` returns None when the pool
 cannot hold the request, and the scheduler decides whom to preempt.
@@ -19,24 +23,64 @@ cannot hold the request, and the scheduler decides whom to preempt.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 NULL_BLOCK_ID = 0
-_ROOT_HASH = 0x6B76736572766531  # the parent hash of every request's first block
+_KEY_VERSION = b"kvserve-prefix-v2"
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained prefix hash (Python's int/tuple hash is stable across runs)."""
-    return hash((parent_hash, *token_ids))
+def _field(tag: bytes, value: bytes) -> bytes:
+    """One length-prefixed field of the root's key material, so no two inputs encode alike."""
+    return tag + len(value).to_bytes(8, "little") + value
+
+
+def prefix_root(cache_salt: str | None = None) -> bytes:
+    """The parent digest of a request's first block.
+
+    Every input besides the token ids that changes a block's K/V must be mixed in here, so
+    that requests differing in it never share a block: today the cache salt; a LoRA adapter
+    or an encoder input adds its own tagged field. Unsalted requests share one root.
+    """
+    material = _KEY_VERSION
+    if cache_salt is not None:
+        material += _field(b"salt", cache_salt.encode("utf-8", "surrogatepass"))
+    return hashlib.sha256(material).digest()
+
+
+ROOT_DIGEST = prefix_root()
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes a key is made of: 4 bytes each (an id beyond uint32 raises).
+
+    Native byte order: keys are never shared between processes or machines."""
+    return array("I", token_ids).tobytes()
+
+
+def hash_block(parent_hash: bytes, token_bytes: bytes) -> bytes:
+    """A full block's key: SHA-256 over the parent's digest and the block's packed token ids.
+
+    Cryptographic, so that nobody can craft a block whose key equals another's (Python's
+    built-in hash is unkeyed and cheap to collide); 32-byte digests also make an accidental
+    collision impossible in practice. Fixed-width fields, so the input is never ambiguous.
+    """
+    return hashlib.sha256(parent_hash + token_bytes).digest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    """One KV block. A cached block also keeps what its key was made of (`parent_hash`,
+    `token_ids`), which a prefix hit must match exactly."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
+        self.parent_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -90,9 +134,10 @@ class BlockManager:
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._blocks[NULL_BLOCK_ID].ref_cnt = 1  # pinned forever
         self._free = FreeBlockQueue(self._blocks[1:])
-        self._cached: dict[int, Block] = {}  # block hash -> block holding that prefix
+        self._cached: dict[bytes, Block] = {}  # block key -> block holding that prefix
         self._req_blocks: dict[str, list[Block]] = {}
-        self._req_hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self._req_hashes: dict[str, list[bytes]] = {}  # chained keys of the request's full blocks
+        self._req_roots: dict[str, bytes] = {}  # the parent digest of each request's first block
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -113,47 +158,60 @@ class BlockManager:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
 
     # ---- prefix cache ------------------------------------------------------
-    def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int) -> list[int]:
+    def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
+                       root: bytes) -> list[bytes]:
         hashes = self._req_hashes.setdefault(request_id, [])
-        bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
+        root = self._req_roots.setdefault(request_id, root)
+        start, bs = len(hashes), self.block_size
+        if start < num_full_blocks:
+            packed = pack_token_ids(token_ids[start * bs:num_full_blocks * bs])  # one conversion for all
+            width = len(packed) // (num_full_blocks - start)
+            for offset in range(0, len(packed), width):
+                hashes.append(hash_block(hashes[-1] if hashes else root, packed[offset:offset + width]))
         return hashes
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int],
+                           root: bytes = ROOT_DIGEST) -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids` (not yet referenced).
 
-        At least one token is always left to compute, so the request has logits to sample from.
+        `root` is the request's `prefix_root`. A block counts only if its stored parent digest
+        and token ids equal the request's: a key collision is a miss. At least one token is
+        always left to compute, so the request has logits to sample from.
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._extend_hashes(request_id, token_ids, max_blocks)
+        hashes = self._extend_hashes(request_id, token_ids, max_blocks, root)
+        parent, bs = self._req_roots[request_id], self.block_size
         hit_ids = []
-        for h in hashes[:max_blocks]:
+        for i, h in enumerate(hashes[:max_blocks]):
             block = self._cached.get(h)
-            if block is None:
+            if (block is None or block.parent_hash != parent
+                    or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs])):
                 break
             hit_ids.append(block.block_id)
+            parent = h
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(hit_ids) * self.block_size
         return hit_ids
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the request's blocks that are full of computed tokens under their hashes."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          root: bytes = ROOT_DIGEST) -> None:
+        """Register the request's blocks that are full of computed tokens under their keys."""
         if not self.enable_prefix_caching:
             return
         blocks = self._req_blocks.get(request_id)
         if not blocks:
             return
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
-        hashes = self._extend_hashes(request_id, token_ids, num_full)
-        for block, h in zip(blocks[:num_full], hashes):
+        hashes = self._extend_hashes(request_id, token_ids, num_full, root)
+        parent, bs = self._req_roots[request_id], self.block_size
+        for i, (block, h) in enumerate(zip(blocks[:num_full], hashes)):
             if block.block_hash is None and h not in self._cached:
-                block.block_hash = h
+                block.block_hash, block.parent_hash = h, parent
+                block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
                 self._cached[h] = block
+            parent = h
 
     # ---- allocation --------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> list[int] | None:
@@ -188,7 +246,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict its stale prefix entry
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.parent_hash = block.token_ids = None
         block.ref_cnt = 1
         return block
 
@@ -200,8 +258,9 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self._free.append(block)
         self._req_hashes.pop(request_id, None)
+        self._req_roots.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
-            block.block_hash = None
+            block.block_hash = block.parent_hash = block.token_ids = None
         self._cached.clear()

@@ -8,22 +8,21 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
+from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int]
-
-
-def _normalize_prompts(prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[PromptType]:
-    if isinstance(prompts, str):
+def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # one prompt given as token ids
     for p in prompts:
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"each prompt must be a str or a list of token ids, got {type(p).__name__}")
+        if not isinstance(p, (str, list, tuple, dict)):
+            raise ValueError(f"each prompt must be a str, a list of token ids or a prompt dict, "
+                             f"got {type(p).__name__}")
     return prompts
 
 
@@ -49,6 +48,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
+        `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

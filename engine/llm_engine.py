@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from functools import partial
 
 import torch
 
 from engine.config import EngineArgs, RuntimeInfo
-from engine.input_processor import ProcessedPrompt, process_prompt
-from engine.kv_cache import BlockManager
+from engine.input_processor import PromptType, ProcessedPrompt, process_prompt
+from engine.kv_cache import BlockManager, prefix_root
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.request import Request, RequestStatus
@@ -111,7 +110,7 @@ class LLMEngine:
                     self.info.max_model_len, self.info.kv_capacity_tokens)
 
     # ---- requests ----------------------------------------------------------
-    def process_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
         return process_prompt(self.tokenizer, self.info, prompt, params)
 
@@ -123,12 +122,13 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        root = prefix_root(processed.cache_salt)
         children = [
             Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=processed.prompt_token_ids,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival)
+                arrival_time=arrival, prefix_root=root)
             for i in range(params.n)
         ]
         self.output_processor.add(request_id, children)
@@ -140,7 +140,7 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         self.add_processed(request_id, self.process_prompt(prompt, params))
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 Every message is a tuple whose first item is its kind, pickled with protocol 5 and
 sent as one frame over a `multiprocessing` pipe. Contents are plain data:
-`ProcessedPrompt` (token ids + `SamplingParams`) in, `RequestDelta`s (only what is
+`ProcessedPrompt` (token ids + `SamplingParams` + cache salt) in, `RequestDelta`s (only what is
 new) and an `EngineStats` snapshot out. docs/benchmarks.md has the codec's measured
 cost; at one message per step it is a few microseconds against a step of milliseconds.
 

@@ -6,6 +6,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from engine.kv_cache import ROOT_DIGEST
+
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
@@ -36,7 +38,7 @@ class Request:
         "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "structured",
+        "finished_time", "structured", "prefix_root",
     )
 
     def __init__(
@@ -50,6 +52,7 @@ class Request:
         sample_index: int = 0,
         seed: int | None = None,
         arrival_time: float | None = None,
+        prefix_root: bytes = ROOT_DIGEST,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -72,6 +75,8 @@ class Request:
         self.finished_time: float | None = None
         # structured outputs: this sequence's grammar matcher (engine/structured_output.py), set in the core
         self.structured = None
+        # the parent digest of its first KV block (`kv_cache.prefix_root`: the cache salt and the like)
+        self.prefix_root = prefix_root
 
     @property
     def num_prompt_tokens(self) -> int:

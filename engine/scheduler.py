@@ -174,7 +174,7 @@ class Scheduler:
             request = self.waiting[0]
             # prompt logprobs need logits at every prompt position: no cached prefix for them
             cached_ids = [] if request.wants_prompt_logprobs else bm.find_cached_prefix(
-                request.request_id, request.all_token_ids)
+                request.request_id, request.all_token_ids, request.prefix_root)
             num_computed = len(cached_ids) * bm.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
@@ -213,7 +213,7 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             # register full blocks before a finish frees them: a follow-up turn can reuse them
             self.block_manager.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens)
+                request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)
             if token_id is None:
                 continue
             request.append_output_token(token_id)

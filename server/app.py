@@ -8,6 +8,7 @@ and return JSON or an SSE stream, watching for the client to leave all along.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from server.engine_protocol import ModelInfo, ServingEngine
 from server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
 from server.logprobs import TokenText
 from server.metrics import ServerMetrics
-from server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from server.middleware import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
 from server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -55,6 +56,7 @@ from server.validation import (
     input_size,
     max_tokens_zero_supported,
     messages_size,
+    tenant_cache_salt,
     validate_chat,
     validate_completion,
 )
@@ -155,10 +157,11 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
     app = FastAPI(title="kvserve", version=package_version(), lifespan=lifespan)
     install_error_handlers(app)
     _add_routes(app)
-    install_openapi(app, has_api_key=bool(config.api_key))
+    install_openapi(app, has_api_key=bool(config.api_key), protects_metrics=config.metrics_require_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_key, protect_metrics=config.metrics_require_api_key,
+                           tag_tenants=config.cache_salt_per_api_key)
     if config.cors_origin:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origin, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in config.cors_origin)
@@ -188,6 +191,9 @@ async def _exit_when_engine_dies(app: FastAPI, engine: ServingEngine, keep_alive
 
 async def run_request(state: AppState, vreq: ValidatedRequest, request: Request) -> Response:
     """Admit, start on the engine, and answer as JSON or SSE; abort if the client leaves."""
+    tenant = request.scope.get(TENANT_SCOPE_KEY)   # set by --cache-salt-per-api-key
+    if tenant is not None:
+        vreq = dataclasses.replace(vreq, cache_salt=tenant_cache_salt(tenant, vreq.cache_salt))
     num_seqs = state.admission.reserve(vreq)
     outputs = state.serving.outputs(vreq)
     is_handed_over = False

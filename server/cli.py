@@ -86,6 +86,9 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         problems = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else "?"
+            if not err["loc"]:   # a check across fields: its message names the flags
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
             problems.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {err['msg']}")
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems)) from None
 

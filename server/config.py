@@ -3,7 +3,7 @@
 Every field is a flag (`--max-num-seqs`) and an environment variable
 (`KVSERVE_MAX_NUM_SEQS`); a flag given on the command line wins over the
 environment, which wins over the default. List fields (`served_model_name`,
-`cors_origin`) take comma-separated values in the environment. Empty variables are ignored.
+`cors_origin`, `api_key`) take comma-separated values in the environment. Empty variables are ignored.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "KVSERVE_"
@@ -95,7 +95,15 @@ class ServerConfig(BaseSettings):
     max_queue: int | None = Field(
         None, ge=0, description="Refuse new requests with 503 when more than this many would wait (unset: no limit)."
     )
-    api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY` on API routes.")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Require `Authorization: Bearer KEY` on API routes, KEY being any of "
+        "these keys.")
+    cache_salt_per_api_key: bool = Field(
+        False, description="Make each API key a tenant of its own: requests share cached KV blocks (and their "
+        "time to first token) only with requests sent with the same key (docs/security.md). Needs --api-key.")
+    metrics_require_api_key: bool = Field(
+        False, description="Require an API key on /metrics too (Prometheus then sends one: docs/server.md). "
+        "Needs --api-key.")
     cors_origin: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Allowed CORS origin(s); `*` allows any."
     )
@@ -136,7 +144,7 @@ class ServerConfig(BaseSettings):
         False, description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
         "with code 1; for debugging.")
 
-    @field_validator("served_model_name", "cors_origin", mode="before")
+    @field_validator("served_model_name", "cors_origin", "api_key", mode="before")
     @classmethod
     def _split_lists(cls, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
@@ -148,10 +156,17 @@ class ServerConfig(BaseSettings):
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "model", "tokenizer", "chat_template", "kv_cache_memory", mode="before")
+    @field_validator("model", "tokenizer", "chat_template", "kv_cache_memory", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _needs_api_key(self) -> ServerConfig:
+        for name in ("cache_salt_per_api_key", "metrics_require_api_key"):
+            if getattr(self, name) and not self.api_key:
+                raise ValueError(f"--{name.replace('_', '-')} needs at least one --api-key")
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.EngineArgs`."""

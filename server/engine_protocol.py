@@ -39,8 +39,9 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams,
-                 request_id: str) -> AsyncGenerator[RequestOutput, None]: ...
+    def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams,
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """`prompt`: token ids, or `{"prompt_token_ids": [...], "cache_salt": str}`."""
 
     async def abort(self, request_id: str) -> None: ...
 

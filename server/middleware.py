@@ -6,13 +6,18 @@ channel stays intact: the disconnect watch in `server.streaming` relies on it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_bytes
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The ASGI scope key under which an authenticated request carries its API key's tenant tag.
+TENANT_SCOPE_KEY = "kvserve.tenant"
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None,
@@ -23,15 +28,29 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches; /health, /metrics and CORS preflights stay open."""
+def tenant_tags(api_keys: Sequence[str]) -> list[str]:
+    """One tag per key: HMAC-SHA256 of the key under a secret drawn at start-up, so that the tag
+    (which travels with requests to the engine) says nothing about the key, even a guessable one."""
+    secret = secrets.token_bytes(32)
+    return [hmac.new(secret, key.encode(), hashlib.sha256).hexdigest() for key in api_keys]
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches one of the keys; /health, /metrics (unless
+    `protect_metrics`) and CORS preflights stay open. With `tag_tenants`, an accepted request
+    carries its key's tag in `scope[TENANT_SCOPE_KEY]` (the raw key goes nowhere)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], protect_metrics: bool = False,
+                 tag_tenants: bool = False) -> None:
+        if not api_keys:
+            raise ValueError("APIKeyMiddleware needs at least one API key")
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        tags = tenant_tags(api_keys) if tag_tenants else [None] * len(api_keys)
+        self.expected = [(f"Bearer {key}".encode(), tag) for key, tag in zip(api_keys, tags)]
+        self.open_paths = OPEN_PATHS - {"/metrics"} if protect_metrics else OPEN_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         provided = b""
@@ -39,10 +58,16 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 provided = value
                 break
-        if not hmac.compare_digest(provided, self.expected):
+        is_valid, tenant = False, None
+        for expected, tag in self.expected:   # every key is compared: the time says nothing of which matched
+            if hmac.compare_digest(provided, expected):
+                is_valid, tenant = True, tag
+        if not is_valid:
             await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
                              code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
             return
+        if tenant is not None:
+            scope = {**scope, TENANT_SCOPE_KEY: tenant}
         await self.app(scope, receive, send)
 
 

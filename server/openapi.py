@@ -57,26 +57,27 @@ def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, 
                   "content": {"text/event-stream": {"schema": event}}}}
 
 
-def install_openapi(app: FastAPI, has_api_key: bool) -> None:
-    """Replace `app.openapi` by one without FastAPI's 422s (and with 401s where `has_api_key`)."""
+def install_openapi(app: FastAPI, has_api_key: bool, protects_metrics: bool = False) -> None:
+    """Replace `app.openapi` by one without FastAPI's 422s (and with 401s where `has_api_key`;
+    on /metrics too with `protects_metrics`)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _fix(schema, has_api_key)
+            _fix(schema, has_api_key, ("/health",) if protects_metrics else _UNPROTECTED_PATHS)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _fix(schema: dict[str, Any], has_api_key: bool) -> None:
+def _fix(schema: dict[str, Any], has_api_key: bool, open_paths: tuple[str, ...]) -> None:
     error_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            if has_api_key and path not in _UNPROTECTED_PATHS:
+            if has_api_key and path not in open_paths:
                 responses["401"] = {"description": _DESCRIPTIONS[401], **error_ref}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):

@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
+from engine.input_processor import check_cache_salt
 from engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 MAX_LOGPROBS = 20
@@ -158,6 +159,9 @@ class SamplingFields(_Request):
     ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool | None = True
+    cache_salt: Annotated[Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)] = Field(
+        None, description="Only requests with the same salt share cached prompt KV (and its faster first token); "
+        "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).")
     # vLLM's structured-output extras (at most one of these and a non-text response_format). Left out
     # of the OpenAPI document: OpenAI clients do not send them, and a fuzzer that sets several at once
     # only ever gets the at-most-one 400 (docs/structured_outputs.md documents them).

@@ -152,7 +152,10 @@ class Serving:
         request_id = f"{vreq.request_id}-{prompt_idx}"
         tracker = self.metrics.tracker()
         is_finished = False
-        stream = self.engine.generate(vreq.prompts[prompt_idx].token_ids, vreq.params, request_id)
+        token_ids = vreq.prompts[prompt_idx].token_ids
+        prompt = (token_ids if vreq.cache_salt is None
+                  else {"prompt_token_ids": token_ids, "cache_salt": vreq.cache_salt})
+        stream = self.engine.generate(prompt, vreq.params, request_id)
         try:
             async for out in stream:
                 tracker.observe(out)

@@ -62,6 +62,7 @@ class ValidatedRequest:
     include_usage: bool
     structured_outputs_param: str | None = None   # the field the output constraint came from
     tools: ToolPlan | None = None   # chat with tools: how to read tool calls from the output
+    cache_salt: str | None = None   # only requests with the same salt share cached KV blocks
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -267,8 +268,14 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
         params=params, num_choices=req.n or 1, num_logprobs=req.logprobs, is_echo=is_echo,
         is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        structured_outputs_param=constraint_param,
+        structured_outputs_param=constraint_param, cache_salt=req.cache_salt,
     )
+
+
+def tenant_cache_salt(tenant: str, cache_salt: str | None) -> str:
+    """The salt of a request sent with the API key whose tag is `tenant` (--cache-salt-per-api-key):
+    every tenant's salts start with its fixed-length tag, so no client salt reaches another's."""
+    return tenant if cache_salt is None else f"{tenant}:{cache_salt}"
 
 
 def _completion_prompts(prompt: Any, n: int, limits: ModelLimits, tokenizer: Any,
@@ -342,7 +349,7 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         prompts=[EnginePrompt(token_ids, text)], params=params, num_choices=req.n or 1,
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        structured_outputs_param=constraint_param, tools=tool_plan,
+        structured_outputs_param=constraint_param, tools=tool_plan, cache_salt=req.cache_salt,
     )
 
 

@@ -82,9 +82,11 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
 
 
 def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`."""
+    """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`. A `vocab_size`
+    override larger than the tokenizer's gives the model ids that only token-id prompts use."""
     tokenizer = train_tokenizer()
-    config = tiny_config(family, vocab_size=tokenizer.get_vocab_size(), **overrides).to_dict()
+    vocab_size = overrides.pop("vocab_size", tokenizer.get_vocab_size())
+    config = tiny_config(family, vocab_size=vocab_size, **overrides).to_dict()
     config["architectures"] = [ARCHITECTURES[family]]
     # Random init is near-uniform over the vocabulary; scale up the matrices so the
     # distribution is peaked enough that greedy decoding is not decided by ties.

@@ -86,9 +86,11 @@ def cached_server(name: str, model_dir: str, *args: str) -> ServerProcess:
     return server  # type: ignore[return-value]
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """`/metrics` parsed with prometheus-client's parser: {(sample name, sorted labels): value}."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    response = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    response.raise_for_status()
+    text = response.text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -102,11 +104,11 @@ def metric(samples: dict, name: str, **labels: str) -> float:
                if sample_name == name and set(labels.items()) <= set(sample_labels))
 
 
-def wait_idle(url: str, timeout_s: float = 60.0) -> dict:
+def wait_idle(url: str, timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> dict:
     """Poll /metrics until nothing runs or waits and no KV block is in use; return the last scrape."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(url)
+        samples = scrape(url, headers)
         busy = (metric(samples, "kvserve:num_requests_running"), metric(samples, "kvserve:num_requests_waiting"),
                 metric(samples, "kvserve:kv_cache_usage_perc"))
         if busy == (0, 0, 0):

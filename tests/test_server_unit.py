@@ -67,7 +67,7 @@ def test_defaults_and_engine_args(monkeypatch):
 
     config = _config([])
     assert (config.host, config.port, config.model, config.max_queue, config.api_key) == \
-        ("127.0.0.1", 8000, None, None, None)
+        ("127.0.0.1", 8000, None, None, [])
     EngineArgs(**config.engine_kwargs()).validate()   # every engine flag maps onto EngineArgs
 
 
