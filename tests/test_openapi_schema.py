@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -30,6 +30,15 @@ from server.config import ServerConfig
 MAX_EXAMPLES = 30             # per operation
 MAX_GENERATED_TOKENS = 4      # generated requests ask for at most this many tokens ...
 MAX_SEQS = 2                  # ... in at most this many sequences (n), so the run stays short
+# One valid body per POST route, run with the generated ones: which generated bodies pass
+# validation shifts whenever the request schema grows a field, and every run should still check
+# a 200 against the published response schema.
+VALID_BODIES = {
+    "/v1/completions": {"prompt": "Hello", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2},
+    "/tokenize": {"prompt": "Hello"},
+    "/detokenize": {"tokens": [1, 2]},
+}
 
 
 def _document(**config: object) -> dict:
@@ -144,6 +153,12 @@ def test_generated_requests_conform(api_schema, openapi_document, method, path, 
     valid_after_all = 0
     refused_valid: list[object] = []  # schema-valid bodies the request models refuse: stricter than published
 
+    def with_valid_example(test):
+        if mode == schemathesis.GenerationMode.POSITIVE and path in VALID_BODIES:
+            return example(case=operation.Case(body=VALID_BODIES[path], media_type="application/json"))(test)
+        return test
+
+    @with_valid_example
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
