@@ -1,4 +1,4 @@
-"""Raw ASGI middlewares: API-key check and request-body size limit.
+"""Raw ASGI middlewares: API-key check and request-body size and nesting limits.
 
 They are plain ASGI (not Starlette's BaseHTTPMiddleware) so that the handlers' `receive`
 channel stays intact: the disconnect watch in `server.streaming` relies on it.
@@ -11,6 +11,7 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_bytes
+from server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -23,12 +24,19 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an `Authorization: Bearer <token>` header value (b"" for another scheme).
+    The scheme name is case-insensitive (RFC 7235: `bearer` and `BEARER` are `Bearer`)."""
+    scheme, _, token = authorization.partition(b" ")
+    return token.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches; /health, /metrics and CORS preflights stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
@@ -39,7 +47,7 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 provided = value
                 break
-        if not hmac.compare_digest(provided, self.expected):
+        if not hmac.compare_digest(bearer_token(provided), self.expected):
             await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
                              code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
             return
@@ -47,15 +55,18 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes` (by Content-Length, and by counting what actually arrives).
+    """413 for bodies over `max_bytes` (by Content-Length, and by counting what actually arrives);
+    400 `json_too_deep` for bodies nesting arrays and objects deeper than `max_json_depth`, found on
+    the raw bytes before anything parses or walks them (`server.json_depth`).
 
     The body is read here in full and replayed to the app, after which `receive` passes
     through (so the app still sees `http.disconnect`).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -86,6 +97,9 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if json_depth(body, self.max_json_depth) > self.max_json_depth:
+            await send_error(send, 400, too_deep_message(depth_limit=self.max_json_depth), code="json_too_deep")
+            return
         is_replayed = False
 
         async def replay() -> Message:

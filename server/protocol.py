@@ -58,17 +58,34 @@ Stop = StrictStr | list[StrictStr]
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a valid pair is one code point once JSON is parsed
 
 
-def replace_lone_surrogates(value: Any) -> Any:
-    """`value` (parsed JSON) with every lone surrogate in its strings and keys replaced by U+FFFD."""
-    if isinstance(value, str):
-        return _LONE_SURROGATE.sub("\ufffd", value) if _LONE_SURROGATE.search(value) else value
-    if isinstance(value, dict):
-        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
-    if isinstance(value, list):
-        if value and isinstance(value[0], (int, float)):   # token ids: no strings to fix (or a type error)
-            return value
-        return [replace_lone_surrogates(v) for v in value]
+def _fixed(value: Any) -> Any:
+    if isinstance(value, str) and _LONE_SURROGATE.search(value):
+        return _LONE_SURROGATE.sub("\ufffd", value)
     return value
+
+
+def replace_lone_surrogates(value: Any) -> Any:
+    """`value` (parsed JSON) with every lone surrogate in its strings and keys replaced by U+FFFD.
+
+    Containers are copied, not changed. The walk keeps its own stack instead of recursing, so no
+    nesting exhausts Python's (the body's depth is also bounded: `server.json_depth`)."""
+    holder = [value]
+    stack: list[tuple[list | dict, Any]] = [(holder, 0)]   # (container, key) of each value left to fix
+    while stack:
+        container, key = stack.pop()
+        item = container[key]
+        if isinstance(item, dict):
+            item = {_fixed(k): v for k, v in item.items()}
+            stack.extend((item, k) for k, v in item.items() if isinstance(v, (str, dict, list)))
+        elif isinstance(item, list):
+            if item and isinstance(item[0], (int, float)):   # token ids: no strings to fix (or a type error)
+                continue
+            item = list(item)
+            stack.extend((item, i) for i, v in enumerate(item) if isinstance(v, (str, dict, list)))
+        else:
+            item = _fixed(item)
+        container[key] = item
+    return holder[0]
 
 
 class _Request(BaseModel):
