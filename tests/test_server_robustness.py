@@ -39,3 +39,51 @@ def test_auth_scheme_is_case_insensitive(tokenizer):
             resp = client.get("/v1/models", headers={"Authorization": value})
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", value
         assert client.get("/v1/models").status_code == 401
+
+
+# --------------------------------------------------------------------------- the default queue bound
+
+
+@pytest.mark.parametrize(("max_num_seqs", "num_kv_blocks", "expected"), [
+    (256, 2048, 512),   # the batch is the limit
+    (256, 100, 200),    # the KV cache is: each running sequence holds a block at least
+    (1, 10, 2), (4, 0, 2),
+])
+def test_auto_max_queue(max_num_seqs, num_kv_blocks, expected):
+    from server.serving import resolve_max_queue
+
+    assert resolve_max_queue("auto", max_num_seqs, num_kv_blocks) == expected
+    assert resolve_max_queue("off", max_num_seqs, num_kv_blocks) is None
+    assert resolve_max_queue(7, max_num_seqs, num_kv_blocks) == 7
+
+
+def test_max_queue_setting(monkeypatch):
+    from server.cli import build_parser, load_config
+
+    def config(*argv: str) -> ServerConfig:
+        return load_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config().max_queue == "auto"
+    assert config("--max-queue", "off").max_queue == "off"
+    assert config("--max-queue", "0").max_queue == 0
+    monkeypatch.setenv("KVSERVE_MAX_QUEUE", "64")
+    assert config().max_queue == 64
+    for bad in ("-1", "none", "1.5"):
+        with pytest.raises(ValueError, match="--max-queue"):
+            config("--max-queue", bad)
+
+
+@pytest.mark.parametrize(("setting", "num_accepted"), [("auto", 3), (5, 6), ("off", 128)])
+def test_overload_gets_503(tokenizer, setting, num_accepted):
+    """One seat (--max-num-seqs 1): a request for n sequences leaves n - 1 waiting. The scripted
+    engine has 10 KV blocks, so `auto` lets 2 wait."""
+    from server.app import create_app
+
+    config = ServerConfig(stats_log_interval=0, max_num_seqs=1, max_queue=setting)
+    with TestClient(create_app(config, engine=FakeEngine(tokenizer))) as client:
+        ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": num_accepted})
+        assert ok.status_code == 200, ok.text
+        if num_accepted < 128:
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": num_accepted + 1})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_overloaded"
+            assert refused.headers["retry-after"] == "1"
