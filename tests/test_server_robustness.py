@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
+from server_fixtures import metric, scrape, server, server_checkpoint  # noqa: F401  (pytest fixtures)
 from test_server_unit import FakeEngine
 
 from server.config import ServerConfig
@@ -87,3 +91,65 @@ def test_overload_gets_503(tokenizer, setting, num_accepted):
             refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": num_accepted + 1})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_overloaded"
             assert refused.headers["retry-after"] == "1"
+
+
+# --------------------------------------------------------------------------- prompt-token counters
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    from checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("robustness_llama") / "llama", "llama")
+
+
+def _prompt_counters(llm) -> tuple[int, int, int]:
+    s = llm.engine.stats()
+    return s.prompt_tokens_total, s.prompt_tokens_cached_total, s.prompt_tokens_computed_total
+
+
+def test_prompt_token_counters_with_and_without_prefix_hits(llama):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(llama, dtype="float32", device="cpu", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(3, 21))   # 18 tokens: 4 full blocks, then 2 tokens
+    llm.generate([prompt], params, use_tqdm=False)
+    assert _prompt_counters(llm) == (18, 0, 18)
+    llm.generate([prompt], params, use_tqdm=False)   # the 4 full blocks come from the cache
+    assert _prompt_counters(llm) == (36, 16, 20)
+    llm.generate([list(range(30, 40))], SamplingParams(n=3, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    received, cached, computed = _prompt_counters(llm)
+    assert (received, cached) == (46, 16) and computed >= 30   # one prompt for its 3 samples
+
+
+def test_preempted_requests_are_received_once(llama):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(llama, dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)   # 60 tokens: preemptions
+    lengths = [1, 3, 7, 17, 40]
+    prompts = [list(range(3 + 50 * i, 3 + 50 * i + n)) for i, n in enumerate(lengths)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    received, cached, computed = _prompt_counters(llm)
+    assert llm.engine.stats().num_preemptions_total > 0
+    assert received == sum(lengths) and computed >= received - cached
+
+
+def test_server_counts_received_and_cached_prompt_tokens(server):
+    names = ("kvserve:prompt_tokens_total", "kvserve:prompt_tokens_cached_total",
+             "kvserve:prompt_tokens_computed_total", "kvserve:prefix_cache_hits_total")
+    before = scrape(server.url)
+    prompt = " ".join(uuid.uuid4().hex for _ in range(12))   # new to the prefix cache
+    usages = []
+    for _ in range(2):
+        resp = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        usages.append(resp.json()["usage"]["prompt_tokens"])
+    after = scrape(server.url)
+    received, cached, computed, hits = (metric(after, n) - metric(before, n) for n in names)
+    num_prompt = usages[0]
+    expected_hits = (num_prompt - 1) // 16 * 16   # the second request's full blocks (block size 16)
+    assert num_prompt > 16 and received == 2 * num_prompt
+    assert cached == hits == expected_hits
+    assert computed == received - cached
