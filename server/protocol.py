@@ -58,10 +58,16 @@ Stop = StrictStr | list[StrictStr]
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a valid pair is one code point once JSON is parsed
 
 
-def _fixed(value: Any) -> Any:
-    if isinstance(value, str) and _LONE_SURROGATE.search(value):
-        return _LONE_SURROGATE.sub("\ufffd", value)
-    return value
+def _fixed(text: str) -> str:
+    if text.isascii() or not _LONE_SURROGATE.search(text):   # isascii is O(1) in CPython
+        return text
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _copy(container: dict | list) -> dict | list:
+    if isinstance(container, dict):
+        return {_fixed(k) if isinstance(k, str) else k: v for k, v in container.items()}
+    return list(container)
 
 
 def replace_lone_surrogates(value: Any) -> Any:
@@ -69,23 +75,24 @@ def replace_lone_surrogates(value: Any) -> Any:
 
     Containers are copied, not changed. The walk keeps its own stack instead of recursing, so no
     nesting exhausts Python's (the body's depth is also bounded: `server.json_depth`)."""
-    holder = [value]
-    stack: list[tuple[list | dict, Any]] = [(holder, 0)]   # (container, key) of each value left to fix
+    if isinstance(value, str):
+        return _fixed(value)
+    if not isinstance(value, (dict, list)):
+        return value
+    root = _copy(value)
+    stack = [root]   # copies whose items are still to fix
     while stack:
-        container, key = stack.pop()
-        item = container[key]
-        if isinstance(item, dict):
-            item = {_fixed(k): v for k, v in item.items()}
-            stack.extend((item, k) for k, v in item.items() if isinstance(v, (str, dict, list)))
-        elif isinstance(item, list):
-            if item and isinstance(item[0], (int, float)):   # token ids: no strings to fix (or a type error)
-                continue
-            item = list(item)
-            stack.extend((item, i) for i, v in enumerate(item) if isinstance(v, (str, dict, list)))
-        else:
-            item = _fixed(item)
-        container[key] = item
-    return holder[0]
+        container = stack.pop()
+        for key, item in (container.items() if isinstance(container, dict) else enumerate(container)):
+            if isinstance(item, str):
+                if not item.isascii():
+                    container[key] = _fixed(item)
+            elif isinstance(item, (dict, list)):
+                if isinstance(item, list) and item and isinstance(item[0], (int, float)):
+                    continue   # token ids: no strings to fix (or a type error)
+                container[key] = item = _copy(item)
+                stack.append(item)
+    return root
 
 
 class _Request(BaseModel):
