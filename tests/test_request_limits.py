@@ -200,7 +200,7 @@ def test_tokenize_and_detokenize_are_covered(client):
 # --------------------------------------------------------------------------- a real server
 
 
-def test_real_server_refuses_deep_json_with_one_log_line_at_most(server):
+def test_real_server_refuses_deep_json_with_one_log_line_at_most(server):  # noqa: F811
     num_requests = 0
     before = server.log()
     for field in FIELDS:
@@ -215,7 +215,7 @@ def test_real_server_refuses_deep_json_with_one_log_line_at_most(server):
 
 @pytest.mark.parametrize("field", ["unknown", "chat_template_kwargs", "message_key", "response_format",
                                    "tool_parameters"])
-def test_real_server_serves_the_allowed_depth(server, field):
+def test_real_server_serves_the_allowed_depth(server, field):  # noqa: F811
     path, body = deep_body(field, MAX_JSON_DEPTH)
     resp = httpx.post(server.url + path, content=body, headers=JSON, timeout=120)
     assert resp.status_code == 200, resp.text[:300]

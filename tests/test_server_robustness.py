@@ -135,7 +135,7 @@ def test_preempted_requests_are_received_once(llama):
     assert received == sum(lengths) and computed >= received - cached
 
 
-def test_server_counts_received_and_cached_prompt_tokens(server):
+def test_server_counts_received_and_cached_prompt_tokens(server):  # noqa: F811
     names = ("kvserve:prompt_tokens_total", "kvserve:prompt_tokens_cached_total",
              "kvserve:prompt_tokens_computed_total", "kvserve:prefix_cache_hits_total")
     before = scrape(server.url)
