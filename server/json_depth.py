@@ -1,7 +1,7 @@
 """The nesting-depth limit on JSON request bodies, checked on the raw bytes before anything parses them.
 
 Python's `json` module, Pydantic's before-validators, Jinja's `tojson`, pickle and the JSON-schema
-checks all recurse once (or more) per level of nesting; a 2 KB body nested a few hundred levels
+checks all recurse once (or more) per level of nesting; a small body nested a few hundred levels
 deep would exhaust the interpreter's stack in one of them. `json_depth` measures the nesting
 without parsing or recursing: it blanks the escaped quotes (two `bytes.replace`), finds the quote
 and bracket bytes with numpy, and ignores the brackets that lie inside strings. A body within
