@@ -101,7 +101,11 @@ class LLMEngine:
             fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(), _host_cores()))
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
+        # prompt tokens: of every request once, when it is first scheduled (n samples share one prompt);
+        # of those, found in the prefix cache then; and run through the model, recomputation included
         self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0
+        self.prompt_tokens_computed_total = 0
         self.generation_tokens_total = 0
         self.num_consecutive_step_failures = 0  # a sticky device error fails every step; the core counts on this
         logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens",
@@ -217,8 +221,11 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self.output_processor.mark_scheduled(req, now)
-            self.prompt_tokens_total += max(0, min(item.start_pos + item.num_new_tokens,
-                                                   req.num_prompt_tokens) - item.start_pos)
+                if req.sample_index == 0:
+                    self.prompt_tokens_total += req.num_prompt_tokens
+                    self.prompt_tokens_cached_total += item.start_pos   # what the prefix cache held
+            self.prompt_tokens_computed_total += max(0, min(item.start_pos + item.num_new_tokens,
+                                                            req.num_prompt_tokens) - item.start_pos)
         try:
             # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
             result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))
@@ -266,4 +273,6 @@ class LLMEngine:
             structured_requests_total=self.structured.num_requests,
             grammar_compiles_total=self.structured.num_compiles,
             grammar_compile_seconds_total=self.structured.compile_time_s,
+            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
+            prompt_tokens_computed_total=self.prompt_tokens_computed_total,
         )

@@ -70,7 +70,7 @@ class EngineStats:
     kv_cache_usage: float  # 0-1
     num_kv_blocks_total: int
     num_kv_blocks_free: int
-    prompt_tokens_total: int
+    prompt_tokens_total: int  # every prompt token, once per request (cached ones included)
     generation_tokens_total: int
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
@@ -80,6 +80,8 @@ class EngineStats:
     structured_requests_total: int = 0
     grammar_compiles_total: int = 0  # cache misses
     grammar_compile_seconds_total: float = 0.0
+    prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, found in the prefix cache
+    prompt_tokens_computed_total: int = 0  # run through the model, recomputation after preemption included
 
 
 # ---- what the engine core emits each step: deltas only, plain data ----

@@ -45,7 +45,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.openapi import errors, install_openapi, streamed
-from server.serving import Admission, Serving
+from server.serving import Admission, Serving, resolve_max_queue
 from server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
 from server.tokenizer_info import tokenizer_info
 from server.validation import (
@@ -99,10 +99,11 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
         tool_call_parser=None if config.tool_call_parser == "none" else config.tool_call_parser,
     )
     metrics = ServerMetrics(engine, names[0])
+    max_queue = resolve_max_queue(config.max_queue, config.max_num_seqs, engine.stats().num_kv_blocks_total)
     return AppState(
         config=config, engine=engine, limits=limits, metrics=metrics,
         serving=Serving(engine, metrics, TokenText(engine.tokenizer)),
-        admission=Admission(engine, config.max_queue, config.max_num_seqs), created=int(time.time()),
+        admission=Admission(engine, max_queue, config.max_num_seqs), created=int(time.time()),
     )
 
 
@@ -110,8 +111,10 @@ def log_startup(state: AppState) -> None:
     mc, stats = state.engine.model_config, state.engine.stats()
     logger.info("model %s served as %s: dtype=%s device=%s max_model_len=%d", model_path(mc),
                 ", ".join(state.limits.served_model_names), mc.dtype, mc.device, mc.max_model_len)
-    logger.info("KV cache: %d blocks, capacity %d tokens; max_num_seqs=%d", stats.num_kv_blocks_total,
-                state.limits.kv_capacity_tokens, state.config.max_num_seqs)
+    logger.info("KV cache: %d blocks, capacity %d tokens; max_num_seqs=%d; at most %s sequences wait (--max-queue %s)",
+                stats.num_kv_blocks_total, state.limits.kv_capacity_tokens, state.config.max_num_seqs,
+                "any number of" if state.admission.max_queue is None else state.admission.max_queue,
+                state.config.max_queue)
     logger.info("serving on http://%s:%d (OpenAI base URL http://%s:%d/v1)", state.config.host, state.config.port,
                 state.config.host, state.config.port)
 

@@ -92,9 +92,9 @@ class ServerConfig(BaseSettings):
     # --- HTTP server ---
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
-    max_queue: int | None = Field(
-        None, ge=0, description="Refuse new requests with 503 when more than this many would wait (unset: no limit)."
-    )
+    max_queue: Annotated[int, Field(ge=0)] | Literal["auto", "off"] = Field(
+        "auto", description="Refuse new requests with 503 when more than this many sequences would wait; auto: "
+        "twice as many as can run at once (the smaller of --max-num-seqs and the KV blocks); off: no limit.")
     api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Require `Authorization: Bearer KEY` on API routes, KEY being any of "
         "these keys.")

@@ -146,6 +146,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = f"err-{uuid.uuid4().hex}"
-        logger.error("unhandled error in %s %s (request id %s)", request.method, request.url.path, request_id,
-                     exc_info=exc)
+        if isinstance(exc, RecursionError):   # its traceback runs to a thousand frames: one line says as much
+            logger.error("unhandled RecursionError in %s %s (request id %s): %s", request.method, request.url.path,
+                         request_id, exc)
+        else:
+            logger.error("unhandled error in %s %s (request id %s)", request.method, request.url.path, request_id,
+                         exc_info=exc)
         return internal_error(request_id).response()

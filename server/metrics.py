@@ -102,7 +102,12 @@ class _EngineCollector(Collector):
         window = f"over the last {self.metrics.throughput.window_s:g} s"
         yield gauge("prompt_throughput_toks_per_s", f"Prompt tokens/s {window}.", prompt_rate)
         yield gauge("generation_throughput_toks_per_s", f"Generated tokens/s {window}.", generation_rate)
-        yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
+        yield counter("prompt_tokens", "Prompt tokens of the requests started, each counted once (cached ones "
+                      "included).", stats.prompt_tokens_total)
+        yield counter("prompt_tokens_cached", "Prompt tokens found in the prefix cache when their request started.",
+                      stats.prompt_tokens_cached_total)
+        yield counter("prompt_tokens_computed", "Prompt tokens run through the model (again after a preemption).",
+                      stats.prompt_tokens_computed_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries_total)

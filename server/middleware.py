@@ -1,4 +1,4 @@
-"""Raw ASGI middlewares: API-key check and request-body size limit.
+"""Raw ASGI middlewares: API-key check and request-body size and nesting limits.
 
 They are plain ASGI (not Starlette's BaseHTTPMiddleware) so that the handlers' `receive`
 channel stays intact: the disconnect watch in `server.streaming` relies on it.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_bytes
+from server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # The ASGI scope key under which an authenticated request carries its API key's tenant tag.
@@ -35,6 +36,13 @@ def tenant_tags(api_keys: Sequence[str]) -> list[str]:
     return [hmac.new(secret, key.encode(), hashlib.sha256).hexdigest() for key in api_keys]
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an `Authorization: Bearer <token>` header value (b"" for another scheme).
+    The scheme name is case-insensitive (RFC 7235: `bearer` and `BEARER` are `Bearer`)."""
+    scheme, _, token = authorization.partition(b" ")
+    return token.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches one of the keys; /health, /metrics (unless
     `protect_metrics`) and CORS preflights stay open. With `tag_tenants`, an accepted request
@@ -46,7 +54,7 @@ class APIKeyMiddleware:
             raise ValueError("APIKeyMiddleware needs at least one API key")
         self.app = app
         tags = tenant_tags(api_keys) if tag_tenants else [None] * len(api_keys)
-        self.expected = [(f"Bearer {key}".encode(), tag) for key, tag in zip(api_keys, tags)]
+        self.expected = [(key.encode(), tag) for key, tag in zip(api_keys, tags)]
         self.open_paths = OPEN_PATHS - {"/metrics"} if protect_metrics else OPEN_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,9 +66,9 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 provided = value
                 break
-        is_valid, tenant = False, None
+        token, is_valid, tenant = bearer_token(provided), False, None
         for expected, tag in self.expected:   # every key is compared: the time says nothing of which matched
-            if hmac.compare_digest(provided, expected):
+            if hmac.compare_digest(token, expected):
                 is_valid, tenant = True, tag
         if not is_valid:
             await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
@@ -72,15 +80,18 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes` (by Content-Length, and by counting what actually arrives).
+    """413 for bodies over `max_bytes` (by Content-Length, and by counting what actually arrives);
+    400 `json_too_deep` for bodies nesting arrays and objects deeper than `max_json_depth`, found on
+    the raw bytes before anything parses or walks them (`server.json_depth`).
 
     The body is read here in full and replayed to the app, after which `receive` passes
     through (so the app still sees `http.disconnect`).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -111,6 +122,9 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if json_depth(body, self.max_json_depth) > self.max_json_depth:
+            await send_error(send, 400, too_deep_message(depth_limit=self.max_json_depth), code="json_too_deep")
+            return
         is_replayed = False
 
         async def replay() -> Message:

@@ -59,17 +59,41 @@ Stop = StrictStr | list[StrictStr]
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a valid pair is one code point once JSON is parsed
 
 
+def _fixed(text: str) -> str:
+    if text.isascii() or not _LONE_SURROGATE.search(text):   # isascii is O(1) in CPython
+        return text
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _copy(container: dict | list) -> dict | list:
+    if isinstance(container, dict):
+        return {_fixed(k) if isinstance(k, str) else k: v for k, v in container.items()}
+    return list(container)
+
+
 def replace_lone_surrogates(value: Any) -> Any:
-    """`value` (parsed JSON) with every lone surrogate in its strings and keys replaced by U+FFFD."""
+    """`value` (parsed JSON) with every lone surrogate in its strings and keys replaced by U+FFFD.
+
+    Containers are copied, not changed. The walk keeps its own stack instead of recursing, so no
+    nesting exhausts Python's (the body's depth is also bounded: `server.json_depth`)."""
     if isinstance(value, str):
-        return _LONE_SURROGATE.sub("\ufffd", value) if _LONE_SURROGATE.search(value) else value
-    if isinstance(value, dict):
-        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
-    if isinstance(value, list):
-        if value and isinstance(value[0], (int, float)):   # token ids: no strings to fix (or a type error)
-            return value
-        return [replace_lone_surrogates(v) for v in value]
-    return value
+        return _fixed(value)
+    if not isinstance(value, (dict, list)):
+        return value
+    root = _copy(value)
+    stack = [root]   # copies whose items are still to fix
+    while stack:
+        container = stack.pop()
+        for key, item in (container.items() if isinstance(container, dict) else enumerate(container)):
+            if isinstance(item, str):
+                if not item.isascii():
+                    container[key] = _fixed(item)
+            elif isinstance(item, (dict, list)):
+                if isinstance(item, list) and item and isinstance(item[0], (int, float)):
+                    continue   # token ids: no strings to fix (or a type error)
+                container[key] = item = _copy(item)
+                stack.append(item)
+    return root
 
 
 class _Request(BaseModel):

@@ -50,6 +50,23 @@ logger = logging.getLogger("kvserve.server")
 _END = object()
 
 
+# `--max-queue auto` lets this many sequences wait per sequence that can run at once.
+QUEUED_PER_RUNNING = 2
+
+
+def resolve_max_queue(setting: int | str, max_num_seqs: int, num_kv_blocks: int) -> int | None:
+    """The `--max-queue` bound in sequences (None: no bound). `auto` allows twice as many waiting
+    sequences as can run at once: the smaller of `max_num_seqs` and the KV blocks, since every
+    running sequence holds at least one block. The last one in line then starts after about two
+    generations of the batch; past that, a 503 with Retry-After (a client's back-off, another
+    replica) serves it better than a time to first token that grows without bound."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return QUEUED_PER_RUNNING * max(min(max_num_seqs, num_kv_blocks), 1)
+    return int(setting)
+
+
 class Admission:
     """`--max-queue`: refuse a request (503) when more than `max_queue` sequences would be waiting.
 

@@ -18,6 +18,7 @@ from engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
 from server.chat import render_chat
 from server.errors import APIError, bad_request
+from server.json_depth import check_json_depth
 from server.protocol import (
     MAX_SEQS_PER_REQUEST,
     MAX_STOP,
@@ -150,6 +151,8 @@ def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputs | None, s
                           f"{', '.join(_GUIDED_FIELDS)}, structured_outputs); got {[n for n, _ in given]}",
                           param=given[1][0])
     param, spec = given[0]
+    if isinstance(spec.get("json"), str):   # a schema sent as a string: the body's depth check did not see into it
+        check_json_depth(spec["json"], param)
     try:
         return StructuredOutputs(**spec), param
     except TypeError:   # an unknown key in `structured_outputs`

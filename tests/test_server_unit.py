@@ -54,7 +54,7 @@ def test_flags_win_over_env(monkeypatch):
     monkeypatch.setenv("KVSERVE_MAX_QUEUE", "")   # empty = unset
     config = _config([])
     assert config.port == 9000 and config.kv_cache_memory == 1024**3 and not config.enable_prefix_caching
-    assert config.max_queue is None
+    assert config.max_queue == "auto"
     assert config.cors_origin == ["http://a.test", "http://b.test"]
     config = _config(["--port", "9100", "--kv-cache-memory", "4GiB", "--cors-origin", "http://c.test",
                       "--enable-prefix-caching", "--served-model-name", "a,b", "--served-model-name", "c"])
@@ -67,7 +67,7 @@ def test_defaults_and_engine_args(monkeypatch):
 
     config = _config([])
     assert (config.host, config.port, config.model, config.max_queue, config.api_key) == \
-        ("127.0.0.1", 8000, None, None, [])
+        ("127.0.0.1", 8000, None, "auto", [])
     EngineArgs(**config.engine_kwargs()).validate()   # every engine flag maps onto EngineArgs
 
 
