@@ -215,11 +215,15 @@ class EngineCore:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == messages.ADD:
+            from engine.structured_output import CompileQueueFull
+
             _, request_id, processed, arrival = command
             try:
                 self.engine.add_processed(request_id, processed, arrival, build_outputs=False)
             except ValueError as e:
                 self._send((messages.REJECTED, request_id, str(e)))
+            except CompileQueueFull as e:
+                self._send((messages.OVERLOADED, request_id, str(e)))
         elif kind == messages.ABORT:
             self.engine.abort_delta(command[1])  # the client has already dropped the stream
         elif kind == messages.STOP:
