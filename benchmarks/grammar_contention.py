@@ -75,21 +75,23 @@ def compiling_gauge(url: str) -> float:
 
 def one_round(url: str, num_tools: int, stream_tokens: int) -> dict:
     times: list[float] = []
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
-    def stream() -> None:
+    def stream() -> None:  # until the big request is done (closing it aborts the rest)
         body = {"prompt": "Once upon a time", "max_tokens": stream_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     times.append(time.monotonic())
                     if len(times) == 20:
                         started.set()
+                if done.is_set():
+                    break
 
     streamer = threading.Thread(target=stream)
     streamer.start()
     started.wait(60)
-    time.sleep(1.0)  # a quiet second for the baseline gaps
+    time.sleep(2.0)  # quiet seconds for the baseline gaps
     tag = uuid.uuid4().hex[:8]
     tools = [tool(f"fn_{tag}_{i}") for i in range(num_tools)]
     body = {"messages": [{"role": "user", "content": "Call a tool."}], "tools": tools, "tool_choice": "required",
@@ -107,8 +109,10 @@ def one_round(url: str, num_tools: int, stream_tokens: int) -> dict:
     while sender.is_alive():
         gauge.append(compiling_gauge(url))
         time.sleep(0.1)
+    time.sleep(0.5)
+    done.set()
     streamer.join()
-    before = [b - a for a, b in zip(times, times[1:]) if b < result["start"]][-50:]
+    before = [b - a for a, b in zip(times, times[1:]) if result["start"] - 2.0 < b < result["start"]]
     during = [b - a for a, b in zip(times, times[1:]) if result["start"] <= b <= result["end"] + 0.2]
     return {"status": result["status"], "request_s": result["seconds"], "max_compiling_gauge": max(gauge),
             "gap_ms_before_median": 1000 * statistics.median(before) if before else None,
@@ -123,7 +127,7 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--tools", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stream-tokens", type=int, default=600)
+    parser.add_argument("--stream-tokens", type=int, default=1900)
     parser.add_argument("--server-arg", action="append", default=[], help="NAME=ARG: extra flag for one tree")
     parser.add_argument("--port", type=int, default=8471)
     args = parser.parse_args()

@@ -281,4 +281,5 @@ class LLMEngine:
             structured_requests_total=self.structured.num_requests,
             grammar_compiles_total=self.structured.num_compiles,
             grammar_compile_seconds_total=self.structured.compile_time_s,
+            num_grammars_compiling=self.structured.num_jobs,
         )

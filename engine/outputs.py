@@ -80,6 +80,8 @@ class EngineStats:
     structured_requests_total: int = 0
     grammar_compiles_total: int = 0  # cache misses
     grammar_compile_seconds_total: float = 0.0
+    # distinct grammars queued or compiling, including those whose requests left (still using the CPU)
+    num_grammars_compiling: int = 0
 
 
 # ---- what the engine core emits each step: deltas only, plain data ----

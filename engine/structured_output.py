@@ -200,7 +200,7 @@ class StructuredOutputManager:
     @property
     def num_jobs(self) -> int:
         """Distinct grammars queued or compiling, abandoned ones included."""
-        return len(self._jobs)
+        return sum(not job.future.done() for job in self._jobs.values())
 
     def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
         """Hold `children` until `spec` is compiled (at once when it is cached). Raises

@@ -140,7 +140,8 @@ def test_timeout_fails_cleanly_and_others_go_on(llm):
                 error = str(e)
         assert error is not None and "could not be compiled within 0.3 s (grammar_compile_timeout_s=0.3)" in error
         assert finished == ["other"]
-        assert engine.stats().num_compiling == 0 and manager.num_jobs == 1  # abandoned, still running
+        stats = engine.stats()
+        assert stats.num_compiling == 0 and stats.num_grammars_compiling == 1  # abandoned, still running
     _wait_for(lambda: manager._sweep() or manager.num_jobs == 0)  # it finished and was cached
     assert engine.block_manager.num_free_blocks == free_blocks
 
@@ -277,3 +278,6 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
     samples = scrape(url)
     assert metric(samples, "kvserve:num_requests_compiling") == 0
     assert metric(samples, "kvserve:num_requests_running") == 0
+    # its compile goes on, abandoned: the grammar gauge shows it, and it still holds the queue
+    assert metric(samples, "kvserve:num_grammars_compiling") == 1
+    assert _chat(url, guided_regex="[a-z]+").status_code == 503
