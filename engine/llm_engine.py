@@ -176,7 +176,8 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.has_pending
+        # a failed compile not yet reported counts: the next step() raises it
+        return self.scheduler.has_unfinished() or self.structured.has_pending or bool(self._rejected)
 
     def take_rejected(self) -> list[tuple[str, str]]:
         """(request id, error) of requests failed since the last call: their grammar did not compile.

@@ -157,14 +157,14 @@ def test_abort_cancels_queued_and_abandons_running_compiles(llm):
         engine.abort("queued")
         assert queued_job.future.cancelled() and manager.num_jobs == 1
         engine.abort("running")
-        assert running_job.is_abandoned and manager._pool.num_threads_alive == 1
+        assert running_job.is_abandoned and not running_job.future.done()
         assert not engine.has_unfinished_requests() and not manager.has_pending
         # a new compile does not wait for the abandoned one: a fresh thread takes it
         engine.add_request("next", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="n+")))
-        _wait_for(lambda: len(gate.started) == 2)
-        assert manager._pool.num_threads_alive == 2
+        _wait_for(lambda: len(gate.started) == 2)  # while the abandoned one is still held
         engine.abort("next")
-    _wait_for(lambda: manager._pool.num_threads_alive <= 1)  # the abandoned thread exits when done
+    _wait_for(lambda: manager.num_jobs == 0)  # both finish once released
+    _wait_for(lambda: manager._pool.num_threads_alive <= 1)  # the abandoned one's thread exits
     assert [s.regex for s in gate.started] == ["r+", "n+"]  # the queued one never compiled
     manager._sweep()
     assert manager.num_jobs == 0 and not manager.has_pending
@@ -281,3 +281,11 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
     # its compile goes on, abandoned: the grammar gauge shows it, and it still holds the queue
     assert metric(samples, "kvserve:num_grammars_compiling") == 1
     assert _chat(url, guided_regex="[a-z]+").status_code == 503
+
+
+def test_offline_generate_refused_by_the_queue_leaves_nothing(llm):
+    engine = llm.engine
+    specs = [StructuredOutputs(regex=f"{c}+") for c in "uvw"]  # three new grammars, the queue holds two
+    with Gate(engine.structured), pytest.raises(CompileQueueFull):
+        llm.generate(["hi"] * 3, [SamplingParams(structured_outputs=s) for s in specs], use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.output_processor.parents == {}
