@@ -6,9 +6,12 @@ between processes is `serialize_json`, which for a 128-tool grammar costs about 
 the compile itself (docs/security.md, "Grammar work"). Its compile cannot be interrupted either.
 So a compile, once started, runs to its end; what this module makes sure of instead:
 
-- the threads run at the lowest CPU priority (Linux nice 19; xgrammar's own compile threads,
-  created by the compiling thread, inherit it), so a compile takes only what the step loop
-  leaves; the compile releases the GIL while it works, so the step loop never waits for it;
+- the threads run at a low CPU priority (Linux nice `COMPILE_NICE`; xgrammar's own compile
+  threads, created by the compiling thread, inherit it), so a compile beside a busy step loop
+  gets a small share of a core instead of half of it; the compile releases the GIL while it
+  works, so the step loop never waits for it. Not the lowest priority (19): beside two busy
+  threads at nice 0 that share is too small for the largest allowed grammar to compile within
+  the time limit (docs/security.md, "Grammar work");
 - a queued job that nobody waits for any more is cancelled before it starts (`cancel`);
 - a running job that nobody waits for is abandoned: its thread finishes it (the result is
   cached for a later request with the same spec) and exits, and a new thread takes its place,
@@ -32,6 +35,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _IDLE_EXIT_S = 30.0  # an idle compile thread exits after this long (a new one starts on demand)
+COMPILE_NICE = 10  # a tenth of a nice-0 thread's CPU share when they compete (CFS weights 110 vs 1024)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +54,7 @@ class CompilePool:
     """Runs `compile_fn(spec)` for submitted jobs on up to `num_threads` threads (plus the ones
     finishing abandoned jobs)."""
 
-    def __init__(self, compile_fn: Callable[[Any], Any], num_threads: int, nice: int = 19) -> None:
+    def __init__(self, compile_fn: Callable[[Any], Any], num_threads: int, nice: int = COMPILE_NICE) -> None:
         self.compile_fn = compile_fn
         self.num_threads = num_threads
         self.nice = nice

@@ -125,8 +125,8 @@ class ServerConfig(BaseSettings):
         64, gt=0, description="Most distinct grammars queued or compiling at once; a request needing one more "
         "gets 503 (unset: no limit).")
     grammar_compile_threads: int | None = Field(
-        None, gt=0, description="Grammar compile threads, at the lowest CPU priority (unset: one per two cores, "
-        "at most 2).")
+        None, gt=0, description="Grammar compile threads, at a low CPU priority (nice 10; unset: one per two "
+        "cores, at most 2).")
     max_schema_properties: int = Field(
         _LIMITS.max_schema_properties, gt=0, description="Most object properties in one JSON schema (OpenAI: 5000).")
     max_schema_depth: int = Field(
