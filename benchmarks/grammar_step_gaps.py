@@ -6,7 +6,7 @@ with `--tools` realistic tools under tool_choice "required" (or `--schema props:
 string properties) waits for its grammar. Reports the step durations while the grammar compiles
 (each step is one token of the stream: its inter-token gap) against the steps just before, and
 how long the compile took. Runs alternate between the trees, `--rounds` times. A tree given as
-NAME=PATH:NICE runs its compile threads at that nice value (the new tree only; default 19).
+NAME=PATH:NICE runs its compile threads at that nice value (trees with engine/grammar_compile.py).
 
     git archive 393ee78 | tar -x -C /tmp/base
     python benchmarks/grammar_step_gaps.py --tree base=/tmp/base --tree new=. --rounds 3
@@ -38,15 +38,16 @@ def _schema(what: str, tag: str) -> dict:
     return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(int(n))}}
 
 
-def child(model: str, what: str, nice: int | None) -> None:
+def child(model: str, what: str, nice: str) -> None:
     from engine import SamplingParams, StructuredOutputs
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
 
-    kwargs = {"grammar_compile_timeout_s": 3600.0} if nice is not None else {}
+    is_base = nice == "base"  # a tree without compile time limits or nice compile threads
+    kwargs = {} if is_base else {"grammar_compile_timeout_s": 3600.0}  # measure the whole compile
     engine = LLMEngine(EngineArgs(model=model, device="cpu", dtype="float32", **kwargs))
-    if nice is not None:
-        engine.structured._pool.nice = nice
+    if not is_base and nice != "default":
+        engine.structured._pool.nice = int(nice)
     engine.add_request("stream", "Once upon a time", SamplingParams(max_tokens=1900, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -81,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         model, what, nice = args.child
-        child(model, what, None if nice == "-" else int(nice))
+        child(model, what, nice)
         return
     print(f"# {os.cpu_count()} CPUs, {args.what}", flush=True)
     for rnd in range(args.rounds):
@@ -89,7 +90,7 @@ def main() -> None:
             name, _, rest = item.partition("=")
             path, _, nice = rest.partition(":")
             is_base = not os.path.exists(os.path.join(path, "engine", "grammar_compile.py"))
-            nice_arg = "-" if is_base else (nice or "19")
+            nice_arg = "base" if is_base else (nice or "default")
             env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
             load = os.getloadavg()[0]
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", os.path.abspath(args.model),
