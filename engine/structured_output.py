@@ -6,12 +6,16 @@ optional dependency (`pip install kvserve[structured]`), imported only when a co
 request arrives, so `engine` imports without it and unconstrained serving never touches it.
 
 Life of a constrained request (all in the engine core process):
-1. `StructuredOutputManager.add` submits the spec to a small thread pool; the compiled
-   grammar is cached by the spec's canonical key (LRU), so equal specs compile once, and a
-   compile running for one request is shared by the others that ask for the same spec.
-   The request is held here, not in the scheduler, so a slow compile stalls nobody.
+0. The spec's size was checked against `GrammarLimits` before (engine/grammar_limits.py:
+   `LLMEngine.process_prompt`, `AsyncLLM.generate`, the server's validation).
+1. `StructuredOutputManager.add` queues the spec for the compile threads
+   (engine/grammar_compile.py); the compiled grammar is cached by the spec's canonical key
+   (LRU), so equal specs compile once, and a compile running for one request is shared by the
+   others that ask for the same spec. The request is held here, not in the scheduler, so a
+   slow compile stalls nobody.
 2. `take_ready` hands the scheduler the requests whose grammar is ready, each sequence with
-   its own `SequenceGrammar` (its matcher); a failed compile fails just that request.
+   its own `SequenceGrammar` (its matcher); a failed compile, or one that took longer than
+   the time limit, fails just that request.
 3. Each step, `step_bitmask` fills the allowed-token bitmask of the constrained rows that
    sample (one batched call into one [B, ceil(V/32)] int32 array) and the runner applies it
    to those rows' logits before the sampler (engine/logits_processors.py).
