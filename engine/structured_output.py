@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.grammar_compile import CompileJob, CompilePool
-from engine.grammar_limits import UNSUPPORTED_SCHEMA_KEYWORDS, GrammarLimits, check_limits, walk_schema
+from engine.grammar_limits import (  # noqa: F401 - re-exported: the keyword set and limits live there
+    UNSUPPORTED_SCHEMA_KEYWORDS,
+    GrammarLimits,
+    check_limits,
+    walk_schema,
+)
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -47,9 +52,6 @@ if TYPE_CHECKING:
     from engine.step_record import GrammarBitmask
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["UNSUPPORTED_SCHEMA_KEYWORDS", "GrammarLimits", "StructuredOutputs", "StructuredOutputManager",
-           "CompileQueueFull", "check_limits"]
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
