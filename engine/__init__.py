@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "AsyncLLM": "engine.async_llm",
     "EngineDeadError": "engine.async_llm",
+    "EngineOverloadedError": "engine.async_llm",
     "EngineShutDownError": "engine.async_llm",
     "EngineArgs": "engine.config",
     "LLM": "engine.llm",

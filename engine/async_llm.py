@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from engine import messages
 from engine.config import EngineArgs, RuntimeInfo
+from engine.grammar_limits import check_limits
 from engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
@@ -49,6 +50,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineShutDownError(EngineDeadError):
     """The engine was shut down on purpose (e.g. the server's drain period ran out)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine refused the request for now (the grammar compile queue is full): retry later."""
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class AsyncLLM:
             raise ValueError(f"max_consecutive_step_failures must be an integer >= 1, "
                              f"got {max_consecutive_step_failures!r}")
         self._args = args
+        self._grammar_limits = args.structured_outputs_config().limits
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=_core_main, name="kvserve-core", args=(
@@ -160,8 +166,7 @@ class AsyncLLM:
         # big prompts are tokenized (and token ids checked) in a worker thread, off this loop
         inner = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
         size = len(inner) if isinstance(inner, str) else len(inner) // 8 if isinstance(inner, Sequence) else None
-        processed = await run_off_loop(process_prompt, self.tokenizer, self.info, prompt, params,
-                                       self._max_chars_per_token, num_chars=size)
+        processed = await run_off_loop(self._check_prompt, prompt, params, num_chars=size)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic()
@@ -189,6 +194,12 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not is_finished:
                 self._abort_now(request_id)
+
+    def _check_prompt(self, prompt: PromptType, params: SamplingParams):
+        processed = process_prompt(self.tokenizer, self.info, prompt, params, self._max_chars_per_token)
+        if params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
+            check_limits(params.structured_outputs, self._grammar_limits)
+        return processed
 
     def _not_running(self) -> EngineDeadError:
         if self._is_stopping and self._error is None:
@@ -259,6 +270,8 @@ class AsyncLLM:
             self._stats = message[1]
         elif kind == messages.REJECTED:
             self._route([(message[1], ValueError(message[2]))])
+        elif kind == messages.OVERLOADED:
+            self._route([(message[1], EngineOverloadedError(message[2]))])
         elif kind == messages.FAILED_REQUESTS:
             _, request_ids, text, self._stats = message
             self._route([(rid, RuntimeError(text)) for rid in request_ids])

@@ -6,7 +6,11 @@ are not written back here: they live in `RuntimeInfo`, which the runner returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.grammar_limits import GrammarLimits
+
+_LIMITS = GrammarLimits()  # the defaults
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # models.attention.BACKENDS (no torch import here)
@@ -86,6 +90,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Grammar compiling (engine/structured_output.py): how big a constraint may be, how long a
+    request waits for its grammar, how many distinct grammars may be queued or compiling (None:
+    no bound), and on how many threads (None: half the host's cores, 1 or 2)."""
+
+    limits: GrammarLimits = field(default_factory=GrammarLimits)
+    compile_timeout_s: float = 20.0
+    max_queue: int | None = None
+    compile_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.compile_timeout_s, bool) or not isinstance(self.compile_timeout_s, (int, float))
+                or not self.compile_timeout_s > 0):
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {self.compile_timeout_s!r}")
+        _check_positive("max_grammar_queue", self.max_queue, allow_none=True)
+        _check_positive("grammar_compile_threads", self.compile_threads, allow_none=True)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
 
@@ -105,6 +128,18 @@ class EngineArgs:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # structured outputs (StructuredOutputsConfig, GrammarLimits)
+    grammar_compile_timeout_s: float = 20.0
+    max_grammar_queue: int | None = None
+    grammar_compile_threads: int | None = None
+    max_schema_properties: int = _LIMITS.max_schema_properties
+    max_schema_depth: int = _LIMITS.max_schema_depth
+    max_schema_enum_values: int = _LIMITS.max_schema_enum_values
+    max_schema_string_chars: int = _LIMITS.max_schema_string_chars
+    max_regex_chars: int = _LIMITS.max_regex_chars
+    max_grammar_chars: int = _LIMITS.max_grammar_chars
+    max_choices: int = _LIMITS.max_choices
+    max_choice_chars: int = _LIMITS.max_choice_chars
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,
@@ -119,12 +154,20 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
 
+    def structured_outputs_config(self) -> StructuredOutputsConfig:
+        limits = GrammarLimits(self.max_schema_properties, self.max_schema_depth, self.max_schema_enum_values,
+                               self.max_schema_string_chars, self.max_regex_chars, self.max_grammar_chars,
+                               self.max_choices, self.max_choice_chars)
+        return StructuredOutputsConfig(limits, self.grammar_compile_timeout_s, self.max_grammar_queue,
+                                       self.grammar_compile_threads)
+
     def validate(self) -> None:
         """Raise ValueError for any bad value (each sub-config checks its own fields)."""
         self.model_config()
         self.cache_config()
         self.scheduler_config()
         self.parallel_config()
+        self.structured_outputs_config()
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,7 @@ class EngineCore:
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.is_stopping = False
+        self._num_grammars_sent = 0
 
     def run(self) -> None:
         threading.Thread(target=self._receive, name="core-input", daemon=True).start()
@@ -171,7 +172,10 @@ class EngineCore:
             if self.is_stopping:
                 return
             if not engine.has_unfinished_requests():
-                if changed:
+                # an abandoned compile may finish while nothing runs: the gauges must see it
+                num_grammars = engine.structured.num_jobs
+                if changed or num_grammars != self._num_grammars_sent:
+                    self._num_grammars_sent = num_grammars
                     self._send((messages.STATS, engine.stats()))
                 continue
             self._send(self._step())
@@ -215,11 +219,15 @@ class EngineCore:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == messages.ADD:
+            from engine.structured_output import CompileQueueFull
+
             _, request_id, processed, arrival = command
             try:
                 self.engine.add_processed(request_id, processed, arrival, build_outputs=False)
             except ValueError as e:
                 self._send((messages.REJECTED, request_id, str(e)))
+            except CompileQueueFull as e:
+                self._send((messages.OVERLOADED, request_id, str(e)))
         elif kind == messages.ABORT:
             self.engine.abort_delta(command[1])  # the client has already dropped the stream
         elif kind == messages.STOP:

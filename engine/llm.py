@@ -60,8 +60,15 @@ class LLM:
         # validate everything before queueing anything, so a bad prompt leaves no partial batch
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
         request_ids = [f"offline-{next(self._ids)}" for _ in processed]
-        for rid, item in zip(request_ids, processed):
-            self.engine.add_processed(rid, item)
+        added = []
+        try:
+            for rid, item in zip(request_ids, processed):
+                self.engine.add_processed(rid, item)  # may refuse: the grammar compile queue is full
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

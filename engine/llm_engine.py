@@ -25,7 +25,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager, fill_threads_for
+from engine.structured_output import StructuredOutputManager, check_limits, fill_threads_for
 from engine.tokenizer import load_model_files
 from models.parallel import check_tensor_parallel
 from models.timing import PhaseTimer, process_uptime
@@ -38,6 +38,12 @@ _SEED_MASK = 2**63 - 1
 def _host_cores() -> int:
     """The cores this process may run on (the affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def compile_threads_for(host_cores: int) -> int:
+    """Grammar compile threads: one per two cores, at most 2, so that compiles (niced, but still
+    runnable) never hold more than half of a small machine."""
+    return max(1, min(2, host_cores // 2))
 
 
 class StepFailed(RuntimeError):
@@ -96,9 +102,13 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
+        so_config = args.structured_outputs_config()
+        self.grammar_limits = so_config.limits
         self.structured = StructuredOutputManager(
             self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
-            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(), _host_cores()))
+            max_workers=so_config.compile_threads or compile_threads_for(_host_cores()),
+            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(), _host_cores()),
+            compile_timeout_s=so_config.compile_timeout_s, max_queue=so_config.max_queue)
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         # prompt tokens: of every request once, when it is first scheduled (n samples share one prompt);
@@ -116,12 +126,16 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
-        return process_prompt(self.tokenizer, self.info, prompt, params)
+        processed = process_prompt(self.tokenizer, self.info, prompt, params)
+        if params.structured_outputs is not None:
+            check_limits(params.structured_outputs, self.grammar_limits)
+        return processed
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
                       build_outputs: bool = True) -> None:
         """Queue a validated request. `build_outputs=False` (the engine core process) keeps no
-        cumulative output here: the caller folds `step_deltas()` itself."""
+        cumulative output here: the caller folds `step_deltas()` itself. Raises `CompileQueueFull`
+        (engine/structured_output.py) when its grammar would overfill the compile queue."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
@@ -135,11 +149,12 @@ class LLMEngine:
                 arrival_time=arrival, prefix_root=root)
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, children, params.structured_outputs)  # first: it may refuse
         self.output_processor.add(request_id, children)
         if build_outputs:
             self._builders[request_id] = processed.output_builder(request_id, arrival)
         if params.structured_outputs is not None:
-            self.structured.add(request_id, children, params.structured_outputs)
             return
         for child in children:
             self.scheduler.add(child)
@@ -165,7 +180,8 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.has_pending
+        # a failed compile not yet reported counts: the next step() raises it
+        return self.scheduler.has_unfinished() or self.structured.has_pending or bool(self._rejected)
 
     def take_rejected(self) -> list[tuple[str, str]]:
         """(request id, error) of requests failed since the last call: their grammar did not compile.
@@ -275,4 +291,5 @@ class LLMEngine:
             grammar_compile_seconds_total=self.structured.compile_time_s,
             prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             prompt_tokens_computed_total=self.prompt_tokens_computed_total,
+            num_grammars_compiling=self.structured.num_jobs,
         )

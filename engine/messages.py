@@ -16,6 +16,7 @@ core -> server:
     (STEP, list[RequestDelta], EngineStats)      after every step
     (STATS, EngineStats)                         after commands that ran no step
     (REJECTED, request_id, message)              add_processed refused it (ValueError)
+    (OVERLOADED, request_id, message)            the grammar compile queue is full (retry later)
     (FAILED_REQUESTS, request_ids, message, EngineStats)  a step raised; those requests are aborted
     (DEAD, message)                              the loop died; the process exits
 """
@@ -25,8 +26,8 @@ from __future__ import annotations
 import pickle
 
 ADD, ABORT, STOP = "add", "abort", "stop"
-READY, FAILED, STEP, STATS, REJECTED, FAILED_REQUESTS, DEAD = (
-    "ready", "failed", "step", "stats", "rejected", "failed_requests", "dead")
+READY, FAILED, STEP, STATS, REJECTED, OVERLOADED, FAILED_REQUESTS, DEAD = (
+    "ready", "failed", "step", "stats", "rejected", "overloaded", "failed_requests", "dead")
 
 
 def encode(message: tuple) -> bytes:

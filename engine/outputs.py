@@ -82,6 +82,8 @@ class EngineStats:
     grammar_compile_seconds_total: float = 0.0
     prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, found in the prefix cache
     prompt_tokens_computed_total: int = 0  # run through the model, recomputation after preemption included
+    # distinct grammars queued or compiling, including those whose requests left (still using the CPU)
+    num_grammars_compiling: int = 0
 
 
 # ---- what the engine core emits each step: deltas only, plain data ----

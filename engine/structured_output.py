@@ -6,12 +6,16 @@ optional dependency (`pip install kvserve[structured]`), imported only when a co
 request arrives, so `engine` imports without it and unconstrained serving never touches it.
 
 Life of a constrained request (all in the engine core process):
-1. `StructuredOutputManager.add` submits the spec to a small thread pool; the compiled
-   grammar is cached by the spec's canonical key (LRU), so equal specs compile once, and a
-   compile running for one request is shared by the others that ask for the same spec.
-   The request is held here, not in the scheduler, so a slow compile stalls nobody.
+0. The spec's size was checked against `GrammarLimits` before (engine/grammar_limits.py:
+   `LLMEngine.process_prompt`, `AsyncLLM.generate`, the server's validation).
+1. `StructuredOutputManager.add` queues the spec for the compile threads
+   (engine/grammar_compile.py); the compiled grammar is cached by the spec's canonical key
+   (LRU), so equal specs compile once, and a compile running for one request is shared by the
+   others that ask for the same spec. The request is held here, not in the scheduler, so a
+   slow compile stalls nobody.
 2. `take_ready` hands the scheduler the requests whose grammar is ready, each sequence with
-   its own `SequenceGrammar` (its matcher); a failed compile fails just that request.
+   its own `SequenceGrammar` (its matcher); a failed compile, or one that took longer than
+   the time limit, fails just that request.
 3. Each step, `step_bitmask` fills the allowed-token bitmask of the constrained rows that
    sample (one batched call into one [B, ceil(V/32)] int32 array) and the runner applies it
    to those rows' logits before the sampler (engine/logits_processors.py).
@@ -28,11 +32,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from engine.grammar_compile import CompileJob, CompilePool
+from engine.grammar_limits import (  # noqa: F401 - re-exported: the keyword set and limits live there
+    UNSUPPORTED_SCHEMA_KEYWORDS,
+    GrammarLimits,
+    check_limits,
+    walk_schema,
+)
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -41,16 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# JSON Schema keywords xgrammar would silently ignore: refused so that a "valid" output
-# never violates the schema the user gave
-UNSUPPORTED_SCHEMA_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
-    "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedItems",
-    "unevaluatedProperties", "propertyNames", "$dynamicRef", "$recursiveRef",
-})
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -114,27 +116,12 @@ def _check_schema(schema: Any) -> dict | bool:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}") from None
+        except RecursionError:
+            raise ValueError("structured_outputs.json is nested too deeply to parse") from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {schema!r}")
-    _check_keywords(schema, "#")
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {str(schema)[:200]!r}")
+    walk_schema(schema)  # refuses keywords the grammar cannot enforce, at any depth (no recursion)
     return schema
-
-
-def _check_keywords(schema: Any, where: str) -> None:
-    """Refuse keywords the grammar cannot enforce, naming the first one found and where."""
-    if not isinstance(schema, dict):
-        return
-    for key, value in schema.items():
-        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
-            raise ValueError(f"unsupported JSON Schema keyword {key!r} at {where}")
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                _check_keywords(sub, f"{where}/{key}/{name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                _check_keywords(sub, f"{where}/{key}/{i}")
-        elif key in _SCHEMA_VALUES:
-            _check_keywords(value, f"{where}/{key}")
 
 
 def _choice_grammar(choice: tuple[str, ...]) -> str:
@@ -162,26 +149,41 @@ class SequenceGrammar:
             self.is_terminated = True
 
 
+class CompileQueueFull(RuntimeError):
+    """`max_grammar_queue` distinct grammars are already compiling or queued: retry later."""
+
+
 @dataclass(slots=True)
 class _Pending:
-    future: Future
+    job: CompileJob
     children: list[Request]
+    deadline: float  # time.monotonic() after which the request fails (grammar_compile_timeout_s)
 
 
 class StructuredOutputManager:
-    """Compiles grammars off the step loop and keeps the constrained requests until theirs is ready."""
+    """Compiles grammars off the step loop and keeps the constrained requests until theirs is ready.
+
+    A request waits at most `compile_timeout_s` for its grammar (queue and compile together); then
+    it fails like a compile error, and the compile is dropped or abandoned when nobody else waits
+    for it (engine/grammar_compile.py). At most `max_queue` distinct grammars (None: no bound) are
+    queued or compiling at once, abandoned ones included: `add` raises `CompileQueueFull` beyond that.
+    """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
-                 cache_size: int = 128, fill_threads: int = 2) -> None:
+                 cache_size: int = 128, fill_threads: int = 2, compile_timeout_s: float = 20.0,
+                 max_queue: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
         self.eos_token_ids = list(eos_token_ids)
         self.max_workers = max_workers  # compile threads
         self.fill_threads = fill_threads  # threads of the per-step bitmask fill (fill_threads_for)
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> compiled grammar
+        self.compile_timeout_s = compile_timeout_s
+        self.max_queue = max_queue
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # spec key -> compiled grammar (LRU)
+        self._jobs: dict[str, CompileJob] = {}  # spec key -> its compile, until it is done
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = CompilePool(lambda spec: self._compile(spec), max_workers)  # looked up per call: tests swap it
         self._compiler = None
         self._tokenizer_info = None
         self._compiler_lock = threading.Lock()
@@ -198,33 +200,81 @@ class StructuredOutputManager:
 
     @property
     def num_pending(self) -> int:
+        """Requests waiting for their grammar (queued or compiling)."""
         return len(self._pending)
 
+    @property
+    def num_jobs(self) -> int:
+        """Distinct grammars queued or compiling, abandoned ones included."""
+        return sum(not job.future.done() for job in self._jobs.values())
+
     def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
-        """Hold `children` until `spec` is compiled (at once when it is cached)."""
-        self._pending[request_id] = _Pending(self._compiled(spec), children)
+        """Hold `children` until `spec` is compiled (at once when it is cached). Raises
+        `CompileQueueFull` when a new compile would exceed `max_queue`."""
+        try:
+            key = spec.key
+        except RecursionError:  # a spec that skipped check_limits
+            raise ValueError(f"structured_outputs.{spec.kind} is nested too deeply") from None
+        self._sweep()
+        job = self._jobs.get(key)
+        if job is None:
+            job = CompileJob(key, spec)
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                job.future.set_result(compiled)
+            else:
+                if self.max_queue is not None and len(self._jobs) >= self.max_queue:
+                    raise CompileQueueFull(f"{len(self._jobs)} grammars are compiling or queued "
+                                           f"(max_grammar_queue={self.max_queue}); retry later")
+                self._jobs[key] = job
+                self._pool.submit(job)
+        job.num_waiters += 1
+        self._pending[request_id] = _Pending(job, children, time.monotonic() + self.compile_timeout_s)
         self.num_requests += 1
 
     def abort(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._release(pending.job)
+
+    def _release(self, job: CompileJob) -> None:
+        """One request less waits for `job`; the last one leaving cancels or abandons it."""
+        job.num_waiters -= 1
+        if job.num_waiters == 0 and not job.future.done():
+            self._pool.cancel(job)
+            if job.future.cancelled():
+                self._jobs.pop(job.key, None)
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a held request's compile finishes (or `timeout_s`): for an otherwise idle loop."""
+        """Block until a held request's compile finishes, its deadline passes, or `timeout_s`:
+        for an otherwise idle loop."""
         if self._pending:
-            wait([p.future for p in self._pending.values()], timeout_s, FIRST_COMPLETED)
+            next_deadline = min(p.deadline for p in self._pending.values())
+            timeout_s = max(0.0, min(timeout_s, next_deadline - time.monotonic()))
+            wait([p.job.future for p in self._pending.values()], timeout_s, FIRST_COMPLETED)
 
     def take_ready(self) -> tuple[list[Request], list[tuple[str, str]]]:
-        """The sequences now ready to schedule (matchers attached), and (request id, error) of failed compiles."""
+        """The sequences now ready to schedule (matchers attached), and (request id, error) of
+        failed or timed-out compiles."""
+        self._sweep()
         ready, failed = [], []
+        now = time.monotonic()
         for request_id, pending in list(self._pending.items()):
-            if not pending.future.done():
+            future = pending.job.future
+            if not future.done():
+                if now > pending.deadline:
+                    del self._pending[request_id]
+                    self._release(pending.job)
+                    failed.append((request_id, self._timeout_message(pending.job)))
                 continue
             del self._pending[request_id]
-            error = pending.future.exception()
+            pending.job.num_waiters -= 1
+            error = future.exception()
             if error is not None:
                 failed.append((request_id, str(error)))
                 continue
-            compiled = pending.future.result()
+            compiled = future.result()
             spec = pending.children[0].params.structured_outputs
             json_whitespace = spec.any_whitespace if spec.kind in ("json", "json_object") else None
             for child in pending.children:
@@ -232,22 +282,28 @@ class StructuredOutputManager:
                 ready.append(child)
         return ready, failed
 
-    def _compiled(self, spec: StructuredOutputs) -> Future:
-        key = spec.key
-        future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
-            self._cache.move_to_end(key)
-            return future
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="grammar-compile")
-        future = self._cache[key] = self._pool.submit(self._compile, spec)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return future
+    def _timeout_message(self, job: CompileJob) -> str:
+        return (f"structured_outputs.{job.spec.kind} could not be compiled within {self.compile_timeout_s:g} s "
+                f"(grammar_compile_timeout_s={self.compile_timeout_s:g}); make the constraint smaller")
+
+    def _sweep(self) -> None:
+        """Move finished compiles (abandoned ones too) from `_jobs` into the cache, and count them."""
+        for key, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[key]
+            if job.future.cancelled():
+                continue
+            self.num_compiles += 1
+            self.compile_time_s += job.elapsed_s
+            if job.future.exception() is None:
+                self._cache[key] = job.future.result()
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
 
     def _compile(self, spec: StructuredOutputs):
+        """Runs on a compile thread."""
         compiler = self._get_compiler()
-        start = time.perf_counter()
         kind, ws = spec.kind, spec.any_whitespace
         try:
             if kind == "json":
@@ -262,10 +318,6 @@ class StructuredOutputManager:
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {_library_message(e)}") from None
-        elapsed = time.perf_counter() - start
-        self.num_compiles += 1
-        self.compile_time_s += elapsed
-        logger.debug("compiled a %s grammar in %.3f s", kind, elapsed)
         return compiled
 
     def _get_compiler(self):

@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.grammar_limits import GrammarLimits
+
 ENV_PREFIX = "KVSERVE_"
+_LIMITS = GrammarLimits()  # the engine's defaults
+_GRAMMAR_LIMIT_FIELDS = ("max_schema_properties", "max_schema_depth", "max_schema_enum_values",
+                         "max_schema_string_chars", "max_regex_chars", "max_grammar_chars", "max_choices",
+                         "max_choice_chars")
 
 def _number_or_unit(value: Any) -> Any:
     """Pydantic's `ByteSize` reads `4GiB` and `512MB`; plain numbers (`1e9`, `1048576`) are read here."""
@@ -117,6 +123,33 @@ class ServerConfig(BaseSettings):
     max_chat_messages: int = Field(
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+
+    # --- tools and structured outputs (docs/structured_outputs.md, "Limits") ---
+    max_tools: int = Field(128, gt=0, description="Most tools in one chat request (OpenAI: 128); more is a 400.")
+    grammar_compile_timeout: float = Field(
+        20.0, gt=0, description="Seconds a request may wait for its grammar (queue and compile); then it fails "
+        "with a 400 (or an error event).")
+    max_grammar_queue: int | None = Field(
+        64, gt=0, description="Most distinct grammars queued or compiling at once; a request needing one more "
+        "gets 503 (unset: no limit).")
+    grammar_compile_threads: int | None = Field(
+        None, gt=0, description="Grammar compile threads, at a low CPU priority (nice 10; unset: one per two "
+        "cores, at most 2).")
+    max_schema_properties: int = Field(
+        _LIMITS.max_schema_properties, gt=0, description="Most object properties in one JSON schema (OpenAI: 5000).")
+    max_schema_depth: int = Field(
+        _LIMITS.max_schema_depth, gt=0, description="Deepest nesting of a JSON schema, every subschema counting one "
+        "level (OpenAI: 10 object levels).")
+    max_schema_enum_values: int = Field(
+        _LIMITS.max_schema_enum_values, gt=0, description="Most enum values in one JSON schema (OpenAI: 1000).")
+    max_schema_string_chars: int = Field(
+        _LIMITS.max_schema_string_chars, gt=0, description="Most characters of property names, enum and const "
+        "values and patterns in one JSON schema (OpenAI: 120000).")
+    max_regex_chars: int = Field(_LIMITS.max_regex_chars, gt=0, description="Longest guided_regex.")
+    max_grammar_chars: int = Field(_LIMITS.max_grammar_chars, gt=0, description="Longest guided_grammar (EBNF).")
+    max_choices: int = Field(_LIMITS.max_choices, gt=0, description="Most strings in a guided_choice.")
+    max_choice_chars: int = Field(
+        _LIMITS.max_choice_chars, gt=0, description="Most characters in a guided_choice, all strings together.")
     stats_log_interval: float = Field(
         5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")
 
@@ -173,4 +206,10 @@ class ServerConfig(BaseSettings):
         names = ("model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len",
                  "attention_backend", "enforce_eager", "gpu_memory_utilization", "tensor_parallel_size")
-        return {name: getattr(self, name) for name in names}
+        grammar = {"grammar_compile_timeout_s": self.grammar_compile_timeout,
+                   "max_grammar_queue": self.max_grammar_queue, "grammar_compile_threads": self.grammar_compile_threads,
+                   **{name: getattr(self, name) for name in _GRAMMAR_LIMIT_FIELDS}}
+        return {**{name: getattr(self, name) for name in names}, **grammar}
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(**{name: getattr(self, name) for name in _GRAMMAR_LIMIT_FIELDS})

@@ -114,6 +114,8 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits_total)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions_total)
         yield gauge("num_requests_compiling", "Requests waiting for their grammar to compile.", stats.num_compiling)
+        yield gauge("num_grammars_compiling", "Distinct grammars queued or compiling, also those no request waits "
+                    "for any more.", getattr(stats, "num_grammars_compiling", 0))
         yield counter("structured_output_requests", "Requests with an output constraint (response_format, guided_*).",
                       stats.structured_requests_total)
         compile_time = SummaryMetricFamily("kvserve:grammar_compile_seconds",

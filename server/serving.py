@@ -38,12 +38,15 @@ from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
 from server.validation import ValidatedRequest, param_for_message
 
 try:
-    from engine import EngineDeadError, EngineShutDownError
+    from engine import EngineDeadError, EngineOverloadedError, EngineShutDownError
 except ImportError:  # not part of the documented contract; only used to answer 503 instead of 500
     class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
         pass
 
     class EngineShutDownError(EngineDeadError):  # type: ignore[no-redef]
+        pass
+
+    class EngineOverloadedError(RuntimeError):  # type: ignore[no-redef]
         pass
 
 logger = logging.getLogger("kvserve.server")
@@ -183,6 +186,9 @@ class Serving:
             if vreq.structured_outputs_param is not None and message.startswith("structured_outputs"):
                 message, param = f"{vreq.structured_outputs_param}: {message}", vreq.structured_outputs_param
             raise bad_request(message, param=param) from None
+        except EngineOverloadedError as exc:   # the grammar compile queue is full (--max-grammar-queue)
+            raise APIError(503, f"the server is overloaded: {exc}", code="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
         except EngineShutDownError:
             raise shutting_down() from None
         except EngineDeadError as exc:   # its cause goes to the log, not to the client

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine import SamplingParams, StructuredOutputs
+from engine.grammar_limits import GrammarLimits, check_limits
 from engine.input_processor import PromptTooLongError, check_prompt_chars
 from engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
@@ -84,6 +85,8 @@ class ModelLimits:
     max_chars_per_token: int | None = None   # refuse longer prompts before tokenizing (None: no bound)
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES   # --max-chat-messages
     tool_call_parser: str | None = None   # --tool-call-parser (None: tool_choice "auto" gives plain text)
+    max_tools: int = 128   # --max-tools
+    grammar_limits: GrammarLimits = GrammarLimits()   # --max-schema-properties etc.
 
 
 def new_request_id(prefix: str) -> str:
@@ -131,9 +134,10 @@ def logit_bias(req: SamplingFields, limits: ModelLimits) -> dict[int, float] | N
     return result
 
 
-def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputs | None, str | None]:
+def structured_outputs(req: SamplingFields, limits: ModelLimits) -> tuple[StructuredOutputs | None, str | None]:
     """The output constraint and the field it came from: `response_format` (json_object or
-    json_schema) or one of vLLM's extras (`guided_*`, `structured_outputs`); 400 if more than one."""
+    json_schema) or one of vLLM's extras (`guided_*`, `structured_outputs`); 400 if more than one
+    or if it is over a grammar limit."""
     given: list[tuple[str, dict[str, Any]]] = []
     if isinstance(req.response_format, ResponseFormatJSONObject):
         given.append(("response_format", {"json_object": True}))
@@ -154,7 +158,9 @@ def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputs | None, s
     if isinstance(spec.get("json"), str):   # a schema sent as a string: the body's depth check did not see into it
         check_json_depth(spec["json"], param)
     try:
-        return StructuredOutputs(**spec), param
+        constraint = StructuredOutputs(**spec)
+        check_limits(constraint, limits.grammar_limits)
+        return constraint, param
     except TypeError:   # an unknown key in `structured_outputs`
         raise bad_request(f"structured_outputs accepts json, json_object, regex, choice, grammar and "
                           f"any_whitespace; got {sorted(spec)}", param=param) from None
@@ -258,7 +264,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, engine_max_tokens)
     for prompt in prompts:
         _check_length(len(prompt.token_ids), engine_max_tokens, limits, "prompt")
-    constraint, constraint_param = structured_outputs(req)
+    constraint, constraint_param = structured_outputs(req, limits)
     params = _sampling_params(
         req, {"prompt_logprobs": "logprobs"},
         max_tokens=engine_max_tokens,
@@ -311,6 +317,9 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
     """Check a /v1/chat/completions request, render its messages and tokenize them."""
     model_name = check_model(req.model, limits)
     _check_common(req, limits)
+    if req.tools is not None and len(req.tools) > limits.max_tools:
+        raise bad_request(f"this request has {len(req.tools)} tools; at most {limits.max_tools} are allowed "
+                          f"(--max-tools {limits.max_tools})", param="tools")
     tools, tool_plan, tool_schema = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                                                limits.tool_call_parser)
     if req.top_logprobs is not None and not req.logprobs:
@@ -329,7 +338,7 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         max_tokens = max(min(limits.max_model_len, limits.kv_capacity_tokens) - len(token_ids), 1)
     _check_length(len(token_ids), max_tokens, limits, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    constraint, constraint_param = structured_outputs(req)
+    constraint, constraint_param = structured_outputs(req, limits)
     skip_special_tokens = None
     if tool_schema is not None:   # tool_choice "required" or a named function: enforced by a grammar
         if constraint is not None:
@@ -337,7 +346,8 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
                               param="tool_choice")
         try:
             constraint, constraint_param = StructuredOutputs(json=tool_schema), "tools"
-        except ValueError as exc:   # a keyword in a function's parameters the grammar cannot enforce
+            check_limits(constraint, limits.grammar_limits)
+        except ValueError as exc:   # a keyword the grammar cannot enforce, or the tools' schema is too big
             raise bad_request(f"tools: {exc}", param="tools") from None
     elif (tool_plan is not None and tool_plan.parser and TOOL_PARSERS[tool_plan.parser].needs_special_tokens
           and "skip_special_tokens" not in req.model_fields_set):
