@@ -22,12 +22,12 @@ from engine import messages
 from engine.outputs import CompletionDelta, EngineStats, Logprob, RequestDelta, RequestMetrics
 
 
-def step_message(num_requests: int, num_logprobs: int) -> tuple:
+def step_message(num_requests: int, num_logprobs: int) -> messages.StepOutputs:
     entry = {i: Logprob(-0.1 * i, i + 1, f"t{i}") for i in range(num_logprobs)} if num_logprobs else None
     deltas = [RequestDelta(f"cmpl-{i:032x}-0", [CompletionDelta(0, " word", [1234], [entry] if entry else None,
                                                                  -1.5 if entry else None)],
                            False, RequestMetrics(1.0, 1.1, 1.2, 1.3, None), 0) for i in range(num_requests)]
-    return (messages.STEP, deltas, EngineStats(num_requests, 0, 0.1, 1000, 900, 10, 10, 0, 0, 0))
+    return messages.StepOutputs(deltas, EngineStats(num_requests, 0, 0.1, 1000, 900, 10, 10, 0, 0, 0))
 
 
 def per_op_us(fn, iters: int) -> float:

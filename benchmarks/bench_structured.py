@@ -85,7 +85,7 @@ class _Timer:
 
 def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> float:
     from engine import SamplingParams
-    from engine.structured_output import StructuredOutputs
+    from engine.sampling_params import StructuredOutputs
 
     spec = StructuredOutputs(json=schema) if schema is not None else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec)
@@ -101,7 +101,8 @@ def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> 
 
 def compile_times(llm, schema: dict) -> tuple[float, float]:
     """(cold, cached) seconds to get the compiled grammar of `schema`."""
-    from engine.structured_output import StructuredOutputManager, StructuredOutputs
+    from engine.sampling_params import StructuredOutputs
+    from engine.structured_output import StructuredOutputManager
 
     info = llm.engine.info
     manager = StructuredOutputManager(llm.tokenizer, info.vocab_size, info.eos_token_ids)

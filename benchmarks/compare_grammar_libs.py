@@ -52,7 +52,7 @@ def _matchers(tokenizer, vocab_size: int, eos: list[int], schema: dict, count: i
 
 def compare(llm, case: str, num_seqs: int, num_tokens: int, rng) -> str:
     from engine import SamplingParams
-    from engine.structured_output import StructuredOutputs
+    from engine.sampling_params import StructuredOutputs
 
     info, schema = llm.engine.info, CASES[case]
     prompts = [rng.integers(3, info.vocab_size, 128).tolist() for _ in range(num_seqs)]

@@ -10,9 +10,9 @@ import importlib
 
 _EXPORTS = {
     "AsyncLLM": "engine.async_llm",
-    "EngineDeadError": "engine.async_llm",
-    "EngineOverloadedError": "engine.async_llm",
-    "EngineShutDownError": "engine.async_llm",
+    "EngineDeadError": "engine.errors",
+    "EngineOverloadedError": "engine.errors",
+    "EngineShutDownError": "engine.errors",
     "EngineArgs": "engine.config",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
@@ -22,7 +22,7 @@ _EXPORTS = {
     "RequestMetrics": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
-    "StructuredOutputs": "engine.structured_output",
+    "StructuredOutputs": "engine.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -32,9 +32,13 @@ from dataclasses import dataclass, field
 
 from engine import messages
 from engine.config import EngineArgs, RuntimeInfo
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 from engine.grammar_limits import check_limits
 from engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
+from engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
+                             StepFailedRequests, StepOutputs, Stop)
 from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
+from engine.processes import wait_for_exit
 from engine.sampling_params import SamplingParams
 from models import built_default_model
 
@@ -42,18 +46,6 @@ logger = logging.getLogger(__name__)
 
 _START_POLL_S = 0.1
 _STOP_TIMEOUT_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped on an unrecoverable error; the engine serves no more requests."""
-
-
-class EngineShutDownError(EngineDeadError):
-    """The engine was shut down on purpose (e.g. the server's drain period ran out)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine refused the request for now (the grammar compile queue is full): retry later."""
 
 
 @dataclass(slots=True)
@@ -122,11 +114,13 @@ class AsyncLLM:
         while not self._conn.poll(_START_POLL_S):
             if not self._process.is_alive():
                 raise EngineDeadError(f"the engine core exited with code {self._process.exitcode} while starting")
-        message = messages.decode(self._conn.recv_bytes())
-        if message[0] == messages.FAILED:
-            raise message[1]
-        _, info, stats = message
-        return info, stats
+        match messages.decode(self._conn.recv_bytes()):
+            case Ready(info, stats):
+                return info, stats
+            case StartFailed(error):
+                raise error if isinstance(error, BaseException) else EngineDeadError(error)
+            case other:
+                raise EngineDeadError(f"the engine core sent {type(other).__name__} instead of Ready")
 
     @property
     def model_config(self) -> RuntimeInfo:
@@ -178,7 +172,7 @@ class AsyncLLM:
             if not self.is_healthy:  # it died after the check above, maybe after failing every stream
                 is_finished = True
                 raise self._not_running() from self._error
-            self._send((messages.ADD, request_id, processed, arrival))
+            self._send(AddRequest(request_id, processed, arrival))
             while not is_finished:
                 if not builder.has_news and stream.error is None:
                     await stream.wakeup.wait()
@@ -212,7 +206,7 @@ class AsyncLLM:
     def _abort_now(self, request_id: str) -> None:
         if self.is_healthy:
             try:
-                self._send((messages.ABORT, request_id))
+                self._send(AbortRequest(request_id))
             except EngineDeadError:
                 pass  # nothing left to abort
 
@@ -222,17 +216,15 @@ class AsyncLLM:
             return
         self._is_stopping = True
         try:
-            self._send((messages.STOP,))
+            self._send(Stop())
         except EngineDeadError:
             pass
-        from engine.core import wait_for_exit
-
         if self._is_ready:  # open streams end now, not after the core's current step
             self._fail_all(EngineShutDownError("the engine was shut down"))
         await asyncio.to_thread(wait_for_exit, self._process, _STOP_TIMEOUT_S)
         self._conn.close()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: messages.Message) -> None:
         data = messages.encode(message)
         try:
             with self._send_lock:
@@ -260,24 +252,27 @@ class AsyncLLM:
             logger.error("%s", self._error)
         self._fail_all(self._error or EngineShutDownError("the engine was shut down"))
 
-    def _dispatch(self, message: tuple) -> bool:
+    def _dispatch(self, message: messages.Message) -> bool:
         """Route one message from the core; False when the core is dead."""
-        kind = message[0]
-        if kind == messages.STEP:
-            _, deltas, self._stats = message
-            self._route([(d.request_id, d) for d in deltas])
-        elif kind == messages.STATS:
-            self._stats = message[1]
-        elif kind == messages.REJECTED:
-            self._route([(message[1], ValueError(message[2]))])
-        elif kind == messages.OVERLOADED:
-            self._route([(message[1], EngineOverloadedError(message[2]))])
-        elif kind == messages.FAILED_REQUESTS:
-            _, request_ids, text, self._stats = message
-            self._route([(rid, RuntimeError(text)) for rid in request_ids])
-        elif kind == messages.DEAD:
-            self._error = EngineDeadError(message[1])
-            return False
+        match message:
+            case StepOutputs(deltas, stats):
+                self._stats = stats
+                self._route([(d.request_id, d) for d in deltas])
+            case Stats(stats):
+                self._stats = stats
+            case Rejected(request_id, text):
+                self._route([(request_id, ValueError(text))])
+            case Overloaded(request_id, text):
+                self._route([(request_id, EngineOverloadedError(text))])
+            case StepFailedRequests(request_ids, text, stats):
+                self._stats = stats
+                self._route([(rid, RuntimeError(text)) for rid in request_ids])
+            case Dead(text):
+                self._error = EngineDeadError(text)
+                return False
+            case _:  # a bug on one side of the pipe: nothing after it can be trusted
+                self._error = EngineDeadError(f"the engine core sent an unknown message: {type(message).__name__}")
+                return False
         return True
 
     def _fail_all(self, error: BaseException) -> None:

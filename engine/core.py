@@ -1,8 +1,8 @@
 """The engine core process: owns the LLMEngine and runs the step loop, nothing else.
 
 `AsyncLLM` (the server's side) starts this with `multiprocessing`'s spawn context and
-talks to it over one duplex pipe (a Unix socket pair) with pickled tuples, one message
-per command and one per step (see `engine.messages`). Running the loop in its own
+talks to it over one duplex pipe (a Unix socket pair) with typed messages, one per command
+and one per step (see `engine.messages`). Running the loop in its own
 process means it never waits for the GIL that the event loop, uvicorn and JSON
 encoding hold in the server process.
 
@@ -34,6 +34,9 @@ from multiprocessing.connection import Connection
 
 from engine import messages
 from engine.config import EngineArgs
+from engine.errors import EngineOverloadedError, StepFailed
+from engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
+                             StepFailedRequests, StepOutputs, Stop)
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +69,10 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
             inject_step_faults(engine.runner, *fault_steps)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
         logger.exception("engine start-up failed")
-        conn.send_bytes(messages.encode((messages.FAILED, _picklable(e))))
+        conn.send_bytes(messages.encode(StartFailed(_picklable(e))))
         conn.close()
         os._exit(1)
-    conn.send_bytes(messages.encode((messages.READY, engine.info, engine.stats())))
+    conn.send_bytes(messages.encode(Ready(engine.info, engine.stats())))
     threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
                      daemon=True).start()
     EngineCore(engine, conn, max_consecutive_step_failures).run()
@@ -152,7 +155,7 @@ class EngineCore:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - any escape means the engine is dead
             logger.exception("engine loop died")
-            self._send((messages.DEAD, f"engine loop died: {e!r}"))
+            self._send(Dead(f"engine loop died: {e!r}"))
             code = 1
         try:
             self.engine.shutdown()  # tensor-parallel workers, if any
@@ -176,21 +179,18 @@ class EngineCore:
                 num_grammars = engine.structured.num_jobs
                 if changed or num_grammars != self._num_grammars_sent:
                     self._num_grammars_sent = num_grammars
-                    self._send((messages.STATS, engine.stats()))
+                    self._send(Stats(engine.stats()))
                 continue
             self._send(self._step())
             for request_id, message in engine.take_rejected():  # a grammar failed to compile
-                self._send((messages.REJECTED, request_id, message))
+                self._send(Rejected(request_id, message))
 
-    def _step(self) -> tuple:
-        from engine.llm_engine import StepFailed
-
+    def _step(self) -> StepOutputs | StepFailedRequests:
         try:
             deltas = self.engine.step_deltas()
         except StepFailed as e:
             logger.exception("step failed; failing its requests: %s", e.request_ids)
-            failed = (messages.FAILED_REQUESTS, e.request_ids, f"internal error: {e.__cause__!r}",
-                      self.engine.stats())
+            failed = StepFailedRequests(e.request_ids, f"internal error: {e.__cause__!r}", self.engine.stats())
             num_failures = self.engine.num_consecutive_step_failures
             if self.engine.dead_reason is not None:  # no later step can succeed
                 self._send(failed)
@@ -201,7 +201,7 @@ class EngineCore:
                                  f"(max_consecutive_step_failures={self.max_consecutive_step_failures}); "
                                  f"the last with {e.__cause__!r}") from e
             return failed
-        return (messages.STEP, deltas, self.engine.stats())
+        return StepOutputs(deltas, self.engine.stats())
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued command; True if any was applied."""
@@ -216,22 +216,21 @@ class EngineCore:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == messages.ADD:
-            from engine.structured_output import CompileQueueFull
-
-            _, request_id, processed, arrival = command
-            try:
-                self.engine.add_processed(request_id, processed, arrival, build_outputs=False)
-            except ValueError as e:
-                self._send((messages.REJECTED, request_id, str(e)))
-            except CompileQueueFull as e:
-                self._send((messages.OVERLOADED, request_id, str(e)))
-        elif kind == messages.ABORT:
-            self.engine.abort_delta(command[1])  # the client has already dropped the stream
-        elif kind == messages.STOP:
-            self.is_stopping = True
+    def _apply(self, command: messages.Message) -> None:
+        match command:
+            case AddRequest(request_id, prompt, arrival_time):
+                try:
+                    self.engine.add_processed(request_id, prompt, arrival_time, build_outputs=False)
+                except ValueError as e:
+                    self._send(Rejected(request_id, str(e)))
+                except EngineOverloadedError as e:
+                    self._send(Overloaded(request_id, str(e)))
+            case AbortRequest(request_id):
+                self.engine.abort_delta(request_id)  # the client has already dropped the stream
+            case Stop():
+                self.is_stopping = True
+            case _:
+                raise TypeError(f"the engine core cannot handle {type(command).__name__}")
 
     # ---- pipe threads --------------------------------------------------------
     def _receive(self) -> None:
@@ -243,10 +242,10 @@ class EngineCore:
         if not self.is_stopping:  # the server process is gone: nobody will read our outputs
             logger.warning("the server closed the engine pipe; exiting")
             self.is_stopping = True
-            self.inbox.put((messages.STOP,))
+            self.inbox.put(Stop())
             threading.Timer(_EXIT_GRACE_S, os._exit, (1,)).start()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: messages.Message) -> None:
         try:
             self.conn.send_bytes(messages.encode(message))
         except OSError:  # the server is gone; _receive stops the loop
@@ -262,15 +261,3 @@ def _picklable(error: BaseException) -> BaseException:
         return error
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def wait_for_exit(process, timeout_s: float) -> None:
-    """Join `process`; terminate, then kill it if it does not exit in time."""
-    deadline = time.monotonic() + timeout_s
-    process.join(max(0.0, deadline - time.monotonic()))
-    if process.is_alive():
-        process.terminate()
-        process.join(2.0)
-    if process.is_alive():
-        process.kill()
-        process.join(2.0)

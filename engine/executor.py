@@ -2,9 +2,9 @@
 
 Rank 0 is the ordinary `ModelRunner` holding its shard: the engine schedules, rank 0 runs
 the forward with the workers and samples. Each step, before running it, rank 0 sends every
-worker `(STEP, record, sampled ids of the previous step)` over its own pipe (pickled
-plain data, a few hundred bytes for a decode step; a pipe measured as fast as a
-shared-memory ring on this machine, docs/benchmarks.md). Workers are spawned (one per
+worker a `WorkerStep` (the record and the sampled ids of the previous step) over its own
+pipe: plain data, a few hundred bytes for a decode step (`benchmarks/bench_tp_channel.py`
+measures a pipe against a shared-memory ring: no faster). Workers are spawned (one per
 device: cuda:rank on CUDA with NCCL, the CPU with gloo and the cores split between ranks).
 
 Failure is all-or-nothing: the ranks meet in a collective several times a step, so a rank
@@ -22,7 +22,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -31,12 +30,15 @@ from multiprocessing.connection import wait
 
 import torch
 
+from engine import messages
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.core import wait_for_exit
+from engine.processes import wait_for_exit
 from engine.device import resolve_device
+from engine.errors import TensorParallelError
+from engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
 from engine.runner import ModelRunner, RunnerOutput
 from engine.step_record import GrammarBitmask, StepRecord
-from engine.worker import FAILED, LOADED, STEP, STOP, WorkerArgs, run_worker
+from engine.worker import WorkerArgs, run_worker
 from models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
@@ -44,10 +46,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0  # the longest a collective waits for a rank (a hung worker)
 _STOP_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 3600.0  # loading a shard may take long; a worker that dies ends the wait at once
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died, hung or failed a step: the engine cannot go on."""
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -119,12 +117,12 @@ class TensorParallelExecutor:
             for conn, process in list(waiting.items()):
                 if conn in ready:
                     try:
-                        message = pickle.loads(conn.recv_bytes())
+                        message = messages.decode(conn.recv_bytes())
                     except (EOFError, OSError):
-                        message = (FAILED, "exited without a word")
-                    if message[0] != LOADED:
-                        raise TensorParallelError(f"tensor-parallel worker {process.name} failed to start: "
-                                                  f"{message[1]}")
+                        message = StartFailed("exited without a word")
+                    if not isinstance(message, WorkerLoaded):
+                        why = message.error if isinstance(message, StartFailed) else type(message).__name__
+                        raise TensorParallelError(f"tensor-parallel worker {process.name} failed to start: {why}")
                     del waiting[conn]
                 elif process.sentinel in ready:
                     raise TensorParallelError(f"tensor-parallel worker {process.name} exited with code "
@@ -146,7 +144,7 @@ class TensorParallelExecutor:
         if reason is not None:
             raise TensorParallelError(reason)
         try:
-            message = pickle.dumps((STEP, step, self._prev_sampled), protocol=5)
+            message = messages.encode(WorkerStep(step, self._prev_sampled))
             for conn in self._conns:
                 conn.send_bytes(message)
             out = self.driver.execute(step, grammar_bitmask)
@@ -196,7 +194,7 @@ class TensorParallelExecutor:
         if graceful:
             for conn in self._conns:
                 try:
-                    conn.send_bytes(pickle.dumps((STOP,)))
+                    conn.send_bytes(messages.encode(Stop()))
                 except OSError:
                     pass
         deadline = time.monotonic() + (_STOP_TIMEOUT_S if graceful else 0.0)

@@ -17,6 +17,8 @@ from functools import partial
 import torch
 
 from engine.config import EngineArgs, RuntimeInfo
+from engine.errors import StepFailed
+from engine.grammar_limits import check_limits
 from engine.input_processor import PromptType, ProcessedPrompt, process_prompt
 from engine.kv_cache import BlockManager, prefix_root
 from engine.output_processor import OutputProcessor
@@ -25,7 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager, check_limits, fill_threads_for
+from engine.structured_output import StructuredOutputManager, fill_threads_for
 from engine.tokenizer import load_model_files
 from models.parallel import check_tensor_parallel
 from models.timing import PhaseTimer, process_uptime
@@ -44,14 +46,6 @@ def compile_threads_for(host_cores: int) -> int:
     """Grammar compile threads: one per two cores, at most 2, so that compiles (niced, but still
     runnable) never hold more than half of a small machine."""
     return max(1, min(2, host_cores // 2))
-
-
-class StepFailed(RuntimeError):
-    """A step raised; its requests were aborted. The cause is chained."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        super().__init__(f"step failed for requests {request_ids}")
-        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -134,7 +128,7 @@ class LLMEngine:
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
                       build_outputs: bool = True) -> None:
         """Queue a validated request. `build_outputs=False` (the engine core process) keeps no
-        cumulative output here: the caller folds `step_deltas()` itself. Raises `CompileQueueFull`
+        cumulative output here: the caller folds `step_deltas()` itself. Raises `EngineOverloadedError`
         (engine/structured_output.py) when its grammar would overfill the compile queue."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")

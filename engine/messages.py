@@ -1,38 +1,168 @@
-"""What the server process and the engine core process say to each other.
+"""What crosses a process boundary: typed messages between the server and the engine core, and
+between rank 0 and the tensor-parallel workers.
 
-Every message is a tuple whose first item is its kind, pickled with protocol 5 and
-sent as one frame over a `multiprocessing` pipe. Contents are plain data:
-`ProcessedPrompt` (token ids + `SamplingParams` + cache salt) in, `RequestDelta`s (only what is
-new) and an `EngineStats` snapshot out. docs/benchmarks.md has the codec's measured
-cost; at one message per step it is a few microseconds against a step of milliseconds.
+Each message is a frozen dataclass whose `kind` (a `MessageKind`) names it; receivers dispatch
+with `match` on the class, never on a position in a tuple. Contents are plain data only:
+`ProcessedPrompt` (token ids, `SamplingParams`, cache salt) in, `RequestDelta`s (only what is
+new) and an `EngineStats` snapshot out, a `StepRecord` to each worker. One codec serves both
+pipes: pickle protocol 5, one frame per message (`benchmarks/bench_ipc.py` measures it against
+a step; it is a few microseconds a message).
 
-server -> core:
-    (ADD, request_id, ProcessedPrompt, arrival_time)
-    (ABORT, request_id)
-    (STOP,)
-core -> server:
-    (READY, RuntimeInfo, EngineStats)            once, after loading
-    (FAILED, exception)                          once, instead of READY
-    (STEP, list[RequestDelta], EngineStats)      after every step
-    (STATS, EngineStats)                         after commands that ran no step
-    (REJECTED, request_id, message)              add_processed refused it (ValueError)
-    (OVERLOADED, request_id, message)            the grammar compile queue is full (retry later)
-    (FAILED_REQUESTS, request_ids, message, EngineStats)  a step raised; those requests are aborted
-    (DEAD, message)                              the loop died; the process exits
+server -> core     AddRequest, AbortRequest, Stop
+core -> server     Ready or StartFailed (once, after loading), then StepOutputs after every step,
+                   Stats after commands that ran no step, Rejected / Overloaded for a request
+                   that add refused, StepFailedRequests when a step raised, Dead when the loop died
+rank 0 -> worker   WorkerStep every step, Stop
+worker -> rank 0   WorkerLoaded or StartFailed (once, after loading its shard)
 """
 
 from __future__ import annotations
 
+import enum
 import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
-ADD, ABORT, STOP = "add", "abort", "stop"
-READY, FAILED, STEP, STATS, REJECTED, OVERLOADED, FAILED_REQUESTS, DEAD = (
-    "ready", "failed", "step", "stats", "rejected", "overloaded", "failed_requests", "dead")
+if TYPE_CHECKING:
+    from engine.config import RuntimeInfo
+    from engine.input_processor import ProcessedPrompt
+    from engine.outputs import EngineStats, RequestDelta
+    from engine.step_record import StepRecord
 
 
-def encode(message: tuple) -> bytes:
+class MessageKind(enum.Enum):
+    ADD = "add"
+    ABORT = "abort"
+    STOP = "stop"
+    READY = "ready"
+    START_FAILED = "start_failed"
+    STEP_OUTPUTS = "step_outputs"
+    STATS = "stats"
+    REJECTED = "rejected"
+    OVERLOADED = "overloaded"
+    STEP_FAILED = "step_failed"
+    DEAD = "dead"
+    WORKER_STEP = "worker_step"
+    WORKER_LOADED = "worker_loaded"
+
+
+_message = dataclass(frozen=True, slots=True)
+
+
+# ---- server -> core ------------------------------------------------------------------------
+@_message
+class AddRequest:
+    kind: ClassVar = MessageKind.ADD
+    request_id: str
+    prompt: ProcessedPrompt
+    arrival_time: float
+
+
+@_message
+class AbortRequest:
+    """The client has gone: the core drops the request and frees its blocks."""
+
+    kind: ClassVar = MessageKind.ABORT
+    request_id: str
+
+
+@_message
+class Stop:
+    """Finish the current step and exit (server -> core, and rank 0 -> worker)."""
+
+    kind: ClassVar = MessageKind.STOP
+
+
+# ---- core -> server ------------------------------------------------------------------------
+@_message
+class Ready:
+    kind: ClassVar = MessageKind.READY
+    info: RuntimeInfo
+    stats: EngineStats
+
+
+@_message
+class StartFailed:
+    """Loading failed (core -> server, worker -> rank 0): the exception, or its text."""
+
+    kind: ClassVar = MessageKind.START_FAILED
+    error: BaseException | str
+
+
+@_message
+class StepOutputs:
+    kind: ClassVar = MessageKind.STEP_OUTPUTS
+    deltas: list[RequestDelta]
+    stats: EngineStats
+
+
+@_message
+class Stats:
+    kind: ClassVar = MessageKind.STATS
+    stats: EngineStats
+
+
+@_message
+class Rejected:
+    """The request is invalid (a ValueError: a bad grammar, a limit): the client gets a 400."""
+
+    kind: ClassVar = MessageKind.REJECTED
+    request_id: str
+    message: str
+
+
+@_message
+class Overloaded:
+    """The request was refused for now (the grammar compile queue is full): retry later."""
+
+    kind: ClassVar = MessageKind.OVERLOADED
+    request_id: str
+    message: str
+
+
+@_message
+class StepFailedRequests:
+    """A step raised; its requests are aborted, the engine goes on."""
+
+    kind: ClassVar = MessageKind.STEP_FAILED
+    request_ids: list[str]
+    message: str
+    stats: EngineStats
+
+
+@_message
+class Dead:
+    """The loop died; the core process exits."""
+
+    kind: ClassVar = MessageKind.DEAD
+    message: str
+
+
+# ---- rank 0 <-> tensor-parallel workers ----------------------------------------------------
+@_message
+class WorkerStep:
+    kind: ClassVar = MessageKind.WORKER_STEP
+    record: StepRecord
+    prev_sampled_token_ids: tuple[int | None, ...]  # rank 0's samples of the step before (None: no sample)
+
+
+@_message
+class WorkerLoaded:
+    kind: ClassVar = MessageKind.WORKER_LOADED
+
+
+Message = (AddRequest | AbortRequest | Stop | Ready | StartFailed | StepOutputs | Stats | Rejected | Overloaded
+           | StepFailedRequests | Dead | WorkerStep | WorkerLoaded)
+MESSAGE_TYPES = Message.__args__
+
+
+def encode(message: Message) -> bytes:
     return pickle.dumps(message, protocol=5)
 
 
-def decode(data: bytes) -> tuple:
-    return pickle.loads(data)
+def decode(data: bytes) -> Message:
+    """The message in `data`; TypeError if the frame holds anything but a message."""
+    message = pickle.loads(data)
+    if not isinstance(message, MESSAGE_TYPES):
+        raise TypeError(f"not a kvserve message: {type(message).__name__}")
+    return message

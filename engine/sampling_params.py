@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured_output import StructuredOutputs
+from engine.grammar_limits import walk_schema
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -38,6 +39,77 @@ MAX_NUM_STOP_TOKEN_IDS = 256
 MIN_TOP_P = 1e-8
 MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What the output must match: exactly one of
+    `json` (a JSON Schema, as a dict or a JSON string), `json_object=True` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (xgrammar's EBNF, GBNF-style).
+    `any_whitespace=False` (the default) makes JSON compact (`{"a": 1, "b": [2, 3]}`), which
+    keeps a model from padding the output with whitespace until max_tokens."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if (getattr(self, k) is not None and k != "json_object") or
+                 (k == "json_object" and self.json_object is not False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
+                             f"{given or 'none'}")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
+        kind = given[0]
+        if kind == "json":
+            object.__setattr__(self, "json", _check_schema(self.json))
+        elif kind == "json_object" and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty str, got {value!r}")
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of str, got {choice!r}")
+            for c in choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """Canonical form: equal specs (dict key order aside) share one compiled grammar."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.any_whitespace], sort_keys=True)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _check_schema(schema: Any) -> dict | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}") from None
+        except RecursionError:
+            raise ValueError("structured_outputs.json is nested too deeply to parse") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {str(schema)[:200]!r}")
+    walk_schema(schema)  # refuses keywords the grammar cannot enforce, at any depth (no recursion)
+    return schema
 
 
 @dataclass(slots=True)

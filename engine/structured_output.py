@@ -38,91 +38,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.errors import EngineOverloadedError
 from engine.grammar_compile import CompileJob, CompilePool
-from engine.grammar_limits import (  # noqa: F401 - re-exported: the keyword set and limits live there
-    UNSUPPORTED_SCHEMA_KEYWORDS,
-    GrammarLimits,
-    check_limits,
-    walk_schema,
-)
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.sampling_params import StructuredOutputs
     from engine.scheduler import StepPlan
     from engine.step_record import GrammarBitmask
 
 logger = logging.getLogger(__name__)
-
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredOutputs:
-    """What the output must match: exactly one of
-    `json` (a JSON Schema, as a dict or a JSON string), `json_object=True` (any JSON object),
-    `regex`, `choice` (one of these strings) or `grammar` (xgrammar's EBNF, GBNF-style).
-    `any_whitespace=False` (the default) makes JSON compact (`{"a": 1, "b": [2, 3]}`), which
-    keeps a model from padding the output with whitespace until max_tokens."""
-
-    json: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None
-    any_whitespace: bool = False
-
-    def __post_init__(self) -> None:
-        given = [k for k in _KINDS if (getattr(self, k) is not None and k != "json_object") or
-                 (k == "json_object" and self.json_object is not False)]
-        if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
-                             f"{given or 'none'}")
-        if not isinstance(self.any_whitespace, bool):
-            raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
-        kind = given[0]
-        if kind == "json":
-            object.__setattr__(self, "json", _check_schema(self.json))
-        elif kind == "json_object" and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
-        elif kind in ("regex", "grammar"):
-            value = getattr(self, kind)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"structured_outputs.{kind} must be a non-empty str, got {value!r}")
-        elif kind == "choice":
-            choice = self.choice
-            if not isinstance(choice, (list, tuple)) or not choice:
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of str, got {choice!r}")
-            for c in choice:
-                if not isinstance(c, str) or not c:
-                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
-            object.__setattr__(self, "choice", tuple(choice))
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
-
-    @property
-    def key(self) -> str:
-        """Canonical form: equal specs (dict key order aside) share one compiled grammar."""
-        return json.dumps([self.kind, getattr(self, self.kind), self.any_whitespace], sort_keys=True)
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-
-def _check_schema(schema: Any) -> dict | bool:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}") from None
-        except RecursionError:
-            raise ValueError("structured_outputs.json is nested too deeply to parse") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {str(schema)[:200]!r}")
-    walk_schema(schema)  # refuses keywords the grammar cannot enforce, at any depth (no recursion)
-    return schema
-
 
 def _choice_grammar(choice: tuple[str, ...]) -> str:
     # EBNF string literals take JSON's escapes
@@ -149,10 +74,6 @@ class SequenceGrammar:
             self.is_terminated = True
 
 
-class CompileQueueFull(RuntimeError):
-    """`max_grammar_queue` distinct grammars are already compiling or queued: retry later."""
-
-
 @dataclass(slots=True)
 class _Pending:
     job: CompileJob
@@ -166,7 +87,7 @@ class StructuredOutputManager:
     A request waits at most `compile_timeout_s` for its grammar (queue and compile together); then
     it fails like a compile error, and the compile is dropped or abandoned when nobody else waits
     for it (engine/grammar_compile.py). At most `max_queue` distinct grammars (None: no bound) are
-    queued or compiling at once, abandoned ones included: `add` raises `CompileQueueFull` beyond that.
+    queued or compiling at once, abandoned ones included: `add` raises `EngineOverloadedError` beyond that.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
@@ -210,7 +131,7 @@ class StructuredOutputManager:
 
     def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
         """Hold `children` until `spec` is compiled (at once when it is cached). Raises
-        `CompileQueueFull` when a new compile would exceed `max_queue`."""
+        `EngineOverloadedError` when a new compile would exceed `max_queue`."""
         try:
             key = spec.key
         except RecursionError:  # a spec that skipped check_limits
@@ -225,7 +146,7 @@ class StructuredOutputManager:
                 job.future.set_result(compiled)
             else:
                 if self.max_queue is not None and len(self._jobs) >= self.max_queue:
-                    raise CompileQueueFull(f"{len(self._jobs)} grammars are compiling or queued "
+                    raise EngineOverloadedError(f"{len(self._jobs)} grammars are compiling or queued "
                                            f"(max_grammar_queue={self.max_queue}); retry later")
                 self._jobs[key] = job
                 self._pool.submit(job)

@@ -2,14 +2,15 @@
 KV pool, driven step by step by rank 0 (engine/executor.py).
 
 A worker never sees a `Request`, never schedules and never samples. Over its pipe it gets
-one message per step, `(STEP, StepRecord, sampled ids of the previous step)`: the record
+one message per step, a `WorkerStep` (the `StepRecord` and the sampled ids of the previous
+step, engine/messages.py): the record
 is the same plain data rank 0's runner gets, and the previous step's sampled ids are the
 only tokens the worker cannot know (rank 0 sampled them); it appends them to its own copy
 of the sequences, then runs the same forward as rank 0, meeting it in every collective
 (the all-reduces, and the LM head's gather for the sampled and prompt-logprob rows).
 
-Start-up: load the shard, send LOADED, join the process group. A failure before that is
-sent as (FAILED, text). A worker exits when told (STOP), when its pipe closes (rank 0's
+Start-up: load the shard, send `WorkerLoaded`, join the process group. A failure before that
+is sent as `StartFailed(text)`. A worker exits when told (`Stop`), when its pipe closes (rank 0's
 process is gone, even SIGKILLed), or when a step fails (a collective timing out or a peer
 vanishing included): rank 0 sees the exit and declares the engine dead. It ignores SIGINT:
 a Ctrl-C reaches the whole process group, and rank 0 decides when workers stop.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
 import signal
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -28,15 +28,15 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
+from engine import messages
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.messages import StartFailed, WorkerLoaded, WorkerStep
 from engine.runner import ModelRunner
 from engine.step_record import StepRecord
 from models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
 
-STEP, STOP = "step", "stop"  # rank 0 -> worker
-LOADED, FAILED = "loaded", "failed"  # worker -> rank 0, at start-up
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     parallel = ParallelState(args.rank, args.size, device)
 
     def join_group() -> None:
-        conn.send_bytes(pickle.dumps((LOADED,)))
+        conn.send_bytes(messages.encode(WorkerLoaded()))
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
@@ -98,7 +98,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         logger.exception("tensor-parallel worker start-up failed")
         try:
-            conn.send_bytes(pickle.dumps((FAILED, f"{type(e).__name__}: {e}")))
+            conn.send_bytes(messages.encode(StartFailed(f"{type(e).__name__}: {e}")))
         except OSError:
             pass
         os._exit(1)
@@ -110,14 +110,14 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
 def _serve(runner: WorkerRunner, conn: Connection, rank: int) -> int:
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = messages.decode(conn.recv_bytes())
         except (EOFError, OSError):
             logger.warning("rank 0 closed the pipe; tensor-parallel worker %d exiting", rank)
             return 0
-        if message[0] == STOP:
+        if not isinstance(message, WorkerStep):  # Stop
             return 0
         try:
-            runner.execute_worker(message[1], message[2])
+            runner.execute_worker(message.record, message.prev_sampled_token_ids)
         except Exception:  # a collective timed out, a peer vanished, or the step itself failed
             logger.exception("tensor-parallel worker %d: step failed; exiting", rank)
             return 1

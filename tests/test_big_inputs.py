@@ -360,7 +360,8 @@ def test_real_server_refuses_an_oversized_prompt_early(server):
 
 def _bare_async_llm(tokenizer, max_model_len: int):
     """An AsyncLLM without a core process: enough state for generate() up to its first send."""
-    from engine.async_llm import AsyncLLM, EngineDeadError
+    from engine.async_llm import AsyncLLM
+    from engine.errors import EngineDeadError
 
     llm = AsyncLLM.__new__(AsyncLLM)
     llm.tokenizer = tokenizer

@@ -4,8 +4,10 @@ what happens when either process dies or is signalled."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -17,6 +19,11 @@ from server_fixtures import ServerProcess
 
 from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from engine import messages
+from engine.config import RuntimeInfo
+from engine.input_processor import ProcessedPrompt
+from engine.outputs import EngineStats
+from engine.sampling_params import StructuredOutputs
+from engine.step_record import NewRequestData, SamplingInputs, StepRecord
 from engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
 
 
@@ -56,7 +63,15 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 # --------------------------------------------------------------------------- codec
 
 
-def test_codec_round_trips_every_delta_field():
+def _every_field_set(cls, **values):
+    """An instance of dataclass `cls` in which every field not given holds a value of its own (no defaults)."""
+    for i, field in enumerate(dataclasses.fields(cls)):
+        if field.name not in values:
+            values[field.name] = i + 0.25 if "float" in str(field.type) else i + 1
+    return cls(**values)
+
+
+def _one_of_each_message() -> list:
     entry = {7: Logprob(-0.5, 1, "a"), 9: Logprob(-2.25, 3, "\u00e9\u6771")}
     delta = RequestDelta(
         request_id="r-0",
@@ -68,8 +83,46 @@ def test_codec_round_trips_every_delta_field():
         num_cached_tokens=16,
         prompt_logprobs=[None, entry],
     )
-    message = (messages.STEP, [delta], None)
-    assert messages.decode(messages.encode(message)) == message
+    stats = _every_field_set(EngineStats, kv_cache_usage=0.5)
+    params = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, max_tokens=7, min_tokens=1,
+                            stop=["x"], stop_token_ids=[4], seed=3, logprobs=2, prompt_logprobs=1,
+                            repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3,
+                            logit_bias={5: 1.5}, structured_outputs=StructuredOutputs(json={"type": "object"}))
+    prompt = ProcessedPrompt("hi", [1, 2, 3], params, 7, cache_salt="tenant-a")
+    info = RuntimeInfo("/m", "LlamaForCausalLM", "bfloat16", "cpu", 100, 64, (0, 2), 9, 4, "cpu", True, 2)
+    sampling = SamplingInputs(0.5, 5, 0.9, 0.1, 1.1, 0.2, 0.3, 3, 1, (0, 2), 2, 1, ((5, 1.5),))
+    record = StepRecord(("f",), ("p",), (NewRequestData("r-0#0", (1, 2, 3), (4,), (1, 2), sampling),),
+                        ("r-0#0", "r-1#0"), (0, 5), (3, 1), {"r-1#0": (6,)})
+    return [
+        messages.AddRequest("r-0", prompt, 12.5),
+        messages.AbortRequest("r-0"),
+        messages.Stop(),
+        messages.Ready(info, stats),
+        messages.StartFailed("ValueError: bad checkpoint"),
+        messages.StepOutputs([delta], stats),
+        messages.Stats(stats),
+        messages.Rejected("r-0", "structured_outputs.regex is empty"),
+        messages.Overloaded("r-0", "the grammar compile queue is full"),
+        messages.StepFailedRequests(["r-0", "r-1"], "internal error", stats),
+        messages.Dead("engine loop died"),
+        messages.WorkerStep(record, (5, None)),
+        messages.WorkerLoaded(),
+    ]
+
+
+def test_codec_round_trips_every_message_and_field():
+    sent = _one_of_each_message()
+    assert {type(m) for m in sent} == set(messages.MESSAGE_TYPES)   # a new message type needs a case here
+    assert len({m.kind for m in sent}) == len(messages.MessageKind)
+    for message in sent:
+        assert messages.decode(messages.encode(message)) == message
+    error = messages.decode(messages.encode(messages.StartFailed(ValueError("bad"))))
+    assert type(error.error) is ValueError and error.error.args == ("bad",)
+
+
+def test_codec_refuses_anything_but_a_message():
+    with pytest.raises(TypeError, match="not a kvserve message: tuple"):
+        messages.decode(pickle.dumps(("step", [], None)))
 
 
 # --------------------------------------------------------------------------- AsyncLLM across the boundary

@@ -20,7 +20,7 @@ from test_engine_core import core_children, is_alive, wait_until
 from engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 from engine import async_llm, messages
 from engine.core import FAULT_ENV, InjectedFault, inject_step_faults, parse_fault_steps
-from engine.llm_engine import StepFailed
+from engine.errors import StepFailed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -97,7 +97,7 @@ def test_a_request_added_as_the_engine_dies_fails_at_once(llama_dir, monkeypatch
 
     def process_prompt_while_the_core_dies(*args, **kwargs):
         os.kill(eng.core_pid, signal.SIGSTOP)   # alive, pipe open: a write succeeds, nothing answers
-        eng._dispatch((messages.DEAD, "simulated death"))   # what the reader thread does on DEAD
+        eng._dispatch(messages.Dead("simulated death"))   # what the reader thread does on Dead
         eng._fail_all(eng.error)
         return real_process_prompt(*args, **kwargs)
 

@@ -22,7 +22,8 @@ pytest.importorskip("xgrammar")
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
 from engine.grammar_limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
-from engine.structured_output import CompileQueueFull, StructuredOutputs  # noqa: E402
+from engine.errors import EngineOverloadedError  # noqa: E402
+from engine.sampling_params import StructuredOutputs  # noqa: E402
 from server_fixtures import ServerProcess, metric, scrape, server_checkpoint  # noqa: E402,F401
 
 LIMITS = dict(max_schema_properties=2500, max_schema_depth=6, max_schema_enum_values=4,
@@ -179,7 +180,7 @@ def test_compile_queue_bound(llm):
             engine.add_request(f"q{i}", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex=f"{i}+")))
         # a spec already compiling shares its job and is admitted
         engine.add_request("shared", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="0+")))
-        with pytest.raises(CompileQueueFull, match=r"2 grammars are compiling or queued \(max_grammar_queue=2\)"):
+        with pytest.raises(EngineOverloadedError, match=r"2 grammars are compiling or queued \(max_grammar_queue=2\)"):
             engine.add_request("over", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="9+")))
         assert "over" not in engine.output_processor.parents
     assert len(_drain(engine)) == 3
@@ -286,6 +287,6 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
 def test_offline_generate_refused_by_the_queue_leaves_nothing(llm):
     engine = llm.engine
     specs = [StructuredOutputs(regex=f"{c}+") for c in "uvw"]  # three new grammars, the queue holds two
-    with Gate(engine.structured), pytest.raises(CompileQueueFull):
+    with Gate(engine.structured), pytest.raises(EngineOverloadedError):
         llm.generate(["hi"] * 3, [SamplingParams(structured_outputs=s) for s in specs], use_tqdm=False)
     assert not engine.has_unfinished_requests() and engine.output_processor.parents == {}

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
-from engine.structured_output import StructuredOutputs  # noqa: E402
+from engine.sampling_params import StructuredOutputs  # noqa: E402
 
 # KVSERVE_TEST_DEVICE=cuda runs this file on a GPU (.ci/gpu_session.sh tests)
 DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
