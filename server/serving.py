@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
+
 from server.engine_protocol import ServingEngine
 from server.errors import APIError, bad_request, internal_error, shutting_down
 from server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
@@ -36,18 +38,6 @@ from server.protocol import (
 from server.streaming import DONE_EVENT, sse_event
 from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
 from server.validation import ValidatedRequest, param_for_message
-
-try:
-    from engine import EngineDeadError, EngineOverloadedError, EngineShutDownError
-except ImportError:  # not part of the documented contract; only used to answer 503 instead of 500
-    class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
-        pass
-
-    class EngineShutDownError(EngineDeadError):  # type: ignore[no-redef]
-        pass
-
-    class EngineOverloadedError(RuntimeError):  # type: ignore[no-redef]
-        pass
 
 logger = logging.getLogger("kvserve.server")
 _END = object()
