@@ -1,5 +1,10 @@
 """Engine configuration: user-facing `EngineArgs`, split into frozen, validated sub-configs.
 
+`EngineArgs` is the one place an engine option is written: its default, type, choices and help.
+`kvserve serve`, `kvserve ray` and the `KVSERVE_*` environment variables are generated from it
+(server/config.py), and the sub-configs' `__post_init__` validate the values for every entry
+point alike.
+
 Values discovered at run time (the KV pool size, EOS ids, the model's context length)
 are not written back here: they live in `RuntimeInfo`, which the runner returns.
 """
@@ -7,13 +12,14 @@ are not written back here: they live in `RuntimeInfo`, which the runner returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.grammar_limits import GrammarLimits
+from models.backends import ATTENTION_BACKENDS
 
 _LIMITS = GrammarLimits()  # the defaults
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # models.attention.BACKENDS (no torch import here)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES_PREFIXES = ("auto", "cpu", "cuda")
 
 
@@ -37,15 +43,15 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
-        if self.attention_backend not in _ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
@@ -108,38 +114,70 @@ class StructuredOutputsConfig:
         _check_positive("grammar_compile_threads", self.compile_threads, allow_none=True)
 
 
+def option(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
+           unit: str | None = None, server_default: Any = None, aliases: tuple[str, ...] = ()) -> Any:
+    """An options dataclass field (`EngineArgs`, and the server's `RayServeOptions`) with what the
+    CLIs show for it: `help`, `choices`, a `metavar`, a `unit` ("bytes": the server also reads
+    4GiB, 512MB), other flag spellings (`aliases`), and `server_default` where `kvserve serve`
+    defaults differently from the offline API (a server bounds what the library leaves open)."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "unit": unit, "aliases": aliases}
+    if server_default is not None:
+        metadata["server_default"] = server_default
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    model: str | None = option(
+        None, "Checkpoint directory or Hub id; unset serves the embedded default model.", metavar="PATH_OR_ID")
+    tokenizer: str | None = option(None, "Tokenizer directory or Hub id (default: the model's).",
+                                   metavar="PATH_OR_ID")
+    dtype: str = option("auto", "Weight/activation dtype (auto: bf16 on CUDA and on CPUs with bf16 units, "
+                        "else fp32).", choices=DTYPES)
+    device: str = option("auto", "Device: auto, cpu, cuda, cuda:N.")
+    block_size: int = option(16, "Tokens per KV-cache block.")
+    max_num_seqs: int = option(256, "Most sequences in one running batch.")
+    max_num_batched_tokens: int = option(2048, "Token budget of one engine step.")
+    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.",
+                                         metavar="BYTES", unit="bytes")
+    num_kv_blocks: int | None = option(None, "Exact number of KV blocks (overrides --kv-cache-memory).")
+    enable_prefix_caching: bool = option(True, "Reuse KV blocks of shared prompt prefixes.")
+    seed: int = option(0, "Engine random seed.")
+    max_model_len: int | None = option(None, "Context length limit (default: the model's).")
+    attention_backend: str = option(
+        "auto", "Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), cpu, triton.",
+        choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs).")
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
+    tensor_parallel_size: int = option(
+        1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
     # structured outputs (StructuredOutputsConfig, GrammarLimits)
-    grammar_compile_timeout_s: float = 20.0
-    max_grammar_queue: int | None = None
-    grammar_compile_threads: int | None = None
-    max_schema_properties: int = _LIMITS.max_schema_properties
-    max_schema_depth: int = _LIMITS.max_schema_depth
-    max_schema_enum_values: int = _LIMITS.max_schema_enum_values
-    max_schema_string_chars: int = _LIMITS.max_schema_string_chars
-    max_regex_chars: int = _LIMITS.max_regex_chars
-    max_grammar_chars: int = _LIMITS.max_grammar_chars
-    max_choices: int = _LIMITS.max_choices
-    max_choice_chars: int = _LIMITS.max_choice_chars
+    grammar_compile_timeout_s: float = option(
+        20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
+        "(or an error event).")
+    max_grammar_queue: int | None = option(
+        None, "Most distinct grammars queued or compiling at once; a request needing one more is refused for now "
+        "(503 from the server; unset: no limit).", server_default=64)
+    grammar_compile_threads: int | None = option(
+        None, "Grammar compile threads, at a low CPU priority (nice 10; unset: one per two cores, at most 2).")
+    max_schema_properties: int = option(
+        _LIMITS.max_schema_properties, "Most object properties in one JSON schema (OpenAI: 5000).")
+    max_schema_depth: int = option(
+        _LIMITS.max_schema_depth, "Deepest nesting of a JSON schema, every subschema counting one level "
+        "(OpenAI: 10 object levels).")
+    max_schema_enum_values: int = option(
+        _LIMITS.max_schema_enum_values, "Most enum values in one JSON schema (OpenAI: 1000).")
+    max_schema_string_chars: int = option(
+        _LIMITS.max_schema_string_chars, "Most characters of property names, enum and const values and patterns "
+        "in one JSON schema (OpenAI: 120000).")
+    max_regex_chars: int = option(_LIMITS.max_regex_chars, "Longest guided_regex.")
+    max_grammar_chars: int = option(_LIMITS.max_grammar_chars, "Longest guided_grammar (EBNF).")
+    max_choices: int = option(_LIMITS.max_choices, "Most strings in a guided_choice.")
+    max_choice_chars: int = option(_LIMITS.max_choice_chars, "Most characters in a guided_choice, all strings "
+                                   "together.")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,

@@ -9,51 +9,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
 from server import package_version
-from server.config import ENV_PREFIX, ServerConfig
+from server.config import ServerConfig
+from server.flags import add_flags, parse_settings
 
 if TYPE_CHECKING:
     import uvicorn
 
-_METAVARS = {"kv_cache_memory": "BYTES", "max_body_bytes": "BYTES", "chat_template": "PATH_OR_STR",
-             "model": "PATH_OR_ID", "tokenizer": "PATH_OR_ID", "api_key": "KEY", "cors_origin": "ORIGIN",
-             "served_model_name": "NAME"}
-
-
-def _is_list(annotation: object) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _is_list(typing.get_args(annotation)[0])
-    return origin is list
-
-
-def _is_bool(annotation: object) -> bool:
-    if annotation is bool:
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return bool in typing.get_args(annotation)
-    return False
-
-
-def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    for name, field in ServerConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description} [env {ENV_PREFIX}{name.upper()}; default: {default!r}]"
-        if _is_bool(field.annotation):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif _is_list(field.annotation):
-            parser.add_argument(flag, action="append", default=None, metavar=_METAVARS.get(name, "VALUE"),
-                                help=help_text + " (repeat the flag or separate with commas)")
-        else:
-            parser.add_argument(flag, default=None, metavar=_METAVARS.get(name, name.upper()), help=help_text)
+def _add_serve_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    add_flags(parser, ServerConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,18 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(args: argparse.Namespace) -> ServerConfig:
     """Merge flags over `KVSERVE_*` env vars over defaults; ValueError with a readable message."""
-    given = {name: getattr(args, name) for name in ServerConfig.model_fields if getattr(args, name) is not None}
-    try:
-        return ServerConfig(**given)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "?"
-            if not err["loc"]:   # a check across fields: its message names the flags
-                problems.append(str(err["msg"]).removeprefix("Value error, "))
-                continue
-            problems.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {err['msg']}")
-        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+    return parse_settings(ServerConfig, args)
 
 
 # uvicorn.run's code for "the app failed to start"

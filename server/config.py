@@ -2,25 +2,27 @@
 
 Every field is a flag (`--max-num-seqs`) and an environment variable
 (`KVSERVE_MAX_NUM_SEQS`); a flag given on the command line wins over the
-environment, which wins over the default. List fields (`served_model_name`,
+environment, which wins over the default. The engine's fields are not written here: they
+are generated from `engine.EngineArgs` (its defaults, types, choices and help), and
+`EngineArgs`' own checks validate them. List fields (`served_model_name`,
 `cors_origin`, `api_key`) take comma-separated values in the environment. Empty variables are ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Annotated, Any, Literal
+import typing
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, create_model, field_validator,
+                      model_validator)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.config import EngineArgs
 from engine.grammar_limits import GrammarLimits
 
 ENV_PREFIX = "KVSERVE_"
-_LIMITS = GrammarLimits()  # the engine's defaults
-_GRAMMAR_LIMIT_FIELDS = ("max_schema_properties", "max_schema_depth", "max_schema_enum_values",
-                         "max_schema_string_chars", "max_regex_chars", "max_grammar_chars", "max_choices",
-                         "max_choice_chars")
 
 def _number_or_unit(value: Any) -> Any:
     """Pydantic's `ByteSize` reads `4GiB` and `512MB`; plain numbers (`1e9`, `1048576`) are read here."""
@@ -60,40 +62,64 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
-class ServerConfig(BaseSettings):
-    """Everything `kvserve serve` can be told. Engine fields are passed through to `EngineArgs`."""
+def _settings_field(field: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
+    """(annotation, Field) of one option of an options dataclass, as the server reads it."""
+    meta = field.metadata
+    optional = type(None) in typing.get_args(annotation)
+    if meta.get("choices"):
+        annotation = Literal[meta["choices"]] | None if optional else Literal[meta["choices"]]
+    elif meta.get("unit") == "bytes":
+        annotation = Size | None if optional else Size
+    extra = {key: meta[key] for key in ("metavar", "aliases") if meta.get(key)}
+    return annotation, Field(meta.get("server_default", field.default), description=meta["help"],
+                             json_schema_extra=extra or None)
+
+
+class DataclassSettings(BaseSettings):
+    """Settings whose fields are generated from an options dataclass (`settings_model`): the
+    dataclass keeps the defaults, help and checks, these add flags and environment variables."""
+
+    source: ClassVar[type]
+
+    @model_validator(mode="after")
+    def _check_with_source(self) -> DataclassSettings:
+        self.to_dataclass()  # its own checks: a ValueError naming the option and the value
+        return self
+
+    def to_dataclass(self) -> Any:
+        options = self.source(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.source)})
+        if hasattr(options, "validate"):
+            options.validate()
+        return options
+
+
+def settings_model(name: str, source: type, env_prefix: str) -> type[DataclassSettings]:
+    """A pydantic settings model with one field per field of the options dataclass `source`."""
+    hints = typing.get_type_hints(source)
+    fields = {f.name: _settings_field(f, hints[f.name]) for f in dataclasses.fields(source)}
+    model = create_model(name, __base__=DataclassSettings, **fields)
+    model.source = source
+    model.model_config["env_prefix"] = env_prefix
+    return model
+
+
+ENGINE_OPTIONS = tuple(field.name for field in dataclasses.fields(EngineArgs))
+_EngineOptions = settings_model("_EngineOptions", EngineArgs, ENV_PREFIX)
+
+
+class ServerConfig(_EngineOptions):
+    """Everything `kvserve serve` can be told: the engine's options (generated from `EngineArgs`,
+    passed through by `engine_kwargs`), then the server's own."""
 
     # An empty variable (e.g. `KVSERVE_MAX_QUEUE=` from a compose file) counts as unset.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", env_ignore_empty=True)
 
-    # --- model and engine (passed to engine.EngineArgs) ---
-    model: str | None = Field(
-        None, description="Checkpoint directory or Hub id; unset serves the embedded default model.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory or Hub id (default: the model's).")
+    # --- model names ---
     served_model_name: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Name(s) clients must send as `model` (default: the --model value, or kvserve-default). "
         "The first one is used in responses.",
     )
-    dtype: str = Field("auto", description="Weight/activation dtype: auto, float32, float16, bfloat16.")
-    device: str = Field("auto", description="Device: auto, cpu, cuda, cuda:N.")
-    block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
-    max_num_seqs: int = Field(256, gt=0, description="Most sequences in one running batch.")
-    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
-    kv_cache_memory: Size | None = Field(None, description="Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.")
-    num_kv_blocks: int | None = Field(
-        None, gt=0, description="Exact number of KV blocks (overrides --kv-cache-memory).")
-    max_model_len: int | None = Field(None, gt=0, description="Context length limit (default: the model's).")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    seed: int = Field(0, description="Engine random seed.")
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
-        "auto", description="Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), "
-        "cpu, triton.")
-    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs).")
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
-    tensor_parallel_size: int = Field(
-        1, gt=0, description="Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
 
     # --- HTTP server ---
     host: str = Field("127.0.0.1", description="Address to bind.")
@@ -126,30 +152,6 @@ class ServerConfig(BaseSettings):
 
     # --- tools and structured outputs (docs/structured_outputs.md, "Limits") ---
     max_tools: int = Field(128, gt=0, description="Most tools in one chat request (OpenAI: 128); more is a 400.")
-    grammar_compile_timeout: float = Field(
-        20.0, gt=0, description="Seconds a request may wait for its grammar (queue and compile); then it fails "
-        "with a 400 (or an error event).")
-    max_grammar_queue: int | None = Field(
-        64, gt=0, description="Most distinct grammars queued or compiling at once; a request needing one more "
-        "gets 503 (unset: no limit).")
-    grammar_compile_threads: int | None = Field(
-        None, gt=0, description="Grammar compile threads, at a low CPU priority (nice 10; unset: one per two "
-        "cores, at most 2).")
-    max_schema_properties: int = Field(
-        _LIMITS.max_schema_properties, gt=0, description="Most object properties in one JSON schema (OpenAI: 5000).")
-    max_schema_depth: int = Field(
-        _LIMITS.max_schema_depth, gt=0, description="Deepest nesting of a JSON schema, every subschema counting one "
-        "level (OpenAI: 10 object levels).")
-    max_schema_enum_values: int = Field(
-        _LIMITS.max_schema_enum_values, gt=0, description="Most enum values in one JSON schema (OpenAI: 1000).")
-    max_schema_string_chars: int = Field(
-        _LIMITS.max_schema_string_chars, gt=0, description="Most characters of property names, enum and const "
-        "values and patterns in one JSON schema (OpenAI: 120000).")
-    max_regex_chars: int = Field(_LIMITS.max_regex_chars, gt=0, description="Longest guided_regex.")
-    max_grammar_chars: int = Field(_LIMITS.max_grammar_chars, gt=0, description="Longest guided_grammar (EBNF).")
-    max_choices: int = Field(_LIMITS.max_choices, gt=0, description="Most strings in a guided_choice.")
-    max_choice_chars: int = Field(
-        _LIMITS.max_choice_chars, gt=0, description="Most characters in a guided_choice, all strings together.")
     stats_log_interval: float = Field(
         5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")
 
@@ -203,13 +205,7 @@ class ServerConfig(BaseSettings):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `engine.EngineArgs`."""
-        names = ("model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "seed", "max_model_len",
-                 "attention_backend", "enforce_eager", "gpu_memory_utilization", "tensor_parallel_size")
-        grammar = {"grammar_compile_timeout_s": self.grammar_compile_timeout,
-                   "max_grammar_queue": self.max_grammar_queue, "grammar_compile_threads": self.grammar_compile_threads,
-                   **{name: getattr(self, name) for name in _GRAMMAR_LIMIT_FIELDS}}
-        return {**{name: getattr(self, name) for name in names}, **grammar}
+        return {name: getattr(self, name) for name in ENGINE_OPTIONS}
 
     def grammar_limits(self) -> GrammarLimits:
-        return GrammarLimits(**{name: getattr(self, name) for name in _GRAMMAR_LIMIT_FIELDS})
+        return self.to_dataclass().structured_outputs_config().limits

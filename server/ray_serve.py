@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from server.config import ServerConfig
+from server.ray_options import RayServeOptions
 from server.errors import error_body, error_bytes
 from server.ray_router import ROUTED_PATHS, PrefixAffinity, prefix_hashes, routing_text
 from server.streaming import DONE_EVENT, sse_event
@@ -43,48 +44,6 @@ METRICS_PUSH_INTERVAL_S = 1.0
 METRICS_STALE_AFTER_S = 10.0           # a replica silent this long is gone from /metrics
 REPLICA_HEADER = "x-kvserve-replica"   # which replica answered (debugging, tests)
 _HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
-
-
-@dataclass(frozen=True, slots=True)
-class RayServeOptions:
-    """How kvserve runs on Ray Serve (the model and server settings stay in `ServerConfig`).
-
-    Autoscaling is on when `min_replicas` or `max_replicas` is set: Ray Serve's autoscaler keeps
-    about `target_ongoing_requests` requests per replica, between the bounds, starting at
-    `num_replicas`. `num_gpus_per_replica` None: the tensor-parallel size on CUDA, 0 on CPU.
-    """
-
-    num_replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None
-    routing: Literal["prefix", "pow2"] = "prefix"
-    max_imbalance: int = 32
-    num_cpus_per_replica: float = 1.0
-    num_gpus_per_replica: float | None = None
-    max_ongoing_requests: int | None = None
-    num_ingress_replicas: int = 1
-    app_name: str = "kvserve"
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1 or self.num_ingress_replicas < 1:
-            raise ValueError(f"need at least one replica, got num_replicas={self.num_replicas}, "
-                             f"num_ingress_replicas={self.num_ingress_replicas}")
-        low, high = self.min_replicas, self.max_replicas
-        if (low is not None and low < 0) or (high is not None and high < 1) or \
-                (low is not None and high is not None and low > high):
-            raise ValueError(f"invalid autoscaling bounds min_replicas={low}, max_replicas={high}")
-        if self.routing not in ("prefix", "pow2"):
-            raise ValueError(f"routing must be prefix or pow2, got {self.routing!r}")
-        if self.max_imbalance < 0 or self.num_cpus_per_replica < 0 or (self.num_gpus_per_replica or 0) < 0:
-            raise ValueError(f"negative max_imbalance={self.max_imbalance}, num_cpus_per_replica="
-                             f"{self.num_cpus_per_replica} or num_gpus_per_replica={self.num_gpus_per_replica}")
-        if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
-            raise ValueError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}")
-
-    @property
-    def is_autoscaling(self) -> bool:
-        return self.min_replicas is not None or self.max_replicas is not None
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -378,15 +337,11 @@ def _uses_cuda(device: str) -> bool:
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """For `serve run server.ray_serve:app_builder model=... num_replicas=2` and KubeRay's
-    RayService (`import_path` + `args`): `ServerConfig` fields and `RayServeOptions` fields."""
-    option_names = set(RayServeOptions.__dataclass_fields__)
-    options = {k: v for k, v in args.items() if k in option_names}
-    for name in ("num_replicas", "min_replicas", "max_replicas", "max_imbalance", "max_ongoing_requests",
-                 "num_ingress_replicas"):
-        if isinstance(options.get(name), str):
-            options[name] = int(options[name])
-    for name in ("num_cpus_per_replica", "num_gpus_per_replica", "target_ongoing_requests"):
-        if isinstance(options.get(name), str):
-            options[name] = float(options[name])
-    config = ServerConfig(**{k: v for k, v in args.items() if k not in option_names})
-    return build_app(config, RayServeOptions(**options))
+    RayService (`import_path` + `args`): `ServerConfig` fields and `RayServeOptions` fields,
+    as strings or values (both are read as the flags are)."""
+    from server.ray_options import RayOptions
+
+    names = set(RayOptions.model_fields)
+    options = RayOptions(**{k: v for k, v in args.items() if k in names})
+    config = ServerConfig(**{k: v for k, v in args.items() if k not in names})
+    return build_app(config, options.to_dataclass())

@@ -202,7 +202,7 @@ SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for 
 @pytest.fixture(scope="module")
 def limited_server(server_checkpoint):
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    srv = ServerProcess(server_checkpoint, *args, "--max-tools", "2", "--grammar-compile-timeout", "2",
+    srv = ServerProcess(server_checkpoint, *args, "--max-tools", "2", "--grammar-compile-timeout-s", "2",
                         "--max-grammar-queue", "1", "--grammar-compile-threads", "1").wait_ready()
     yield srv
     srv.stop()

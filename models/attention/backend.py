@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.backends import ATTENTION_BACKENDS
+
 if TYPE_CHECKING:
     from models.attention.layer import AttentionBackend
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int]) -> AttentionBackend:
