@@ -372,7 +372,7 @@ def _bare_async_llm(tokenizer, max_model_len: int):
     llm.sent = []
 
     def send(message):
-        llm.sent.append(message[0])
+        llm.sent.append(message.kind.value)
         raise EngineDeadError("no core in this test")
 
     llm._send = send
