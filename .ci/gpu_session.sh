@@ -127,7 +127,7 @@ stop_server() {  # SIGINT (graceful), then SIGKILL after 20 s
 stage_serve() {
   local model="$MODELS/$SERVE_SHAPE" url="http://127.0.0.1:$PORT" pid c n healthy=0
   "$PY" -c "from benchmarks.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
-  "$PY" -m server.cli serve --model "$model" --device "$DEVICE" --port "$PORT" --max-model-len 4096 >"$OUT/serve_server.log" 2>&1 &
+  "$PY" -m kvserve.server.cli serve --model "$model" --device "$DEVICE" --port "$PORT" --max-model-len 4096 >"$OUT/serve_server.log" 2>&1 &
   pid=$!
   for _ in $(seq "$(cap 150)"); do
     "$PY" -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null && { healthy=1; break; }
@@ -144,7 +144,7 @@ stage_serve() {
       for c in 1 16 64; do
         n=$((c == 1 ? 16 : 8 * c))
         echo "== kvserve bench serve (pass $pass): concurrency $c, $n prompts of 256 tokens, 128 out"
-        run_capped "${SERVE_POINT_S:-60}" "$PY" -m loadtest serve --base-url "$url" --input-len 256 --seed "$pass" \
+        run_capped "${SERVE_POINT_S:-60}" "$PY" -m kvserve.loadtest serve --base-url "$url" --input-len 256 --seed "$pass" \
           --output-len 128 --num-prompts "$n" --max-concurrency "$c" --no-progress --out "/tmp/serve_c$c" || status=1
       done
     done

@@ -43,7 +43,7 @@ def make_case(name: str, vocab_size: int, rng: np.random.Generator) -> tuple[lis
 
 
 def run_engine(llm, prompts: list[list[int]], outs: list[int]) -> float:
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     start = time.perf_counter()
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(build_smollm_like(args.model_dir))
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from kvserve.engine import LLM
 
     llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.device import resolve_device
+from kvserve.engine.device import resolve_device
 from benchmarks.bench_engine import left_pad
 from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 
@@ -116,7 +116,7 @@ def roofline(decode_steps: list[tuple[float, bool, int]], weight_bytes: int, kv_
 
 def run_kvserve(llm, prompts: list[list[int]], outs: list[int], weight_bytes: int, kv_per_token: int,
                 bandwidth: float) -> dict:
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     timer = StepTimer(llm.engine.runner)
@@ -139,7 +139,7 @@ def profile_kvserve(llm, vocab_size: int, prompt_len: int, num_tokens: int, top:
     Kernel time per step vs wall time per step; the gap is the GPU waiting on the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     prompt = np.random.default_rng(7).integers(3, vocab_size, prompt_len).tolist()
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_engine(model_dir: Path, engine_kw: dict, eager: bool, results: dict, name: str):
-    from engine import LLM
+    from kvserve.engine import LLM
 
     start = time.perf_counter()
     try:
@@ -375,7 +375,7 @@ def _release_engine(llm) -> None:
 
 def _warm_engine(llm, vocab_size: int) -> None:
     """Kernel builds and autotuning happen here, not in the first timed case."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     rng = np.random.default_rng(123)
     longest = llm.engine.info.max_model_len - 9

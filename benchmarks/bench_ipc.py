@@ -18,8 +18,8 @@ import statistics
 import tempfile
 import time
 
-from engine import messages
-from engine.outputs import CompletionDelta, EngineStats, Logprob, RequestDelta, RequestMetrics
+from kvserve.engine import messages
+from kvserve.engine.outputs import CompletionDelta, EngineStats, Logprob, RequestDelta, RequestMetrics
 
 
 def step_message(num_requests: int, num_logprobs: int) -> messages.StepOutputs:

@@ -16,8 +16,8 @@ import json
 import random
 import timeit
 
-from server.json_depth import json_depth
-from server.protocol import replace_lone_surrogates
+from kvserve.server.json_depth import json_depth
+from kvserve.server.protocol import replace_lone_surrogates
 
 
 def _text(rng: random.Random, num_chars: int) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models import cpu_ops, hugepages
+from kvserve.models import cpu_ops, hugepages
 
 SMOLLM_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
@@ -100,10 +100,10 @@ ELEMENTWISE_IMPLS = ("eager", "compile", "triton")
 def elementwise_ops(impl: str) -> tuple[Callable, Callable]:
     """(add_rms_norm(x, residual, weight, eps), silu_and_mul(x)) of one implementation."""
     if impl == "eager":
-        from models.fused_ops import TORCH_OPS
+        from kvserve.models.fused_ops import TORCH_OPS
 
         return TORCH_OPS.add_rms_norm, TORCH_OPS.silu_and_mul
-    from models.kernels import triton_ops
+    from kvserve.models.kernels import triton_ops
 
     if impl == "compile":
         return triton_ops.compiled_fused_add_rms_norm, triton_ops.compiled_silu_and_mul

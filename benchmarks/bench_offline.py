@@ -29,7 +29,7 @@ import numpy as np
 
 
 def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -42,7 +42,7 @@ _request_ids = itertools.count()
 
 def _run_staggered(llm, prompts: list[list[int]], max_tokens: int, gap_s: float) -> float:
     """Request i joins `gap_s` * i seconds after the first; returns the seconds to the last token."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arrival_gap_ms < 0:
         p.error(f"--arrival-gap-ms must be >= 0, got {args.arrival_gap_ms}")
 
-    from engine import LLM
+    from kvserve.engine import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
               tensor_parallel_size=args.tensor_parallel_size)

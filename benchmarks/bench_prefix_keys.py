@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine import kv_cache as new_kv  # noqa: E402
+from kvserve.engine import kv_cache as new_kv  # noqa: E402
 
 
 def load_old(rev: str):
@@ -101,7 +101,7 @@ def hit(module, prompt: list[int], block_size: int) -> float:
 def engine_prefill(old_kv, repeats: int) -> None:
     """End to end on the embedded default model (CPU): a prompt as long as its context, once
     cold and once cached, with the old block manager swapped in and the new one, alternating."""
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     class OldKeys(old_kv.BlockManager):   # the old manager under the scheduler's new call signature
         def find_cached_prefix(self, request_id, token_ids, root=None):

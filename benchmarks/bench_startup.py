@@ -3,7 +3,7 @@
     python -m benchmarks.bench_startup [--model PATH] [--repeats 3] [--offline] [--out startup.json] \\
         [-- extra kvserve serve flags]
 
-Each repeat starts `python -m server.cli serve` on a free port, polls /health every 20 ms,
+Each repeat starts `python -m kvserve.server.cli serve` on a free port, polls /health every 20 ms,
 and stops the server (its whole process group) once it answers 200; the server's log goes
 to a temp file whose tail is shown if it fails. No `--model` means the built-in default
 model. `--offline` also times `LLMEngine(EngineArgs(model=...))` in a fresh interpreter
@@ -31,7 +31,7 @@ _OFFLINE_CHILD = """
 import json, logging, sys, time
 start = time.perf_counter()
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-from engine import EngineArgs, LLMEngine
+from kvserve.engine import EngineArgs, LLMEngine
 imported = time.perf_counter()
 LLMEngine(EngineArgs(**json.loads(sys.argv[1])))
 done = time.perf_counter()
@@ -40,7 +40,7 @@ print(json.dumps({"import_s": imported - start, "engine_s": done - imported}))
 
 
 def serve_command(model: str | None, port: int, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     return cmd + (["--model", model] if model else []) + extra
 
 

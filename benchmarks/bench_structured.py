@@ -84,8 +84,8 @@ class _Timer:
 
 
 def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> float:
-    from engine import SamplingParams
-    from engine.sampling_params import StructuredOutputs
+    from kvserve.engine import SamplingParams
+    from kvserve.engine.sampling_params import StructuredOutputs
 
     spec = StructuredOutputs(json=schema) if schema is not None else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec)
@@ -101,8 +101,8 @@ def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> 
 
 def compile_times(llm, schema: dict) -> tuple[float, float]:
     """(cold, cached) seconds to get the compiled grammar of `schema`."""
-    from engine.sampling_params import StructuredOutputs
-    from engine.structured_output import StructuredOutputManager
+    from kvserve.engine.sampling_params import StructuredOutputs
+    from kvserve.engine.structured_output import StructuredOutputManager
 
     info = llm.engine.info
     manager = StructuredOutputManager(llm.tokenizer, info.vocab_size, info.eos_token_ids)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = str(build_smollm_like(args.model_dir))
-    from engine import LLM
+    from kvserve.engine import LLM
 
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
     rng = np.random.default_rng(0)

@@ -19,7 +19,7 @@ import struct
 import time
 from multiprocessing import shared_memory
 
-from engine.step_record import StepRecord
+from kvserve.engine.step_record import StepRecord
 
 _SHM_BYTES = 1 << 22
 

@@ -51,8 +51,8 @@ def _matchers(tokenizer, vocab_size: int, eos: list[int], schema: dict, count: i
 
 
 def compare(llm, case: str, num_seqs: int, num_tokens: int, rng) -> str:
-    from engine import SamplingParams
-    from engine.sampling_params import StructuredOutputs
+    from kvserve.engine import SamplingParams
+    from kvserve.engine.sampling_params import StructuredOutputs
 
     info, schema = llm.engine.info, CASES[case]
     prompts = [rng.integers(3, info.vocab_size, 128).tolist() for _ in range(num_seqs)]
@@ -82,7 +82,7 @@ def compare(llm, case: str, num_seqs: int, num_tokens: int, rng) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import LLM
+    from kvserve.engine import LLM
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare_grammar_libs", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")

@@ -48,7 +48,7 @@ def tool(name: str) -> dict:
 def start_server(tree: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile("w+", prefix="grammar-bench-", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": tree, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", os.path.abspath(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", os.path.abspath(model), "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

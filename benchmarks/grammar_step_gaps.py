@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _schema(what: str, tag: str) -> dict:
     sys.path.insert(0, HERE)
     from grammar_contention import tool  # noqa: E402
-    from server.tool_parsers import forced_schema  # noqa: E402
+    from kvserve.server.tool_parsers import forced_schema  # noqa: E402
 
     kind, _, n = what.partition(":")
     if kind == "tools":
@@ -39,9 +39,9 @@ def _schema(what: str, tag: str) -> dict:
 
 
 def child(model: str, what: str, nice: str) -> None:
-    from engine import SamplingParams, StructuredOutputs
-    from engine.config import EngineArgs
-    from engine.llm_engine import LLMEngine
+    from kvserve.engine import SamplingParams, StructuredOutputs
+    from kvserve.engine.config import EngineArgs
+    from kvserve.engine.llm_engine import LLMEngine
 
     is_base = nice == "base"  # a tree without compile time limits or nice compile threads
     kwargs = {} if is_base else {"grammar_compile_timeout_s": 3600.0}  # measure the whole compile

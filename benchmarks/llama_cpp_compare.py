@@ -12,7 +12,7 @@ Steps (each can be left out with --skip):
   is registered as --pre-tokenizer (default "gpt-2": the GPT-2 split regex, which is what an HF
   `ByteLevel(use_regex=True)` pre-tokenizer does); known hashes are converted as usual.
 - llama: for each concurrency C a fresh `llama-server -t T -tb T -ngl 0 --parallel C` with
-  prompt caching off, then `python -m loadtest serve --max-concurrency C` against it.
+  prompt caching off, then `python -m kvserve.loadtest serve --max-concurrency C` against it.
 - kvserve: one `kvserve serve --dtype D`, then the same `loadtest serve` runs against it.
 - offline: `python -m benchmarks.bench_offline` (kvserve's engine, no server), and llama.cpp's
   `llama-batched-bench` (no server, no sampling) if it is in --llama-bin.

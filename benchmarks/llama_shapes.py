@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from models.checkpoint_writer import random_tensors, write_checkpoint
+from kvserve.models.checkpoint_writer import random_tensors, write_checkpoint
 
 LLAMA_SHAPES: dict[str, dict] = {
     "llama-1b": dict(

@@ -3,7 +3,7 @@
 `python -m benchmarks.run_suite [--quick]`
 
 1. Builds (once) a random SmolLM-135M-shaped checkpoint (see smollm_checkpoint.py).
-2. For each server (kvserve via `python -m server.cli serve`, then
+2. For each server (kvserve via `python -m kvserve.server.cli serve`, then
    benchmarks/baseline_server.py), starts it on a free loopback port and runs:
    a concurrency sweep (1, 4, 16, 64; rate inf), a Poisson rate sweep, and one
    prefix-repetition point (prefix-cache behaviour). Both servers get exactly the
@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import cli
+from kvserve.loadtest import cli
 from benchmarks.procs import free_port, running_server
-from loadtest.report import dump_json, fmt_number, markdown_table
+from kvserve.loadtest.report import dump_json, fmt_number, markdown_table
 from benchmarks.smollm_checkpoint import build_smollm_like
 
 
@@ -61,7 +61,7 @@ def sweeps(size: SuiteSize) -> dict[str, list[str]]:
 
 def server_commands(args: argparse.Namespace, model_dir: Path, port: int) -> dict[str, list[str]]:
     common = ["--model", str(model_dir), "--port", str(port), "--dtype", args.dtype]
-    default_kvserve = [sys.executable, "-m", "server.cli", "serve"]
+    default_kvserve = [sys.executable, "-m", "kvserve.server.cli", "serve"]
     kvserve = shlex.split(args.kvserve_cmd) if args.kvserve_cmd else default_kvserve
     cmds = {}
     if not args.skip_kvserve:
@@ -72,7 +72,7 @@ def server_commands(args: argparse.Namespace, model_dir: Path, port: int) -> dic
 
 
 def kvserve_available() -> bool:
-    return importlib.util.find_spec("server.cli") is not None
+    return importlib.util.find_spec("kvserve.server.cli") is not None
 
 
 def run_server_suite(name: str, cmd: list[str], port: int, size: SuiteSize, model_dir: Path,
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="passed to both servers")
     p.add_argument("--skip-kvserve", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--kvserve-cmd", help="command that starts kvserve (default: python -m server.cli serve)")
+    p.add_argument("--kvserve-cmd", help="command that starts kvserve (default: python -m kvserve.server.cli serve)")
     p.add_argument("--kvserve-args", default="", help="extra kvserve flags, e.g. '--max-num-seqs 64'")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     return p

@@ -32,7 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 _LAUNCH_LIMIT_CONCURRENCY = """
 import sys, uvicorn, server.cli as cli
-from server.connections import default_max_connections
+from kvserve.server.connections import default_max_connections
 _orig = cli.uvicorn_config
 def patched(app, config):
     uv = _orig(app, config)
@@ -57,7 +57,7 @@ def _free_port() -> int:
 def _start(model: str, port: int, nofile: int, mode: str, log_path: str) -> subprocess.Popen:
     flags, launcher = MODES[mode]
     args = ["serve", "--model", model, "--port", str(port), "--device", "cpu", "--dtype", "float32", *flags]
-    cmd = [sys.executable, "-c", launcher, *args] if launcher else [sys.executable, "-m", "server.cli", *args]
+    cmd = [sys.executable, "-c", launcher, *args] if launcher else [sys.executable, "-m", "kvserve.server.cli", *args]
 
     def limit_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))

@@ -19,7 +19,7 @@ import itertools
 import json
 from pathlib import Path
 
-from models.checkpoint_writer import SPECIAL_TOKENS, random_tensors, write_checkpoint, write_tokenizer
+from kvserve.models.checkpoint_writer import SPECIAL_TOKENS, random_tensors, write_checkpoint, write_tokenizer
 
 SMOLLM_135M_SHAPE = dict(
     vocab_size=49152,

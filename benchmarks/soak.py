@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.metrics_scraper import parse_metrics
+from kvserve.loadtest.metrics_scraper import parse_metrics
 from benchmarks.procs import free_port, stop, wait_healthy
 
 WORDS = ("the quick brown fox jumps over lazy dog a server streams tokens while clients come and go "
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run(args, Server(url=args.url.rstrip("/"), pid=args.server_pid)))
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="kvserve-soak-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", args.model, "--port", str(port),
            *args.server_arg]
     server = Server(url=f"http://127.0.0.1:{port}", cmd=cmd, log_path=log_path)
     print(f"server log: {log_path}", flush=True)

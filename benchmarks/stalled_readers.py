@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tempfile.mktemp(prefix="stalled-readers-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", args.model, "--port", str(port),
                              "--device", "cpu", "--dtype", "float32", *args.server_args], cwd=REPO,
                             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     try:

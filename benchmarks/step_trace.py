@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 
 def run_round(llm: LLM, prompts: list[list[int]], every: int, output_len: int, tag: str) -> list[tuple]:

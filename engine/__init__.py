@@ -1,28 +1,28 @@
 """kvserve engine: paged KV cache, continuous batching, batched sampling.
 
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
     outs = LLM(model="path/to/checkpoint").generate(["Hello"], SamplingParams(max_tokens=32))
 
-Names are imported lazily, so `import engine.scheduler` stays free of torch.
+Names are imported lazily, so `import kvserve.engine.scheduler` stays free of torch.
 """
 
 import importlib
 
 _EXPORTS = {
-    "AsyncLLM": "engine.async_llm",
-    "EngineDeadError": "engine.errors",
-    "EngineOverloadedError": "engine.errors",
-    "EngineShutDownError": "engine.errors",
-    "EngineArgs": "engine.config",
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "CompletionOutput": "engine.outputs",
-    "EngineStats": "engine.outputs",
-    "Logprob": "engine.outputs",
-    "RequestMetrics": "engine.outputs",
-    "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
-    "StructuredOutputs": "engine.sampling_params",
+    "AsyncLLM": "kvserve.engine.async_llm",
+    "EngineDeadError": "kvserve.engine.errors",
+    "EngineOverloadedError": "kvserve.engine.errors",
+    "EngineShutDownError": "kvserve.engine.errors",
+    "EngineArgs": "kvserve.engine.config",
+    "LLM": "kvserve.engine.llm",
+    "LLMEngine": "kvserve.engine.llm_engine",
+    "CompletionOutput": "kvserve.engine.outputs",
+    "EngineStats": "kvserve.engine.outputs",
+    "Logprob": "kvserve.engine.outputs",
+    "RequestMetrics": "kvserve.engine.outputs",
+    "RequestOutput": "kvserve.engine.outputs",
+    "SamplingParams": "kvserve.engine.sampling_params",
+    "StructuredOutputs": "kvserve.engine.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -30,5 +30,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'kvserve.engine' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -30,17 +30,17 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from engine import messages
-from engine.config import EngineArgs, RuntimeInfo
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
-from engine.grammar_limits import check_limits
-from engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
-from engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
+from kvserve.engine import messages
+from kvserve.engine.config import EngineArgs, RuntimeInfo
+from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
+from kvserve.engine.grammar_limits import check_limits
+from kvserve.engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
+from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
-from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
-from engine.processes import wait_for_exit
-from engine.sampling_params import SamplingParams
-from models import built_default_model
+from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
+from kvserve.engine.processes import wait_for_exit
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.models import built_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
 
 
 def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int) -> None:
-    from engine.core import run_engine_core
+    from kvserve.engine.core import run_engine_core
 
     run_engine_core(args, conn, log_level, max_consecutive_step_failures)
 

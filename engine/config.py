@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.grammar_limits import GrammarLimits
-from models.backends import ATTENTION_BACKENDS
+from kvserve.engine.grammar_limits import GrammarLimits
+from kvserve.models.backends import ATTENTION_BACKENDS
 
 _LIMITS = GrammarLimits()  # the defaults
 

@@ -32,10 +32,10 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from engine import messages
-from engine.config import EngineArgs
-from engine.errors import EngineOverloadedError, StepFailed
-from engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
+from kvserve.engine import messages
+from kvserve.engine.config import EngineArgs
+from kvserve.engine.errors import EngineOverloadedError, StepFailed
+from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
         fault_steps = parse_fault_steps(os.environ.get(FAULT_ENV, ""))
-        from engine.llm_engine import LLMEngine
+        from kvserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
         warm_up(engine.runner)
@@ -82,7 +82,7 @@ def warm_up(runner) -> None:
     """One dummy step before the core reports ready, so that no request pays the first step's
     one-time costs (`ModelRunner.warm_up`). Not with tensor parallelism: the executor forwards
     attributes to rank 0's runner, whose step alone would wait for the other ranks forever."""
-    from engine.runner import ModelRunner
+    from kvserve.engine.runner import ModelRunner
 
     if type(runner) is not ModelRunner:
         return
@@ -95,7 +95,7 @@ def _prefault_when_idle(layers) -> None:
     """Fault in the KV pool (`engine.kv_pool.prefault`) at the lowest CPU priority: the OS zeroes
     the pages in this thread, which would otherwise take a core from the steps of the first
     requests (Linux: a thread's nice value is its own)."""
-    from engine.kv_pool import prefault
+    from kvserve.engine.kv_pool import prefault
 
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

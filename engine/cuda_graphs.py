@@ -22,7 +22,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from models.attention import AttentionMetadata, forward_context
+from kvserve.models.attention import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

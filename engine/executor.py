@@ -30,16 +30,16 @@ from multiprocessing.connection import wait
 
 import torch
 
-from engine import messages
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.processes import wait_for_exit
-from engine.device import resolve_device
-from engine.errors import TensorParallelError
-from engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
-from engine.runner import ModelRunner, RunnerOutput
-from engine.step_record import GrammarBitmask, StepRecord
-from engine.worker import WorkerArgs, run_worker
-from models.parallel import ParallelState, new_group
+from kvserve.engine import messages
+from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.processes import wait_for_exit
+from kvserve.engine.device import resolve_device
+from kvserve.engine.errors import TensorParallelError
+from kvserve.engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
+from kvserve.engine.runner import ModelRunner, RunnerOutput
+from kvserve.engine.step_record import GrammarBitmask, StepRecord
+from kvserve.engine.worker import WorkerArgs, run_worker
+from kvserve.models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.config import RuntimeInfo
-from engine.outputs import RequestOutputBuilder
-from engine.sampling_params import SamplingParams
+from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.outputs import RequestOutputBuilder
+from kvserve.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
-# Inputs up to this many characters are tokenized on the caller's thread: that is ~0.1 ms of
-# work, less than a hop to a worker thread costs on a busy event loop.
+# Inputs up to this many characters are tokenized on the caller's thread: so little work that a
+# hop to a worker thread would cost more on a busy event loop.
 INLINE_MAX_CHARS = 4096
 MAX_TOKENIZER_THREADS = 4
 # Canonical composition (NFC/NFKC) folds at most 4 code points into one character (Greek

@@ -259,8 +259,3 @@ class BlockManager:
                 self._free.append(block)
         self._req_hashes.pop(request_id, None)
         self._req_roots.pop(request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = block.parent_hash = block.token_ids = None
-        self._cached.clear()

@@ -24,10 +24,10 @@ from typing import Protocol
 
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.device import kv_cache_budget_bytes
-from models import hugepages
-from models.timing import phase
+from kvserve.engine.config import CacheConfig, SchedulerConfig
+from kvserve.engine.device import kv_cache_budget_bytes
+from kvserve.models import hugepages
+from kvserve.models.timing import phase
 
 logger = logging.getLogger(__name__)
 

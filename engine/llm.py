@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineArgs
-from engine.input_processor import PromptType
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvserve.engine.config import EngineArgs
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):

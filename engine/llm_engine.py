@@ -16,21 +16,21 @@ from functools import partial
 
 import torch
 
-from engine.config import EngineArgs, RuntimeInfo
-from engine.errors import StepFailed
-from engine.grammar_limits import check_limits
-from engine.input_processor import PromptType, ProcessedPrompt, process_prompt
-from engine.kv_cache import BlockManager, prefix_root
-from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
-from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager, fill_threads_for
-from engine.tokenizer import load_model_files
-from models.parallel import check_tensor_parallel
-from models.timing import PhaseTimer, process_uptime
+from kvserve.engine.config import EngineArgs, RuntimeInfo
+from kvserve.engine.errors import StepFailed
+from kvserve.engine.grammar_limits import check_limits
+from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
+from kvserve.engine.kv_cache import BlockManager, prefix_root
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.structured_output import StructuredOutputManager, fill_threads_for
+from kvserve.engine.tokenizer import load_model_files
+from kvserve.models.parallel import check_tensor_parallel
+from kvserve.models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class LLMEngine:
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
                                       files.hf_config, files.max_model_len)
         else:
-            from engine.executor import TensorParallelExecutor
+            from kvserve.engine.executor import TensorParallelExecutor
 
             hf = files.hf_config
             check_tensor_parallel(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.input_batch import InputBatch
-from engine.step_record import GrammarBitmask
-from models import cpu_ops
+from kvserve.engine.input_batch import InputBatch
+from kvserve.engine.step_record import GrammarBitmask
+from kvserve.models import cpu_ops
 
 
 class LogitsProcessors:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.sampler import Sampler, SamplingTensors
-from models.attention import Attention, AttentionMetadata, forward_context
+from kvserve.engine.sampler import Sampler, SamplingTensors
+from kvserve.models.attention import Attention, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from engine.config import RuntimeInfo
-    from engine.input_processor import ProcessedPrompt
-    from engine.outputs import EngineStats, RequestDelta
-    from engine.step_record import StepRecord
+    from kvserve.engine.config import RuntimeInfo
+    from kvserve.engine.input_processor import ProcessedPrompt
+    from kvserve.engine.outputs import EngineStats, RequestDelta
+    from kvserve.engine.step_record import StepRecord
 
 
 class MessageKind(enum.Enum):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
-from engine.request import Request, RequestStatus
-from engine.runner import RunnerOutput, TokenLogprobs
-from engine.scheduler import FinishedRequest, StepPlan
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.runner import RunnerOutput, TokenLogprobs
+from kvserve.engine.scheduler import FinishedRequest, StepPlan
 
 
 @dataclass(slots=True)

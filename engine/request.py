@@ -6,10 +6,10 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from engine.kv_cache import ROOT_DIGEST
+from kvserve.engine.kv_cache import ROOT_DIGEST
 
 if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+    from kvserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

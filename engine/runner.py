@@ -20,19 +20,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.device import resolve_device, resolve_dtype
-from engine.input_batch import InputBatch
-from engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
-from engine.logits_processors import LogitsProcessors
-from engine.memory_profile import MemoryProfile, profile_kv_budget
-from engine.sampler import Sampler
-from engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
-from models import load_model
-from models.attention import Attention, AttentionMetadata, forward_context
-from models.parallel import ParallelState
-from models.timing import phase
+from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.cuda_graphs import DecodeGraphs
+from kvserve.engine.device import resolve_device, resolve_dtype
+from kvserve.engine.input_batch import InputBatch
+from kvserve.engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
+from kvserve.engine.logits_processors import LogitsProcessors
+from kvserve.engine.memory_profile import MemoryProfile, profile_kv_budget
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
+from kvserve.models import load_model
+from kvserve.models.attention import Attention, AttentionMetadata, forward_context
+from kvserve.models.parallel import ParallelState
+from kvserve.models.timing import phase
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
-from models import cpu_ops
+from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from kvserve.models import cpu_ops
 
 
 @dataclass

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache import BlockManager
-from engine.request import Request, RequestStatus
-from engine.step_record import NewRequestData, StepRecord
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.kv_cache import BlockManager
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.step_record import NewRequestData, StepRecord
 
 
 @dataclass(frozen=True, slots=True)

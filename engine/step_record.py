@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-    from engine.request import Request
+    from kvserve.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.errors import EngineOverloadedError
-from engine.grammar_compile import CompileJob, CompilePool
+from kvserve.engine.errors import EngineOverloadedError
+from kvserve.engine.grammar_compile import CompileJob, CompilePool
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.sampling_params import StructuredOutputs
-    from engine.scheduler import StepPlan
-    from engine.step_record import GrammarBitmask
+    from kvserve.engine.request import Request
+    from kvserve.engine.sampling_params import StructuredOutputs
+    from kvserve.engine.scheduler import StepPlan
+    from kvserve.engine.step_record import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class StructuredOutputManager:
     # ---- per step ----------------------------------------------------------------
     def step_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
         """The allowed tokens of this step's constrained, sampling rows; None when there are none."""
-        from engine.step_record import GrammarBitmask
+        from kvserve.engine.step_record import GrammarBitmask
 
         rows, matchers, json_rows = [], [], {False: [], True: []}
         for i, item in enumerate(plan.scheduled):
@@ -308,8 +308,8 @@ class StructuredOutputManager:
 def fill_threads_for(device_type: str, torch_threads: int, host_cores: int) -> int:
     """Threads for the per-step bitmask fill. On the CPU the fill runs after the forward, on the
     cores the forward used (torch's threads). On a GPU it runs on the host while the device
-    computes, and length-bounded strings cost xgrammar ~18 ms a 64-row step on 2 threads
-    (docs/benchmarks.md, GPU): take half the host's cores, at most 8."""
+    computes, and length-bounded strings make xgrammar's fill slow enough to show next to a GPU step
+    (docs/performance.md, GPU): take half the host's cores, at most 8."""
     if device_type == "cpu":
         return max(1, torch_threads)
     return max(2, min(8, host_cores // 2))

@@ -6,11 +6,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig
-from engine.input_processor import load_tokenizer
-from models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
-from models.hf_config import load_hf_config
-from models.timing import phase
+from kvserve.engine.config import ModelConfig
+from kvserve.engine.input_processor import load_tokenizer
+from kvserve.models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
+from kvserve.models.hf_config import load_hf_config
+from kvserve.models.timing import phase
 
 if TYPE_CHECKING:
     import transformers

@@ -28,12 +28,12 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from engine import messages
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.messages import StartFailed, WorkerLoaded, WorkerStep
-from engine.runner import ModelRunner
-from engine.step_record import StepRecord
-from models.parallel import ParallelState, new_group
+from kvserve.engine import messages
+from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.messages import StartFailed, WorkerLoaded, WorkerStep
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.step_record import StepRecord
+from kvserve.models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""`python -m loadtest serve --base-url URL ...`"""
+"""`python -m kvserve.loadtest serve --base-url URL ...`"""
 
 import sys
 
-from loadtest.cli import main
+from kvserve.loadtest.cli import main
 
 sys.exit(main())

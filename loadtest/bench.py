@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from loadtest.arrivals import arrival_offsets, arrival_offsets_for_duration
-from loadtest.client import OK, RequestRecord, build_payload, send_request
-from loadtest.datasets import BenchRequest
-from loadtest.metrics_scraper import MetricsScraper
+from kvserve.loadtest.arrivals import arrival_offsets, arrival_offsets_for_duration
+from kvserve.loadtest.client import OK, RequestRecord, build_payload, send_request
+from kvserve.loadtest.datasets import BenchRequest
+from kvserve.loadtest.metrics_scraper import MetricsScraper
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -1,4 +1,4 @@
-"""`python -m loadtest serve ...` / `kvserve bench serve ...`: the benchmark CLI.
+"""`python -m kvserve.loadtest serve ...` / `kvserve bench serve ...`: the benchmark CLI.
 
 `main(argv)` is the entry point the project CLI calls; argv starts with the
 subcommand (`serve`). See docs/loadtest.md for every option and figure.
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.arrivals import arrival_offsets_for_duration
-from loadtest.bench import RunConfig, RunResult, auth_headers, fetch_model_name, probe, run_benchmark
-from loadtest.client import OK
-from loadtest.datasets import BenchRequest, prefix_repetition_requests, random_requests, sharegpt_requests
-from loadtest.report import dump_json, format_table, markdown_table, parse_goodput, summarize, write_result
-from loadtest.token_source import TokenSource, resolve_token_source
+from kvserve.loadtest.arrivals import arrival_offsets_for_duration
+from kvserve.loadtest.bench import RunConfig, RunResult, auth_headers, fetch_model_name, probe, run_benchmark
+from kvserve.loadtest.client import OK
+from kvserve.loadtest.datasets import BenchRequest, prefix_repetition_requests, random_requests, sharegpt_requests
+from kvserve.loadtest.report import dump_json, format_table, markdown_table, parse_goodput, summarize, write_result
+from kvserve.loadtest.token_source import TokenSource, resolve_token_source
 
 log = logging.getLogger("loadtest")
 DEFAULT_OUTPUT_LEN = 64
@@ -128,7 +128,7 @@ def point_label(rate: float, concurrency: int | None) -> str:
 
 def save_run(out_dir: Path, cfg: RunConfig, result: RunResult, slos: dict, extra: dict) -> dict:
     """Write result.json and plots for one point; returns the summary."""
-    from loadtest.plots import plot_run  # matplotlib import is slow; only when writing
+    from kvserve.loadtest.plots import plot_run  # matplotlib import is slow; only when writing
 
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(result.records, result.duration_s, slos)
@@ -177,7 +177,7 @@ async def run_points(args: argparse.Namespace, model: str, source: TokenSource, 
 
 
 def write_sweep(out: Path, results: list[dict]) -> None:
-    from loadtest.plots import plot_sweep
+    from kvserve.loadtest.plots import plot_sweep
 
     table = markdown_table(results)
     (out / "sweep.md").write_text(table + "\n")
@@ -187,7 +187,7 @@ def write_sweep(out: Path, results: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python -m loadtest` and `kvserve bench`; returns an exit code."""
+    """Entry point for `python -m kvserve.loadtest` and `kvserve bench`; returns an exit code."""
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from loadtest.datasets import BenchRequest
+from kvserve.loadtest.datasets import BenchRequest
 
 OK, FAILED, DISCONNECTED = "ok", "failed", "disconnected"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.token_source import TokenSource
+from kvserve.loadtest.token_source import TokenSource
 
 log = logging.getLogger(__name__)
 

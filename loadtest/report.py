@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.client import DISCONNECTED, FAILED, OK, RequestRecord
+from kvserve.loadtest.client import DISCONNECTED, FAILED, OK, RequestRecord
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "e2el")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models import cpu_ops, hugepages
-from models.fused_ops import FusedOps
-from models.layers import Linear, VocabEmbedding
+from kvserve.models import cpu_ops, hugepages
+from kvserve.models.fused_ops import FusedOps
+from kvserve.models.layers import Linear, VocabEmbedding
 
 
 class CpuFusedOps(FusedOps):

@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from models.checkpoint_writer import SPECIAL_TOKENS, write_checkpoint
+from kvserve.models.checkpoint_writer import SPECIAL_TOKENS, write_checkpoint
 
 if TYPE_CHECKING:
     import torch

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from models.attention import Attention
-from models.layers import VocabEmbedding, as_lazy, default_weight_loader, get_activation
-from models.parallel import (
+from kvserve.models.attention import Attention
+from kvserve.models.layers import VocabEmbedding, as_lazy, default_weight_loader, get_activation
+from kvserve.models.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.fused_ops import TORCH_OPS, FusedOps
+from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

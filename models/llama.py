@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import Attention
-from models.fused_ops import TORCH_OPS, FusedOps
-from models.layers import RMSNorm, RotaryEmbedding, get_activation, rope_parameters
-from models.parallel import (
+from kvserve.models.attention import Attention
+from kvserve.models.fused_ops import TORCH_OPS, FusedOps
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, get_activation, rope_parameters
+from kvserve.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

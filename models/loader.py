@@ -17,14 +17,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from models import cpu_ops
-from models.attention import Attention, select_backend
-from models.cpu_model import CpuFusedOps, pack_for_cpu
-from models.fused_ops import TORCH_OPS, FusedOps
-from models.layers import LazyTensor, default_weight_loader
-from models.parallel import ParallelState, tensor_parallel
-from models.registry import get_model_class
-from models.timing import phase
+from kvserve.models import cpu_ops
+from kvserve.models.attention import Attention, select_backend
+from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
+from kvserve.models.fused_ops import TORCH_OPS, FusedOps
+from kvserve.models.layers import LazyTensor, default_weight_loader
+from kvserve.models.parallel import ParallelState, tensor_parallel
+from kvserve.models.registry import get_model_class
+from kvserve.models.timing import phase
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -239,7 +239,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str)
     """The fused ops that go with the model's attention backend (Triton's also on the CPU, where
     only the interpreter runs them: the tests)."""
     if attention_backend == "triton":
-        from models.kernels.triton_ops import TritonFusedOps  # imports triton: only when chosen
+        from kvserve.models.kernels.triton_ops import TritonFusedOps  # imports triton: only when chosen
 
         return TritonFusedOps()
     if device.type == "cpu":

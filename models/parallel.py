@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.layers import Linear, PackedLinear, VocabEmbedding, as_lazy, check_shape
+from kvserve.models.layers import Linear, PackedLinear, VocabEmbedding, as_lazy, check_shape
 
 
 @dataclass(slots=True, eq=False)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from models.layers import RMSNorm, RotaryEmbedding
-from models.llama import LlamaAttention, LlamaForCausalLM
+from kvserve.models.layers import RMSNorm, RotaryEmbedding
+from kvserve.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from models.gpt2 import GPT2LMHeadModel
-from models.llama import LlamaForCausalLM, MistralForCausalLM
-from models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.gpt2 import GPT2LMHeadModel
+from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

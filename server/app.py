@@ -21,16 +21,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.input_processor import max_chars_per_token, run_off_loop
-from server import package_version
-from server.chat import load_chat_template, render_chat
-from server.config import ServerConfig
-from server.engine_protocol import ModelInfo, ServingEngine
-from server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
-from server.logprobs import TokenText
-from server.metrics import ServerMetrics
-from server.middleware import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
-from server.protocol import (
+from kvserve.engine.input_processor import max_chars_per_token, run_off_loop
+from kvserve.server import package_version
+from kvserve.server.chat import load_chat_template, render_chat
+from kvserve.server.config import ServerConfig
+from kvserve.server.engine_protocol import ModelInfo, ServingEngine
+from kvserve.server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
+from kvserve.server.logprobs import TokenText
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
+from kvserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -44,11 +44,11 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.openapi import errors, install_openapi, streamed
-from server.serving import Admission, Serving, resolve_max_queue
-from server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
-from server.tokenizer_info import tokenizer_info
-from server.validation import (
+from kvserve.server.openapi import errors, install_openapi, streamed
+from kvserve.server.serving import Admission, Serving, resolve_max_queue
+from kvserve.server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
+from kvserve.server.tokenizer_info import tokenizer_info
+from kvserve.server.validation import (
     ModelLimits,
     ValidatedRequest,
     check_model,
@@ -131,7 +131,7 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = engine is None or owns_engine
         if engine is None:
-            from engine import AsyncLLM, EngineArgs
+            from kvserve.engine import AsyncLLM, EngineArgs
 
             the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
                                   max_consecutive_step_failures=config.max_consecutive_step_failures)

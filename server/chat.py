@@ -15,8 +15,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from server.errors import bad_request
-from server.protocol import ChatMessage
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatMessage
 
 
 def load_chat_template(value: str | None) -> str | None:

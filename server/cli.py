@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from server import package_version
-from server.config import ServerConfig
-from server.flags import add_flags, parse_settings
+from kvserve.server import package_version
+from kvserve.server.config import ServerConfig
+from kvserve.server.flags import add_flags, parse_settings
 
 if TYPE_CHECKING:
     import uvicorn
@@ -58,7 +58,7 @@ def uvicorn_config(app: object, config: ServerConfig) -> uvicorn.Config:
     """uvicorn's settings, with kvserve's connection defences (`server.connections`) as the HTTP protocol."""
     import uvicorn
 
-    from server.connections import ConnectionLimits, default_max_connections, install_log_rate_limits, protocol_class
+    from kvserve.server.connections import ConnectionLimits, default_max_connections, install_log_rate_limits, protocol_class
 
     limits = ConnectionLimits(header_timeout_s=config.header_timeout, stream_idle_timeout_s=config.stream_idle_timeout,
                               max_connections=config.max_connections or default_max_connections())
@@ -72,15 +72,15 @@ def uvicorn_config(app: object, config: ServerConfig) -> uvicorn.Config:
 def serve(config: ServerConfig) -> int:
     """Run the server until SIGINT/SIGTERM (drain, then exit 0) or until the engine dies (exit 1)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import AsyncLLM, EngineArgs
+    from kvserve.engine import AsyncLLM, EngineArgs
 
     # the engine core starts loading now, while this process imports the web stack
     engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
                       max_consecutive_step_failures=config.max_consecutive_step_failures)
     import uvicorn
 
-    from server.app import create_app
-    from server.drain import DrainingServer
+    from kvserve.server.app import create_app
+    from kvserve.server.drain import DrainingServer
 
     app = create_app(config, engine=engine, owns_engine=True)
     server = DrainingServer(uvicorn_config(app, config), app, config.shutdown_timeout)
@@ -96,11 +96,11 @@ def serve(config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from loadtest.cli import main as bench_main
+        from kvserve.loadtest.cli import main as bench_main
 
         return bench_main(argv[1:]) or 0
     if argv and argv[0] == "ray":
-        from server.ray_cli import main as ray_main
+        from kvserve.server.ray_cli import main as ray_main
 
         return ray_main(argv[1:])
     parser = build_parser()

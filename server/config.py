@@ -19,8 +19,8 @@ from pydantic import (AfterValidator, BeforeValidator, ByteSize, Field, TypeAdap
                       model_validator)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import EngineArgs
-from engine.grammar_limits import GrammarLimits
+from kvserve.engine.config import EngineArgs
+from kvserve.engine.grammar_limits import GrammarLimits
 
 ENV_PREFIX = "KVSERVE_"
 

@@ -21,8 +21,8 @@ import uvicorn
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from server.app import AppState
-    from server.serving import Admission
+    from kvserve.server.app import AppState
+    from kvserve.server.serving import Admission
 
 logger = logging.getLogger("kvserve.server")
 

@@ -10,8 +10,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engine.outputs import EngineStats, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from kvserve.engine.outputs import EngineStats, RequestOutput
+    from kvserve.engine.sampling_params import SamplingParams
 
 
 class ModelInfo(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 # The deepest nesting of arrays and objects accepted in a request, at any place in it. Real requests
 # stay far below it (a chat message's content part sits at depth 4, a tool's parameters at 4 plus the

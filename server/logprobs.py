@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from kvserve.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 _MIN_LOGPROB = -9999.0   # JSON has no -inf
 _HEX_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

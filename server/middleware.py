@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_bytes
-from server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
+from kvserve.server.errors import error_bytes
+from kvserve.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # The ASGI scope key under which an authenticated request carries its API key's tenant tag.

@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server.protocol import ChatCompletionChunk, ErrorResponse
+from kvserve.server.protocol import ChatCompletionChunk, ErrorResponse
 
 _DESCRIPTIONS = {
     400: "Invalid request (OpenAI error body; `param` names the field)",

@@ -31,8 +31,8 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
-from engine.input_processor import check_cache_salt
-from engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from kvserve.engine.input_processor import check_cache_salt
+from kvserve.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 MAX_LOGPROBS = 20
 MAX_N = 128

@@ -15,9 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from server.config import ServerConfig
-from server.flags import add_flags, parse_settings
-from server.ray_options import RayClusterOptions, RayOptions, RayServeOptions
+from kvserve.server.config import ServerConfig
+from kvserve.server.flags import add_flags, parse_settings
+from kvserve.server.ray_options import RayClusterOptions, RayOptions, RayServeOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def run(config: ServerConfig, options: RayServeOptions, ray_address: str, ray_nu
     import ray
     from ray import serve
 
-    from server.ray_serve import build_app
+    from kvserve.server.ray_serve import build_app
 
     is_local = ray_address == "local"
     if is_local:

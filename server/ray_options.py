@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import option
-from server.config import settings_model
+from kvserve.engine.config import option
+from kvserve.server.config import settings_model
 
 RAY_ENV_PREFIX = "KVSERVE_RAY_"
 

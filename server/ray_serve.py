@@ -32,11 +32,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from server.config import ServerConfig
-from server.ray_options import RayServeOptions
-from server.errors import error_body, error_bytes
-from server.ray_router import ROUTED_PATHS, PrefixAffinity, prefix_hashes, routing_text
-from server.streaming import DONE_EVENT, sse_event
+from kvserve.server.config import ServerConfig
+from kvserve.server.ray_options import RayServeOptions
+from kvserve.server.errors import error_body, error_bytes
+from kvserve.server.ray_router import ROUTED_PATHS, PrefixAffinity, prefix_hashes, routing_text
+from kvserve.server.streaming import DONE_EVENT, sse_event
 
 logger = logging.getLogger("kvserve.ray")
 
@@ -93,7 +93,7 @@ class KVServeReplica:
     requests by the ingress through the app's ASGI interface."""
 
     async def __init__(self, config: ServerConfig, metrics_sink: DeploymentHandle | None = None) -> None:
-        from server.app import create_app
+        from kvserve.server.app import create_app
 
         self._app = create_app(config)
         self._lifespan = self._app.router.lifespan_context(self._app)
@@ -339,7 +339,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     """For `serve run server.ray_serve:app_builder model=... num_replicas=2` and KubeRay's
     RayService (`import_path` + `args`): `ServerConfig` fields and `RayServeOptions` fields,
     as strings or values (both are read as the flags are)."""
-    from server.ray_options import RayOptions
+    from kvserve.server.ray_options import RayOptions
 
     names = set(RayOptions.model_fields)
     options = RayOptions(**{k: v for k, v in args.items() if k in names})

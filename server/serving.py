@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
+from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 
-from server.engine_protocol import ServingEngine
-from server.errors import APIError, bad_request, internal_error, shutting_down
-from server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
-from server.metrics import ServerMetrics
-from server.protocol import (
+from kvserve.server.engine_protocol import ServingEngine
+from kvserve.server.errors import APIError, bad_request, internal_error, shutting_down
+from kvserve.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -35,9 +35,9 @@ from server.protocol import (
     ToolCallOut,
     UsageInfo,
 )
-from server.streaming import DONE_EVENT, sse_event
-from server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
-from server.validation import ValidatedRequest, param_for_message
+from kvserve.server.streaming import DONE_EVENT, sse_event
+from kvserve.server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
+from kvserve.server.validation import ValidatedRequest, param_for_message
 
 logger = logging.getLogger("kvserve.server")
 _END = object()

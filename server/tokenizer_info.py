@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol import TokenizerInfoResponse
+from kvserve.server.protocol import TokenizerInfoResponse
 
 _PATH_KEYS = ("name_or_path", "vocab_file", "merges_file", "tokenizer_file", "special_tokens_map_file")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")

@@ -22,8 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.errors import bad_request
-from server.tool_call_scanner import CallScanner
+from kvserve.server.errors import bad_request
+from kvserve.server.tool_call_scanner import CallScanner
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's function-name rule (plus '.')
 JSONDecoder = json.JSONDecoder()

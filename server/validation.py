@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine import SamplingParams, StructuredOutputs
-from engine.grammar_limits import GrammarLimits, check_limits
-from engine.input_processor import PromptTooLongError, check_prompt_chars
-from engine.sampling_params import MAX_ABS_LOGIT_BIAS
+from kvserve.engine import SamplingParams, StructuredOutputs
+from kvserve.engine.grammar_limits import GrammarLimits, check_limits
+from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
+from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
-from server.chat import render_chat
-from server.errors import APIError, bad_request
-from server.json_depth import check_json_depth
-from server.protocol import (
+from kvserve.server.chat import render_chat
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.json_depth import check_json_depth
+from kvserve.server.protocol import (
     MAX_SEQS_PER_REQUEST,
     MAX_STOP,
     ChatCompletionRequest,
@@ -29,7 +29,7 @@ from server.protocol import (
     ResponseFormatJSONSchema,
     SamplingFields,
 )
-from server.tool_parsers import TOOL_PARSERS, ToolPlan, plan_tools
+from kvserve.server.tool_parsers import TOOL_PARSERS, ToolPlan, plan_tools
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "seed", "logprobs", "prompt_logprobs", "repetition_penalty",

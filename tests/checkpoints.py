@@ -15,8 +15,8 @@ from pathlib import Path
 import transformers
 from tokenizers import Tokenizer
 
-from models.checkpoint_writer import random_tensors, write_checkpoint, write_tokenizer
-from models.default_model import train_bytelevel_bpe
+from kvserve.models.checkpoint_writer import random_tensors, write_checkpoint, write_tokenizer
+from kvserve.models.default_model import train_bytelevel_bpe
 
 # A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
 # split characters across tokens (the detokenizer must cope).

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
-from engine.sampler import SamplingTensors
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import SamplingTensors
 
 
 def _suppressed_ids(req: Request) -> list[int]:

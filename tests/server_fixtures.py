@@ -30,14 +30,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server.cli serve ...` in a subprocess; `stop()` is idempotent."""
+    """`python -m kvserve.server.cli serve ...` in a subprocess; `stop()` is idempotent."""
 
     def __init__(self, model_dir: str, *extra_args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model_dir, "--port", str(self.port),
                "--dtype", "float32", "--device", "cpu", "--log-level", "info", *extra_args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT)

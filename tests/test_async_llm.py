@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 
 PROMPTS = ["Hello café 東京", "The quick brown fox", "Once upon a time", "def add(a, b):"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks import bench_kernels
-from models import cpu_ops
+from kvserve.models import cpu_ops
 
 
 @pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_fast_bf16(), reason="needs AVX512-BF16 kernels")

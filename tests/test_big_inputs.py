@@ -19,17 +19,17 @@ import transformers
 from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from engine import SamplingParams
-from engine.input_processor import (
+from kvserve.engine import SamplingParams
+from kvserve.engine.input_processor import (
     INLINE_MAX_CHARS,
     PromptTooLongError,
     check_prompt_chars,
     max_chars_per_token,
     process_prompt,
 )
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from engine.sampling_params import MAX_NUM_STOP, MAX_NUM_STOP_TOKEN_IDS, MAX_STOP_CHARS
-from server.config import ServerConfig
+from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvserve.engine.sampling_params import MAX_NUM_STOP, MAX_NUM_STOP_TOKEN_IDS, MAX_STOP_CHARS
+from kvserve.server.config import ServerConfig
 
 MAX_MODEL_LEN = 64
 BIG = INLINE_MAX_CHARS + 1   # characters: above this, work goes to the tokenizer threads
@@ -191,7 +191,7 @@ class FakeEngine:
 
 
 async def _with_app(tokenizer, coro_fn, max_model_len: int = MAX_MODEL_LEN, **config):
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     spy = SpyTokenizer(tokenizer)
     engine = FakeEngine(spy, max_model_len)
@@ -360,8 +360,8 @@ def test_real_server_refuses_an_oversized_prompt_early(server):
 
 def _bare_async_llm(tokenizer, max_model_len: int):
     """An AsyncLLM without a core process: enough state for generate() up to its first send."""
-    from engine.async_llm import AsyncLLM
-    from engine.errors import EngineDeadError
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.engine.errors import EngineDeadError
 
     llm = AsyncLLM.__new__(AsyncLLM)
     llm.tokenizer = tokenizer

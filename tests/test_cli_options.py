@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineArgs
-from server.cli import build_parser as serve_parser
-from server.config import ServerConfig
-from server.flags import parse_settings
-from server.ray_cli import build_parser as ray_parser
-from server.ray_options import RayOptions, RayServeOptions
+from kvserve.engine.config import EngineArgs
+from kvserve.server.cli import build_parser as serve_parser
+from kvserve.server.config import ServerConfig
+from kvserve.server.flags import parse_settings
+from kvserve.server.ray_cli import build_parser as ray_parser
+from kvserve.server.ray_options import RayOptions, RayServeOptions
 
 ENGINE_FIELDS = dataclasses.fields(EngineArgs)
 

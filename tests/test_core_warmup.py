@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import assert_greedy_matches, assert_no_leaks, greedy, make_llm, make_prompts
 
-from engine import SamplingParams
+from kvserve.engine import SamplingParams
 
 
 def engine_state(llm) -> dict:

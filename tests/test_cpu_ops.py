@@ -1,4 +1,4 @@
-"""models.cpu_ops: the C++ CPU kernels against plain PyTorch references.
+"""kvserve.models.cpu_ops: the C++ CPU kernels against plain PyTorch references.
 
 The kernels are built on first use (skipped where no compiler is available; CI has one).
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_ops
+from kvserve.models import cpu_ops
 
 HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++")) and platform.machine() in ("x86_64", "AMD64")
 
@@ -142,8 +142,8 @@ def test_pack_linear_weight_layout():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 300])  # 300: past FUSED_MAX_ROWS (bf16 AVX-512 path only)
 def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
-    from models.cpu_model import CpuFusedOps
-    from models.layers import RMSNorm
+    from kvserve.models.cpu_model import CpuFusedOps
+    from kvserve.models.layers import RMSNorm
 
     norm = RMSNorm(576, eps=1e-5).to(dtype)
     norm.ops = CpuFusedOps()
@@ -162,8 +162,8 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 9, 300])
 def test_add_and_norm_fuses_the_residual_add_exactly(rows):
-    from models.cpu_model import CpuFusedOps
-    from models.layers import RMSNorm
+    from kvserve.models.cpu_model import CpuFusedOps
+    from kvserve.models.layers import RMSNorm
 
     norm = RMSNorm(576, eps=1e-5).to(torch.bfloat16)
     norm.ops = CpuFusedOps()
@@ -209,7 +209,7 @@ def test_write_kv_cache_matches_index_copy(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rotary_matches_apply_rotary(dtype):
-    from models.layers import RotaryEmbedding, apply_rotary
+    from kvserve.models.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, head_dim = 9, 3, 64
     rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(dtype)
@@ -233,7 +233,7 @@ def test_bf16_engine_with_kernels_agrees_with_the_pytorch_path(tmp_path, monkeyp
     """
     from checkpoints import make_checkpoint
 
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     path = make_checkpoint(tmp_path / "hd64", "llama", hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=True,
@@ -280,7 +280,7 @@ def test_greedy_argmax_matches_torch_including_ties(vocab):
 @needs_bf16
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (7, 100), (64, 1536), (300, 1536)])
 def test_fused_silu_and_mul_matches_pytorch(rows, inter):
-    from models.fused_ops import TORCH_OPS
+    from kvserve.models.fused_ops import TORCH_OPS
 
     x = (torch.randn(rows, 2 * inter) * 4).bfloat16()
     x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated and zero gates
@@ -294,7 +294,7 @@ def test_fused_silu_and_mul_matches_pytorch(rows, inter):
 
 @needs_bf16
 def test_fused_rotary_avx512_path_is_bitwise_pytorch():
-    from models.layers import RotaryEmbedding, apply_rotary
+    from kvserve.models.layers import RotaryEmbedding, apply_rotary
 
     rope = RotaryEmbedding(128, 2048, {"rope_type": "default", "rope_theta": 500000.0}).to(torch.bfloat16)
     cos_sin = rope(torch.tensor([3, 1000, 2047]))

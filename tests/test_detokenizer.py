@@ -6,7 +6,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from checkpoints import CORPUS, save_tokenizer
-from engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 TEXTS = CORPUS + ["Hello world, Café 東京 🚀🔥 naïve Łódź こんにちは ∑√π → done."]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import pathlib
 import re
 import shlex
 import shutil
@@ -339,7 +340,7 @@ def test_volumes_agree() -> None:
 
 
 def test_entrypoint_user_and_healthcheck() -> None:
-    assert PYPROJECT["project"]["scripts"]["kvserve"] == "server.cli:main"
+    assert PYPROJECT["project"]["scripts"]["kvserve"] == "kvserve.server.cli:main"
     script = (DOCKER / "healthcheck.py").read_text()
     assert "/health" in script
     for name, instructions in DF.items():
@@ -356,7 +357,7 @@ def test_entrypoint_user_and_healthcheck() -> None:
 
 def test_server_env_names_are_flags() -> None:
     """Every KVSERVE_* variable the images and compose set is a `kvserve serve` setting."""
-    config = pytest.importorskip("server.config", reason="server.config not importable yet")
+    config = pytest.importorskip("kvserve.server.config", reason="kvserve.server.config not importable yet")
     fields = {f"KVSERVE_{name.upper()}" for name in config.ServerConfig.model_fields}
     fields.add("KVSERVE_CACHE_DIR")  # read by the default-model builder, not a flag
     names = {e.split("=")[0] for name in DOCKERFILES for e in SERVICES[name]["environment"]}
@@ -381,9 +382,11 @@ def test_builder_installs_deps_before_source() -> None:
                   for src in srcs]
         assert sorted(before) == ["docker/constraints.txt", "docker/install.sh", "pyproject.toml"], name
         sources = {src.strip("/") for srcs, _ in copies(builder) for src in srcs} - set(before)
-        packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()
-                    and any(re.fullmatch(pat.replace("*", ".*"), p.name)
-                            for pat in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])}
+        # the kvserve package is the repository root's __init__.py plus its subpackages' folders
+        setuptools = PYPROJECT["tool"]["setuptools"]
+        root = setuptools["package-dir"]["kvserve"]
+        folders = {p.split(".")[1] for p in setuptools["packages"] if p.count(".") == 1}
+        packages = folders | {str(pathlib.PurePosixPath(root) / "__init__.py")}
         assert sources == packages, f"{name}: COPY {sorted(sources)} but pyproject packages {sorted(packages)}"
         builders[name] = ([c for c in copies(builder)], runs)
     assert builders["kvserve"] == builders["kvserve-cpu"], "GPU and CPU builders must install the same way"

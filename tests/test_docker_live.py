@@ -86,7 +86,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def live_metrics(tmp_path_factory) -> str:
-    """/metrics of a real `python -m server.cli serve` after one completion."""
+    """/metrics of a real `python -m kvserve.server.cli serve` after one completion."""
     from checkpoints import make_checkpoint
 
     tmp = tmp_path_factory.mktemp("docker_live")
@@ -95,7 +95,7 @@ def live_metrics(tmp_path_factory) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
     env.update(KVSERVE_CACHE_DIR=str(tmp / "cache"), HF_HUB_OFFLINE="1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model, "--host", "127.0.0.1",
                                  "--port", str(port), "--device", "cpu"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 TIE_GAP = 1e-4
 PROMPT_LENGTHS = [1, 3, 7, 17, 40]
@@ -94,7 +94,7 @@ def test_greedy_and_logprobs_match_transformers(checkpoint_dirs, family):
 @pytest.fixture
 def without_cpu_kernels(monkeypatch):
     """Run on the portable PyTorch path: what CUDA uses, and CPUs where models/csrc cannot be built."""
-    from models import cpu_ops
+    from kvserve.models import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "load", lambda: False)
     monkeypatch.setattr(cpu_ops, "has_fast_bf16", lambda: False)

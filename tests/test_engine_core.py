@@ -17,14 +17,14 @@ import httpx
 import pytest
 from server_fixtures import ServerProcess
 
-from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
-from engine import messages
-from engine.config import RuntimeInfo
-from engine.input_processor import ProcessedPrompt
-from engine.outputs import EngineStats
-from engine.sampling_params import StructuredOutputs
-from engine.step_record import NewRequestData, SamplingInputs, StepRecord
-from engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from kvserve.engine import messages
+from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.input_processor import ProcessedPrompt
+from kvserve.engine.outputs import EngineStats
+from kvserve.engine.sampling_params import StructuredOutputs
+from kvserve.engine.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
 
 
 def core_children(pid: int) -> list[int]:

@@ -17,10 +17,10 @@ import pytest
 from server_fixtures import ServerProcess
 from test_engine_core import core_children, is_alive, wait_until
 
-from engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
-from engine import async_llm, messages
-from engine.core import FAULT_ENV, InjectedFault, inject_step_faults, parse_fault_steps
-from engine.errors import StepFailed
+from kvserve.engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
+from kvserve.engine import async_llm, messages
+from kvserve.engine.core import FAULT_ENV, InjectedFault, inject_step_faults, parse_fault_steps
+from kvserve.engine.errors import StepFailed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -195,7 +195,7 @@ def test_unhandled_errors_name_a_request_id_not_the_exception(caplog):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from server.errors import install_error_handlers
+    from kvserve.server.errors import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

@@ -27,7 +27,7 @@ import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from test_engine import assert_greedy_matches, assert_no_leaks, greedy, hf_model, make_prompts
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 MiB = 1 << 20
@@ -244,7 +244,7 @@ def test_step_inputs_land_aligned_on_the_device():
     (Triton compiles a kernel variant per pointer alignment) and hold the values sent."""
     import numpy as np
 
-    from engine.runner import HostToDevice
+    from kvserve.engine.runner import HostToDevice
 
     staging = HostToDevice(torch.device("cuda", 0))
     for sizes in ((5, 3, 7), (1, 2, 1), (13, 6, 9, 4)):
@@ -287,7 +287,7 @@ def gathered(cache: torch.Tensor, table: torch.Tensor, r: int, seq_len: int) -> 
 
 def references(q, k_cache, v_cache, table, seq_lens, query_lens, window):
     """(fp32 math, torch SDPA in bf16) per request: [T, H, D] each; SDPA is the torch reference backend's op."""
-    from models.attention.torch_ref import sdpa_gqa
+    from kvserve.models.attention.torch_ref import sdpa_gqa
 
     scale = HEAD_DIM ** -0.5
     device = q.device
@@ -324,7 +324,7 @@ def assert_as_accurate_as_sdpa(out: torch.Tensor, exact: torch.Tensor, sdpa: tor
 
 @pytest.mark.parametrize("window", [None, 1000])
 def test_triton_decode_attention_bf16_real_sizes(window):
-    from models.kernels.triton_attention import paged_decode_attention
+    from kvserve.models.kernels.triton_attention import paged_decode_attention
 
     seq_lens = [4096, 4000, 1, 17, 2048, 513, 4095, 1000]
     k_cache, v_cache, table = paged_cache(seq_lens)
@@ -338,7 +338,7 @@ def test_triton_decode_attention_bf16_real_sizes(window):
 
 @pytest.mark.parametrize("window", [None, 1000])
 def test_triton_prefill_attention_bf16_real_sizes(window):
-    from models.kernels.triton_attention import paged_prefill_attention
+    from kvserve.models.kernels.triton_attention import paged_prefill_attention
 
     # a whole 4k prompt, a chunk after a 3.5k cached prefix, a 1-token row after 4k, a short prompt
     query_lens, seq_lens = [4096, 512, 1, 100], [4096, 4012, 4001, 100]
@@ -352,8 +352,8 @@ def test_triton_prefill_attention_bf16_real_sizes(window):
 
 
 def test_triton_rotary_and_cache_write_bf16_real_sizes():
-    from models.kernels.triton_ops import rotary_and_cache_write
-    from models.layers import RotaryEmbedding, apply_rotary
+    from kvserve.models.kernels.triton_ops import rotary_and_cache_write
+    from kvserve.models.layers import RotaryEmbedding, apply_rotary
 
     num_tokens, num_blocks = 4096, 300
     rope = RotaryEmbedding(HEAD_DIM, 8192, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -385,8 +385,8 @@ def test_triton_rotary_and_cache_write_bf16_real_sizes():
 
 @pytest.mark.parametrize("hidden, intermediate", [(2048, 8192), (4096, 14336)])
 def test_triton_norms_and_silu_bf16_real_sizes(hidden, intermediate):
-    from models.fused_ops import TORCH_OPS
-    from models.kernels import triton_ops
+    from kvserve.models.fused_ops import TORCH_OPS
+    from kvserve.models.kernels import triton_ops
 
     x = torch.randn(4096, hidden, device="cuda").bfloat16()
     residual = torch.randn(4096, hidden, device="cuda").bfloat16()

@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import EngineArgs  # noqa: E402
-from engine.grammar_limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
-from engine.errors import EngineOverloadedError  # noqa: E402
-from engine.sampling_params import StructuredOutputs  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.config import EngineArgs  # noqa: E402
+from kvserve.engine.grammar_limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
+from kvserve.engine.errors import EngineOverloadedError  # noqa: E402
+from kvserve.engine.sampling_params import StructuredOutputs  # noqa: E402
 from server_fixtures import ServerProcess, metric, scrape, server_checkpoint  # noqa: E402,F401
 
 LIMITS = dict(max_schema_properties=2500, max_schema_depth=6, max_schema_enum_values=4,

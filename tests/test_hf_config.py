@@ -1,4 +1,4 @@
-"""models.hf_config reads plain configs as transformers does, and hands the rest to transformers;
+"""kvserve.models.hf_config reads plain configs as transformers does, and hands the rest to transformers;
 engine.input_processor.load_tokenizer's short cut gives what AutoTokenizer gives."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 import transformers
 
-from engine.input_processor import _names_generic_fast_tokenizer, load_tokenizer
-from models.hf_config import FAMILY_DEFAULTS, CheckpointConfig, load_hf_config
-from models.layers import rope_parameters
-from models.llama import head_dim_of, sliding_window_for_layer
-from models.loader import get_eos_token_ids, get_max_model_len
+from kvserve.engine.input_processor import _names_generic_fast_tokenizer, load_tokenizer
+from kvserve.models.hf_config import FAMILY_DEFAULTS, CheckpointConfig, load_hf_config
+from kvserve.models.layers import rope_parameters
+from kvserve.models.llama import head_dim_of, sliding_window_for_layer
+from kvserve.models.loader import get_eos_token_ids, get_max_model_len
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
@@ -119,7 +119,7 @@ def test_a_missing_config_gets_transformers_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer_dirs(checkpoint_dirs) -> dict[str, str]:
-    from models import ensure_default_model
+    from kvserve.models import ensure_default_model
 
     return {**checkpoint_dirs, "default": ensure_default_model()}
 

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import SchedulerConfig
-from engine.input_batch import InputBatch
-from engine.kv_cache import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, apply_penalty_state, penalty_state
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.input_batch import InputBatch
+from kvserve.engine.kv_cache import BlockManager
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import Sampler, apply_penalty_state, penalty_state
 from sampling_inputs import build_sampling_tensors
-from engine.scheduler import Scheduler
-from engine.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_record import NewRequestData, SamplingInputs, StepRecord
 
 VOCAB = 40
 EOS = 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.kv_cache import BlockManager, FreeBlockQueue, Block
+from kvserve.engine.kv_cache import BlockManager, FreeBlockQueue, Block
 
 
 def test_allocate_exact_ids_and_free():

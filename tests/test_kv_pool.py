@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import kv_pool
-from engine.config import CacheConfig, SchedulerConfig
-from models import hugepages
-from models.timing import PhaseTimer, phase
+from kvserve.engine import kv_pool
+from kvserve.engine.config import CacheConfig, SchedulerConfig
+from kvserve.models import hugepages
+from kvserve.models.timing import PhaseTimer, phase
 
 CPU = torch.device("cpu")
 
@@ -85,7 +85,7 @@ def test_too_small_a_pool_raises():
 def test_allocate_gives_each_layer_a_zero_cache(caplog):
     layers = [SimpleNamespace(num_kv_heads=2, head_dim=32, kv_cache=None),
               SimpleNamespace(num_kv_heads=1, head_dim=64, kv_cache=None)]
-    with caplog.at_level(logging.INFO, logger="engine.kv_pool"):
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.kv_pool"):
         num_blocks = kv_pool.allocate_kv_pool(layers, cache(num_kv_blocks=9, block_size=4), sched(), 64,
                                               torch.bfloat16, CPU)
     assert num_blocks == 9
@@ -111,9 +111,9 @@ def test_phase_timer_charges_nested_phases_once():
 
 
 def test_engine_logs_its_start_up_phases_and_default_pool(llama_dir, caplog):
-    from engine import EngineArgs, LLMEngine
+    from kvserve.engine import EngineArgs, LLMEngine
 
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         engine = LLMEngine(EngineArgs(model=llama_dir, device="cpu", max_num_seqs=4))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up"))
     assert re.match(r"engine start-up \d+\.\d\d s: (\w[\w+ ]* \d+\.\d\d, )*other \d+\.\d\d", line), line

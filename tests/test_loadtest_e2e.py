@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import cli
+from kvserve.loadtest import cli
 from benchmarks.procs import free_port, running_server
 
 pytestmark = pytest.mark.slow  # real servers; a minute or so on 2 CPU cores
@@ -40,9 +40,9 @@ def baseline_url(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kvserve_url(tiny_checkpoint, tmp_path_factory):
-    pytest.importorskip("server.app", reason="kvserve server (server/app.py) not available yet")
+    pytest.importorskip("kvserve.server.app", reason="kvserve server (server/app.py) not available yet")
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
            "--dtype", "float32", "--device", "cpu"]
     log = tmp_path_factory.mktemp("kvserve_log") / "server.log"
     with running_server(cmd, port, log, timeout_s=180) as url:

@@ -14,10 +14,10 @@ import httpx
 import numpy as np
 import pytest
 
-from loadtest.arrivals import arrival_offsets, arrival_offsets_for_duration, inter_arrival_gaps
-from loadtest.bench import plan_disconnects
-from loadtest.cli import build_parser
-from loadtest.client import (
+from kvserve.loadtest.arrivals import arrival_offsets, arrival_offsets_for_duration, inter_arrival_gaps
+from kvserve.loadtest.bench import plan_disconnects
+from kvserve.loadtest.cli import build_parser
+from kvserve.loadtest.client import (
     DISCONNECTED,
     FAILED,
     OK,
@@ -27,15 +27,15 @@ from loadtest.client import (
     send_request,
     spread_itl,
 )
-from loadtest.datasets import (
+from kvserve.loadtest.datasets import (
     BenchRequest,
     prefix_repetition_requests,
     random_requests,
     sample_lengths,
     sharegpt_requests,
 )
-from loadtest.metrics_scraper import MetricsSample, parse_metrics, summarize_samples
-from loadtest.report import (
+from kvserve.loadtest.metrics_scraper import MetricsSample, parse_metrics, summarize_samples
+from kvserve.loadtest.report import (
     latency_stats,
     markdown_table,
     meets_slos,
@@ -43,7 +43,7 @@ from loadtest.report import (
     peak_concurrency,
     summarize,
 )
-from loadtest.token_source import FallbackTokenSource, TokenSource
+from kvserve.loadtest.token_source import FallbackTokenSource, TokenSource
 
 # ---------------------------------------------------------------- arrivals
 
@@ -345,7 +345,7 @@ def test_fallback_token_source_keeps_token_prompts_exact():
 def test_local_tokenizer_text_prompts_are_close(tmp_path):
     from checkpoints import save_tokenizer
 
-    from loadtest.token_source import LocalTokenSource
+    from kvserve.loadtest.token_source import LocalTokenSource
 
     save_tokenizer(tmp_path)
     source = LocalTokenSource(str(tmp_path))
@@ -435,7 +435,7 @@ def test_cli_parses_sweeps_and_inf():
 
 
 def test_plots_from_a_result_document(tmp_path):
-    from loadtest.plots import plot_run, plot_sweep
+    from kvserve.loadtest.plots import plot_run, plot_sweep
 
     records = _synthetic_records()
     summary = summarize(records, 10.0, {})
@@ -466,7 +466,7 @@ def test_smollm_tokenizer_every_id_decodes_to_ascii(tmp_path):
 
 
 def test_result_files_are_strict_json(tmp_path):
-    from loadtest.report import dump_json
+    from kvserve.loadtest.report import dump_json
 
     dump_json(tmp_path / "x.json", {"rate": math.inf, "points": [{"nan": math.nan, "ok": 1.5}]})
     expected = {"rate": "inf", "points": [{"nan": "nan", "ok": 1.5}]}
@@ -474,7 +474,7 @@ def test_result_files_are_strict_json(tmp_path):
 
 
 def test_cli_reports_an_unreachable_server():
-    from loadtest.cli import main
+    from kvserve.loadtest.cli import main
     from benchmarks.procs import free_port
 
     assert main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 2

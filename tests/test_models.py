@@ -19,11 +19,11 @@ import transformers
 from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
 
-import models.attention.torch_ref
-from models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
-from models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
-from models.hf_config import CheckpointConfig, load_hf_config
-from models.loader import resolve_model_path
+from kvserve.models.attention import torch_ref
+from kvserve.models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
+from kvserve.models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
+from kvserve.models.hf_config import CheckpointConfig, load_hf_config
+from kvserve.models.loader import resolve_model_path
 
 ATOL = 1e-4
 # Mixed prompt lengths: 1 token up to several blocks, some beyond Mistral's sliding window (24).
@@ -154,7 +154,7 @@ def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkey
     `cpu_chunk_bytes` shrinks the CPU decode chunking (normally 8 MiB) so that the
     decode rows are also attended in several SDPA calls."""
     if cpu_chunk_bytes is not None:
-        monkeypatch.setattr(models.attention.torch_ref, "CPU_DECODE_CHUNK_BYTES", cpu_chunk_bytes)
+        monkeypatch.setattr(torch_ref, "CPU_DECODE_CHUNK_BYTES", cpu_chunk_bytes)
     _, model, _, prompts, want = family_models
     runner = PagedRunner(model, block_size=4, seed=2)
     chunk_sizes = [5 if i % 3 == 0 else 1 for i in range(len(prompts))]
@@ -324,7 +324,7 @@ def test_paged_attention_cuda(tmp_path, family, backend):
 
 
 def test_default_model_is_deterministic_cached_and_loads(tmp_path):
-    from models.default_model import DEFAULT_MODEL_NAME, build_default_model, ensure_default_model
+    from kvserve.models.default_model import DEFAULT_MODEL_NAME, build_default_model, ensure_default_model
 
     model_dir = Path(ensure_default_model(str(tmp_path / "cache")))
     assert model_dir == tmp_path / "cache" / DEFAULT_MODEL_NAME
@@ -364,7 +364,7 @@ def test_default_model_is_deterministic_cached_and_loads(tmp_path):
 def test_rms_norm_matches_hf_bitwise(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from models.layers import RMSNorm
+    from kvserve.models.layers import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 96, generator=g) * 5).to(dtype)
@@ -397,8 +397,8 @@ def test_prefill_before_kv_cache_is_assigned(llama_dir):
 
 
 def test_cpu_packed_linear_matches_f_linear():
-    from models.cpu_model import pack_for_cpu
-    from models.layers import Linear
+    from kvserve.models.cpu_model import pack_for_cpu
+    from kvserve.models.layers import Linear
 
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(torch.bfloat16)

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from server_fixtures import server, server_checkpoint, wait_idle  # noqa: F401  (pytest fixtures)
 
-from engine import SamplingParams
-from engine.outputs import Logprob
-from engine.sampling_params import MIN_TOP_P
-from server.logprobs import TextOffsets, TokenText, completion_logprobs
+from kvserve.engine import SamplingParams
+from kvserve.engine.outputs import Logprob
+from kvserve.engine.sampling_params import MIN_TOP_P
+from kvserve.server.logprobs import TextOffsets, TokenText, completion_logprobs
 
 MSG = [{"role": "user", "content": "hi"}]
 

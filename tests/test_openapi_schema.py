@@ -24,8 +24,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
 
-from server.app import create_app
-from server.config import ServerConfig
+from kvserve.server.app import create_app
+from kvserve.server.config import ServerConfig
 
 MAX_EXAMPLES = 30             # per operation
 MAX_GENERATED_TOKENS = 4      # generated requests ask for at most this many tokens ...

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server.ray_router import PrefixAffinity, prefix_hashes, routing_text
+from kvserve.server.ray_router import PrefixAffinity, prefix_hashes, routing_text
 
 pytestmark = pytest.mark.ray
 
@@ -89,7 +89,7 @@ def test_affinity_memory_is_bounded_and_forgets_dead_replicas() -> None:
 
 
 def test_merged_metrics_carry_a_replica_label() -> None:
-    from server.ray_serve import RayServeOptions, merge_replica_metrics
+    from kvserve.server.ray_serve import RayServeOptions, merge_replica_metrics
 
     text = ("# HELP kvserve:prefix_cache_hits_total Hits.\n# TYPE kvserve:prefix_cache_hits_total counter\n"
             'kvserve:prefix_cache_hits_total{model_name="m"} %d\n')
@@ -106,8 +106,8 @@ def test_merged_metrics_carry_a_replica_label() -> None:
 def test_cli_and_builder_check_their_options(capsys: pytest.CaptureFixture[str]) -> None:
     from ray.serve import Application
 
-    from server.cli import main
-    from server.ray_serve import app_builder
+    from kvserve.server.cli import main
+    from kvserve.server.ray_serve import app_builder
 
     assert main(["ray", "--replicas", "0"]) == 2
     assert main(["ray", "--min-replicas", "3", "--max-replicas", "2"]) == 2
@@ -126,8 +126,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory):
     from ray import serve
     from server_fixtures import cached_checkpoint, free_port
 
-    from server.config import ServerConfig
-    from server.ray_serve import RayServeOptions, build_app
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.ray_serve import RayServeOptions, build_app
 
     model = cached_checkpoint(tmp_path_factory)
     port = free_port()

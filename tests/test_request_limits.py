@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
 from test_server_unit import FakeEngine
 
-from server.config import ServerConfig
-from server.json_depth import MAX_JSON_DEPTH, json_depth
-from server.protocol import replace_lone_surrogates
+from kvserve.server.config import ServerConfig
+from kvserve.server.json_depth import MAX_JSON_DEPTH, json_depth
+from kvserve.server.protocol import replace_lone_surrogates
 
 MSG = [{"role": "user", "content": "hi"}]
 TOO_DEEP = (MAX_JSON_DEPTH + 1, 470, 500, 985, 1000)
@@ -155,7 +155,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture()
 def client(tokenizer):
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     engine = FakeEngine(tokenizer)
     engine.model_config.max_model_len = 1 << 20   # the walking template renders the deep data into the prompt

@@ -18,7 +18,7 @@ import openai
 import pytest
 import transformers
 from pydantic import BaseModel, Field
-from server.logprobs import _byte_level_decoder
+from kvserve.server.logprobs import _byte_level_decoder
 from server_fixtures import metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401  (pytest fixtures)
 
 pytest.importorskip("xgrammar")

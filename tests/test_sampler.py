@@ -5,7 +5,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.sampler import (
+from kvserve.engine.sampler import (
     Sampler,
     SamplingTensors,
     _top_k_top_p_sorted,
@@ -15,8 +15,8 @@ from engine.sampler import (
     hash_uniform,
     mix64,
 )
-from engine.sampling_params import SamplingParams
-from engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.request import Request
 from sampling_inputs import build_sampling_tensors
 
 sampler = Sampler()

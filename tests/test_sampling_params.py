@@ -1,6 +1,6 @@
 import pytest
 
-from engine.sampling_params import MAX_NUM_LOGPROBS, SamplingParams
+from kvserve.engine.sampling_params import MAX_NUM_LOGPROBS, SamplingParams
 
 
 def test_defaults():

@@ -3,11 +3,11 @@
 import subprocess
 import sys
 
-from engine.config import SchedulerConfig
-from engine.kv_cache import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.kv_cache import BlockManager
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
 
 EOS = 0
 
@@ -167,12 +167,14 @@ def test_engine_and_models_import_without_the_web_stack():
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('fastapi', 'pydantic', 'starlette', 'uvicorn', 'server', 'loadtest'):\n"
+        "        if (name.split('.')[0] in ('fastapi', 'pydantic', 'starlette', 'uvicorn')\n"
+        "                or name.startswith(('kvserve.server', 'kvserve.loadtest'))):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import engine, models\n"
-        "from engine import LLM, AsyncLLM, SamplingParams, EngineArgs\n"
-        "import engine.runner, engine.llm_engine, engine.async_llm, models.loader, models.default_model\n"
+        "import kvserve.engine, kvserve.models\n"
+        "from kvserve.engine import LLM, AsyncLLM, SamplingParams, EngineArgs\n"
+        "import kvserve.engine.runner, kvserve.engine.llm_engine, kvserve.engine.async_llm, kvserve.models.loader\n"
+        "import kvserve.models.default_model\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

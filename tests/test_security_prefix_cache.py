@@ -16,10 +16,10 @@ import httpx
 import pytest
 from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
-import engine.kv_cache as kv_cache
-from engine import LLM, SamplingParams
-from engine.input_processor import split_prompt
-from engine.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
+import kvserve.engine.kv_cache as kv_cache
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.input_processor import split_prompt
+from kvserve.engine.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
 
 OLD_ROOT_HASH = 0x6B76736572766531   # the old key's parent of every first block
 # Different 16-token blocks with equal old keys: hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B)).
@@ -266,8 +266,8 @@ def test_cache_salt_without_api_keys(server):  # noqa: F811
 # --------------------------------------------------------------------------- configuration and schema
 
 def test_api_keys_options_and_their_checks(monkeypatch):
-    from server.cli import build_parser, load_config
-    from server.config import ServerConfig
+    from kvserve.server.cli import build_parser, load_config
+    from kvserve.server.config import ServerConfig
 
     monkeypatch.setenv("KVSERVE_API_KEY", "a, b")
     assert load_config(build_parser().parse_args(["serve"])).api_key == ["a", "b"]
@@ -283,8 +283,8 @@ def test_api_keys_options_and_their_checks(monkeypatch):
 
 
 def test_tenant_tags_hide_the_keys():
-    from server.middleware import tenant_tags
-    from server.validation import tenant_cache_salt
+    from kvserve.server.middleware import tenant_tags
+    from kvserve.server.validation import tenant_cache_salt
 
     tags = tenant_tags([KEY_1, KEY_2])
     assert len(set(tags)) == 2 and all(KEY_1 not in t and KEY_2 not in t for t in tags)
@@ -293,8 +293,8 @@ def test_tenant_tags_hide_the_keys():
 
 
 def test_published_schema_has_cache_salt_and_the_metrics_401():
-    from server.app import create_app
-    from server.config import ServerConfig
+    from kvserve.server.app import create_app
+    from kvserve.server.config import ServerConfig
 
     doc = create_app(ServerConfig(stats_log_interval=0, api_key=["k"], metrics_require_api_key=True)).openapi()
     assert "401" in doc["paths"]["/metrics"]["get"]["responses"]

@@ -37,13 +37,13 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(server_checkpoint):
-    from engine import LLM
+    from kvserve.engine import LLM
 
     return LLM(server_checkpoint, dtype="float32", device="cpu")
 
 
 def offline_texts(offline, prompts, max_tokens: int, **kwargs) -> list[str]:
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
     return [out.outputs[0].text for out in offline.generate(prompts, params, use_tqdm=False)]
@@ -142,7 +142,7 @@ def test_chat_n_and_logprobs(client):
 
 def test_echo_logprobs_scores_prompt(client, offline):
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens=0 scores the prompt only."""
-    from engine import SamplingParams
+    from kvserve.engine import SamplingParams
 
     prompt = "The quick brown fox jumps over the lazy dog."
     ids = offline.tokenizer.encode(prompt)

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from server_fixtures import cached_server, metric, scrape, server_checkpoint, wait_idle  # noqa: F401
 
-from server.cli import build_parser, load_config, uvicorn_config
-from server.connections import RateLimitFilter
+from kvserve.server.cli import build_parser, load_config, uvicorn_config
+from kvserve.server.connections import RateLimitFilter
 
 DEADLINE_S = 120.0   # only guards against hangs
 
@@ -272,7 +272,7 @@ def test_a_reader_that_reads_something_is_not_cut():
     import uvicorn
     from uvicorn.server import ServerState
 
-    from server.connections import ConnectionLimits, protocol_class
+    from kvserve.server.connections import ConnectionLimits, protocol_class
 
     loop = asyncio.new_event_loop()
     try:

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from server_fixtures import metric, scrape, server, server_checkpoint  # noqa: F401  (pytest fixtures)
 from test_server_unit import FakeEngine
 
-from server.config import ServerConfig
-from server.middleware import bearer_token
+from kvserve.server.config import ServerConfig
+from kvserve.server.middleware import bearer_token
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_bearer_token(header, token):
 
 
 def test_auth_scheme_is_case_insensitive(tokenizer):
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     config = ServerConfig(stats_log_interval=0, api_key="sekrit")
     with TestClient(create_app(config, engine=FakeEngine(tokenizer))) as client:
@@ -54,7 +54,7 @@ def test_auth_scheme_is_case_insensitive(tokenizer):
     (1, 10, 2), (4, 0, 2),
 ])
 def test_auto_max_queue(max_num_seqs, num_kv_blocks, expected):
-    from server.serving import resolve_max_queue
+    from kvserve.server.serving import resolve_max_queue
 
     assert resolve_max_queue("auto", max_num_seqs, num_kv_blocks) == expected
     assert resolve_max_queue("off", max_num_seqs, num_kv_blocks) is None
@@ -62,7 +62,7 @@ def test_auto_max_queue(max_num_seqs, num_kv_blocks, expected):
 
 
 def test_max_queue_setting(monkeypatch):
-    from server.cli import build_parser, load_config
+    from kvserve.server.cli import build_parser, load_config
 
     def config(*argv: str) -> ServerConfig:
         return load_config(build_parser().parse_args(["serve", *argv]))
@@ -81,7 +81,7 @@ def test_max_queue_setting(monkeypatch):
 def test_overload_gets_503(tokenizer, setting, num_accepted):
     """One seat (--max-num-seqs 1): a request for n sequences leaves n - 1 waiting. The scripted
     engine has 10 KV blocks, so `auto` lets 2 wait."""
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     config = ServerConfig(stats_log_interval=0, max_num_seqs=1, max_queue=setting)
     with TestClient(create_app(config, engine=FakeEngine(tokenizer))) as client:
@@ -109,7 +109,7 @@ def _prompt_counters(llm) -> tuple[int, int, int]:
 
 
 def test_prompt_token_counters_with_and_without_prefix_hits(llama):
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(llama, dtype="float32", device="cpu", block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -124,7 +124,7 @@ def test_prompt_token_counters_with_and_without_prefix_hits(llama):
 
 
 def test_preempted_requests_are_received_once(llama):
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(llama, dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)   # 60 tokens: preemptions
     lengths = [1, 3, 7, 17, 40]

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import SamplingParams
-from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
-from server.chat import load_chat_template, render_chat
-from server.cli import build_parser, load_config, main
-from server.config import ServerConfig, parse_size
-from server.errors import APIError
-from server.logprobs import TokenText, chat_logprobs, completion_logprobs
-from server.protocol import ChatMessage
+from kvserve.engine import SamplingParams
+from kvserve.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from kvserve.server.chat import load_chat_template, render_chat
+from kvserve.server.cli import build_parser, load_config, main
+from kvserve.server.config import ServerConfig, parse_size
+from kvserve.server.errors import APIError
+from kvserve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from kvserve.server.protocol import ChatMessage
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_flags_win_over_env(monkeypatch):
 
 
 def test_defaults_and_engine_args(monkeypatch):
-    from engine import EngineArgs
+    from kvserve.engine import EngineArgs
 
     config = _config([])
     assert (config.host, config.port, config.model, config.max_queue, config.api_key) == \
@@ -94,10 +94,10 @@ def test_version(capsys):
 
 
 def test_bench_delegates_to_loadtest(monkeypatch):
-    import loadtest.cli
+    from kvserve.loadtest import cli as loadtest_cli
 
     seen = []
-    monkeypatch.setattr(loadtest.cli, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(loadtest_cli, "main", lambda argv: seen.append(argv) or 0)
     assert main(["bench", "serve", "--base-url", "http://x"]) == 0
     assert seen == [["serve", "--base-url", "http://x"]]
 
@@ -198,7 +198,7 @@ class FakeEngine:
 
 @pytest.fixture()
 def fake(tokenizer):
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     engine = FakeEngine(tokenizer)
     with TestClient(create_app(ServerConfig(stats_log_interval=0), engine=engine)) as client:
@@ -250,7 +250,7 @@ def test_dead_engine_health_and_metrics(fake):
 
 
 def test_chat_template_flag_overrides_the_model(tokenizer):
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     engine = FakeEngine(tokenizer, chat_template=tokenizer.chat_template)
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from engine import LLM, AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
-from engine.sampling_params import StructuredOutputs  # noqa: E402
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
+from kvserve.engine.sampling_params import StructuredOutputs  # noqa: E402
 
 # KVSERVE_TEST_DEVICE=cuda runs this file on a GPU (.ci/gpu_session.sh tests)
 DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
@@ -329,9 +329,9 @@ def test_bitmask_apply_matches_xgrammar(monkeypatch, path, dtype):
     import torch
     import xgrammar
 
-    from engine.logits_processors import apply_bitmask
-    from engine.step_record import GrammarBitmask
-    from models import cpu_ops
+    from kvserve.engine.logits_processors import apply_bitmask
+    from kvserve.engine.step_record import GrammarBitmask
+    from kvserve.models import cpu_ops
 
     if path == "fallback":
         monkeypatch.setattr(cpu_ops, "apply_token_bitmask_", lambda *args: False)
@@ -357,7 +357,7 @@ def test_bitmask_kernel_bans_ids_past_the_mask():
     import numpy as np
     import torch
 
-    from models import cpu_ops
+    from kvserve.models import cpu_ops
 
     if not cpu_ops.load():
         pytest.skip("the C++ CPU kernels did not build here")
@@ -372,7 +372,7 @@ def test_bitmask_kernel_bans_ids_past_the_mask():
 
 def test_fill_threads_follow_the_device():
     """CPU: the forward's threads; GPU: half the host's cores (the fill overlaps the device), 2..8."""
-    from engine.structured_output import fill_threads_for
+    from kvserve.engine.structured_output import fill_threads_for
 
     assert fill_threads_for("cpu", 2, 16) == 2
     assert fill_threads_for("cpu", 0, 16) == 1

@@ -16,10 +16,10 @@ import transformers
 from checkpoints import make_checkpoint
 from test_engine_core import core_children, is_alive, wait_until
 
-from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
-from models import layers
-from models.loader import load_model
-from models.parallel import ParallelState, QKVParallelLinear, check_tensor_parallel, tensor_parallel
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from kvserve.models import layers
+from kvserve.models.loader import load_model
+from kvserve.models.parallel import ParallelState, QKVParallelLinear, check_tensor_parallel, tensor_parallel
 
 TOL = 1e-4
 # block_size 4, 16-token chunks and a pool too small for every sequence at once: chunked prefill,

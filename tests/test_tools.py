@@ -23,13 +23,13 @@ import pytest
 from fastapi.testclient import TestClient
 from server_fixtures import ServerProcess, cached_server, server_checkpoint, wait_idle  # noqa: F401
 
-from engine import SamplingParams
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from server.chat import render_chat
-from server.config import ServerConfig
-from server.protocol import ChatMessage
-from server.tool_call_scanner import CallScanner
-from server.tool_parsers import TOOL_PARSERS, FunctionCall, ToolPlan, ToolStreamer, extract_tool_calls, forced_schema
+from kvserve.engine import SamplingParams
+from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvserve.server.chat import render_chat
+from kvserve.server.config import ServerConfig
+from kvserve.server.protocol import ChatMessage
+from kvserve.server.tool_call_scanner import CallScanner
+from kvserve.server.tool_parsers import TOOL_PARSERS, FunctionCall, ToolPlan, ToolStreamer, extract_tool_calls, forced_schema
 
 # Hermes / Qwen2.5-style: tools in the system prompt, calls in <tool_call> tags, results as <tool_response>.
 HERMES_TEMPLATE = """\
@@ -287,7 +287,7 @@ def tokenizer(tmp_path_factory):
 
 
 def _scripted_client(tokenizer, text: str, parser: str) -> tuple[ScriptedEngine, TestClient]:
-    from server.app import create_app
+    from kvserve.server.app import create_app
 
     engine = ScriptedEngine(tokenizer, text)
     config = ServerConfig(stats_log_interval=0, chat_template=HERMES_TEMPLATE, tool_call_parser=parser)

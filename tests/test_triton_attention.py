@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("numpy")
 pytest.importorskip("triton")
 
-from models.kernels import triton_attention as ta  # noqa: E402
+from kvserve.models.kernels import triton_attention as ta  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -241,7 +241,7 @@ _COMPILE_FOR_SM90 = r'''
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from models.kernels import triton_attention as ta
+from kvserve.models.kernels import triton_attention as ta
 
 def compile_for_h100(fn, types, consts):
     # as a launch specializes them: pointers, strides and block_size divisible by 16

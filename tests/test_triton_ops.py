@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 import numpy as np  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from models.fused_ops import TORCH_OPS  # noqa: E402
-from models.kernels import triton_ops  # noqa: E402
-from models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from kvserve.models.fused_ops import TORCH_OPS  # noqa: E402
+from kvserve.models.kernels import triton_ops  # noqa: E402
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -247,7 +247,7 @@ AOT_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from models.kernels import triton_ops as K
+from kvserve.models.kernels import triton_ops as K
 
 def compile(fn, types, constexprs):
     names = list(fn.signature.parameters)

@@ -9,9 +9,9 @@
     models/attention/triton.py     Triton kernels (CUDA), CUDA-graph safe for decode steps
 """
 
-from models.attention.backend import BACKENDS, select_backend
-from models.attention.layer import Attention, AttentionBackend
-from models.attention.metadata import AttentionMetadata, forward_context, get_forward_context
+from kvserve.models.attention.backend import BACKENDS, select_backend
+from kvserve.models.attention.layer import Attention, AttentionBackend
+from kvserve.models.attention.metadata import AttentionMetadata, forward_context, get_forward_context
 
 __all__ = ["BACKENDS", "Attention", "AttentionBackend", "AttentionMetadata", "forward_context",
            "get_forward_context", "select_backend"]

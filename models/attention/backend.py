@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.backends import ATTENTION_BACKENDS
+from kvserve.models.backends import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
-    from models.attention.layer import AttentionBackend
+    from kvserve.models.attention.layer import AttentionBackend
 
 BACKENDS = ATTENTION_BACKENDS
 
@@ -35,14 +35,14 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device}")
-        from models.attention.cpu import CpuAttentionBackend
+        from kvserve.models.attention.cpu import CpuAttentionBackend
 
         return CpuAttentionBackend(dtype, head_dims)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
     if not _triton_available():
         raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
-    from models.attention.triton import TritonAttentionBackend
+    from kvserve.models.attention.triton import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
@@ -50,7 +50,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
 @functools.cache
 def reference_backend() -> AttentionBackend:
     """The portable PyTorch backend: what a layer uses until the loader sets the device's."""
-    from models.attention.torch_ref import TorchAttentionBackend
+    from kvserve.models.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models import cpu_ops
-from models.attention.layer import Attention
-from models.attention.metadata import ForwardContext
-from models.attention.torch_ref import PrefillRequest, StepPlan, TorchAttentionBackend, cos_sin_of
+from kvserve.models import cpu_ops
+from kvserve.models.attention.layer import Attention
+from kvserve.models.attention.metadata import ForwardContext
+from kvserve.models.attention.torch_ref import PrefillRequest, StepPlan, TorchAttentionBackend, cos_sin_of
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.attention.backend import reference_backend
+from kvserve.models.attention.backend import reference_backend
 
 
 class AttentionBackend:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.attention.layer import Attention, AttentionBackend
-from models.attention.metadata import AttentionMetadata, ForwardContext, current_context
-from models.layers import apply_rotary
+from kvserve.models.attention.layer import Attention, AttentionBackend
+from kvserve.models.attention.metadata import AttentionMetadata, ForwardContext, current_context
+from kvserve.models.layers import apply_rotary
 
 # CPU decode attention is memory-bound: gathering every row's keys before one SDPA call
 # streams them through DRAM twice. Gathering and attending in chunks of about this many

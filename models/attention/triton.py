@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.attention.layer import Attention, AttentionBackend
-from models.attention.metadata import current_context
-from models.kernels import triton_attention, triton_ops
+from kvserve.models.attention.layer import Attention, AttentionBackend
+from kvserve.models.attention.metadata import current_context
+from kvserve.models.kernels import triton_attention, triton_ops
 
 
 class TritonAttentionBackend(AttentionBackend):

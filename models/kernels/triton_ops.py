@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from models.fused_ops import TORCH_OPS, FusedOps
+from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
