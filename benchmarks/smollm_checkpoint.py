@@ -19,21 +19,11 @@ import itertools
 import json
 from pathlib import Path
 
-from kvserve.models.checkpoint_writer import SPECIAL_TOKENS, random_tensors, write_checkpoint, write_tokenizer
+from kvserve.models.checkpoint_writer import (SPECIAL_TOKENS, decoder_shape, random_tensors, write_checkpoint,
+                                               write_tokenizer)
 
-SMOLLM_135M_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-)
+SMOLLM_135M_SHAPE = decoder_shape(576, 1536, 30, 9, 3, vocab_size=49152, max_position_embeddings=2048,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 def ascii_bpe_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:

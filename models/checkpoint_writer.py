@@ -30,6 +30,15 @@ CHAT_TEMPLATE = (
 EOS_TOKEN_IDS = [0, SPECIAL_TOKENS.index("<|im_end|>")]  # <|endoftext|> and <|im_end|> both end a turn
 
 
+def decoder_shape(hidden_size: int, intermediate_size: int, num_hidden_layers: int, num_attention_heads: int,
+                  num_key_value_heads: int, **fields) -> dict:
+    """The size fields of a Llama-family config.json, plus `fields`, with the special-token ids
+    (`SPECIAL_TOKENS`) of every checkpoint written here."""
+    return dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                bos_token_id=0, eos_token_id=0, **fields)
+
+
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 

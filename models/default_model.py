@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.models.checkpoint_writer import SPECIAL_TOKENS, write_checkpoint
+from kvserve.models.checkpoint_writer import SPECIAL_TOKENS, decoder_shape, write_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -54,25 +54,10 @@ DEFAULT_MODEL_NAME = "default-model-v1"  # bump when the recipe changes: caches 
 CORPUS_PATH = Path(__file__).with_name("default_corpus.txt")
 VOCAB_SIZE = 2048
 MODEL_CONFIG = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-    attention_bias=False,
-    mlp_bias=False,
-    initializer_range=0.02,
-    bos_token_id=0,
-    eos_token_id=0,
-    dtype="float32",
+    architectures=["LlamaForCausalLM"], model_type="llama",
+    **decoder_shape(256, 768, 4, 4, 2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                    rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+                    mlp_bias=False, initializer_range=0.02, dtype="float32"),
 )
 WEIGHT_SEED = 1234
 BIGRAM_SMOOTHING = 0.5  # pseudo-count mass per row spread over the unigram distribution

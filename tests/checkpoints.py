@@ -15,7 +15,7 @@ from pathlib import Path
 import transformers
 from tokenizers import Tokenizer
 
-from kvserve.models.checkpoint_writer import random_tensors, write_checkpoint, write_tokenizer
+from kvserve.models.checkpoint_writer import decoder_shape, random_tensors, write_checkpoint, write_tokenizer
 from kvserve.models.default_model import train_bytelevel_bpe
 
 # A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
@@ -49,22 +49,12 @@ def save_tokenizer(path: Path, vocab_size: int = 384) -> transformers.PreTrained
 
 
 def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.PretrainedConfig:
-    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
     if family == "gpt2":
-        kw = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+        kw = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
         kw.update(overrides)
         return transformers.GPT2Config(**kw)
-    kw = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        **common,
-    )
+    kw = decoder_shape(64, 128, 2, 4, 2, vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False)
     if family == "mistral":
         kw["sliding_window"] = 24
     if family == "qwen2":
