@@ -5,8 +5,7 @@ Each message is a frozen dataclass whose `kind` (a `MessageKind`) names it; rece
 with `match` on the class, never on a position in a tuple. Contents are plain data only:
 `ProcessedPrompt` (token ids, `SamplingParams`, cache salt) in, `RequestDelta`s (only what is
 new) and an `EngineStats` snapshot out, a `StepRecord` to each worker. One codec serves both
-pipes: pickle protocol 5, one frame per message (`benchmarks/bench_ipc.py` measures it against
-a step; it is a few microseconds a message).
+pipes: pickle protocol 5, one frame per message (`benchmarks/bench_ipc.py` measures it).
 
 server -> core     AddRequest, AbortRequest, Stop
 core -> server     Ready or StartFailed (once, after loading), then StepOutputs after every step,
@@ -19,8 +18,9 @@ worker -> rank 0   WorkerLoaded or StartFailed (once, after loading its shard)
 from __future__ import annotations
 
 import enum
+import operator
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -46,7 +46,19 @@ class MessageKind(enum.Enum):
     WORKER_LOADED = "worker_loaded"
 
 
-_message = dataclass(frozen=True, slots=True)
+_BY_KIND: dict[str, type] = {}  # MessageKind value -> message class
+
+
+def _message(cls):
+    """A frozen, slotted dataclass, registered for the codec under its `kind`."""
+    cls = dataclass(frozen=True, slots=True)(cls)
+    names = [f.name for f in fields(cls)]
+    if len(names) > 1:
+        cls.field_values = operator.attrgetter(*names)  # -> a tuple (not a descriptor: no binding)
+    else:  # attrgetter of one name returns the bare value
+        cls.field_values = staticmethod(lambda message, names=names: tuple(getattr(message, n) for n in names))
+    _BY_KIND[cls.kind.value] = cls
+    return cls
 
 
 # ---- server -> core ------------------------------------------------------------------------
@@ -157,12 +169,15 @@ MESSAGE_TYPES = Message.__args__
 
 
 def encode(message: Message) -> bytes:
-    return pickle.dumps(message, protocol=5)
+    """On the wire a message is the tuple (kind, *field values): unpickling a class reference
+    per message would cost more than the rest of a small step message (`benchmarks/bench_ipc.py`)."""
+    return pickle.dumps((message.kind.value, *message.field_values(message)), protocol=5)
 
 
 def decode(data: bytes) -> Message:
     """The message in `data`; TypeError if the frame holds anything but a message."""
-    message = pickle.loads(data)
-    if not isinstance(message, MESSAGE_TYPES):
-        raise TypeError(f"not a kvserve message: {type(message).__name__}")
-    return message
+    frame = pickle.loads(data)
+    cls = _BY_KIND.get(frame[0]) if isinstance(frame, tuple) and frame else None
+    if cls is None:
+        raise TypeError(f"not a kvserve message: {type(frame).__name__} {str(frame)[:80]}")
+    return cls(*frame[1:])
