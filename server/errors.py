@@ -108,7 +108,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     for err in errors[:3]:
         where = _validation_param(tuple(err.get("loc", ()))) or "body"
-        parts.append(f"{where}: {err.get('msg')}{_got(err.get('input'))}")
+        message = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for our own checks
+        parts.append(f"{where}: {message}{_got(err.get('input'))}")
     return "; ".join(parts), param
 
 
