@@ -336,7 +336,7 @@ def _uses_cuda(device: str) -> bool:
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """For `serve run server.ray_serve:app_builder model=... num_replicas=2` and KubeRay's
+    """For `serve run kvserve.server.ray_serve:app_builder model=... num_replicas=2` and KubeRay's
     RayService (`import_path` + `args`): `ServerConfig` fields and `RayServeOptions` fields,
     as strings or values (both are read as the flags are)."""
     from kvserve.server.ray_options import RayOptions
