@@ -224,7 +224,12 @@ def load_tokenizer(path: str):
 
     A checkpoint that names the generic fast tokenizer class is loaded with that class directly:
     the same object, without AutoTokenizer's import of transformers' config machinery (over a
-    second of start-up; tests/test_hf_config.py checks the two agree)."""
+    second of start-up; tests/test_hf_config.py checks the two agree). A GGUF file's tokenizer
+    and chat template come from its metadata, converted by transformers."""
+    if str(path).endswith(".gguf"):
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
     if _names_generic_fast_tokenizer(path):
         from transformers import PreTrainedTokenizerFast
 

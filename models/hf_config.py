@@ -83,7 +83,11 @@ class CheckpointConfig:
 
 def load_hf_config(model_dir: str | Path) -> Any:
     """The checkpoint's config: a `CheckpointConfig` when `read_plain_config` can read it, else
-    `transformers.AutoConfig`'s."""
+    `transformers.AutoConfig`'s; a GGUF file's from its metadata (models/gguf_loader.py)."""
+    if str(model_dir).endswith(".gguf"):
+        from kvserve.models.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model_dir)
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())

@@ -21,6 +21,7 @@ from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
+from kvserve.models.gguf_loader import find_gguf, is_gguf, iter_gguf_tensors
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
 from kvserve.models.registry import get_model_class
@@ -60,7 +61,12 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
 
 def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
     """(name, tensor not yet read) for every checkpoint tensor: a weight loader reads what it
-    keeps (a tensor-parallel rank its slice); valid until the next item."""
+    keeps (a tensor-parallel rank its slice); valid until the next item. A GGUF file's
+    tensors come dequantized, under their Hugging Face names."""
+    if is_gguf(model_dir):
+        for name, tensor in iter_gguf_tensors(model_dir):
+            yield name, LazyTensor(tensor)
+        return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -211,12 +217,16 @@ def get_eos_token_ids(model_dir: str, hf_config: PretrainedConfig) -> list[int]:
 
 def resolve_model_path(name_or_path: str) -> str:
     """A local checkpoint directory as-is; otherwise a Hugging Face Hub id, downloaded (or found in
-    the local Hub cache) with only the files kvserve reads."""
+    the local Hub cache) with only the files kvserve reads. A GGUF checkpoint is its file: a
+    `.gguf` path, or the one `.gguf` of a directory without safetensors weights."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if is_gguf(path):
         return str(path)
+    if path.is_dir():
+        gguf_file = find_gguf(path)
+        return str(gguf_file if gguf_file is not None else path)
     if path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
-        raise ValueError(f"model path {name_or_path!r} is not a directory")
+        raise ValueError(f"model path {name_or_path!r} is not a directory or a .gguf file")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency

@@ -1,0 +1,164 @@
+"""Read a GGUF file (llama.cpp's format): config, tokenizer and weights in Hugging Face names.
+
+A GGUF checkpoint is one file; kvserve's model path is then that file. Weights are dequantized
+here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
+so the values are exactly its values), and the model's weight loaders copy them into its dtype:
+memory and speed are those of an unquantized model. Config and tokenizer come from the file's
+metadata through transformers' own GGUF support, so they are read as `transformers` reads them
+(the tokenizer in engine/input_processor.load_tokenizer).
+
+llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
+halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
+matrices are stored [out, in] and go back to Conv1D's [in, out] that the model file expects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# GGUF `general.architecture` -> the Hugging Face architecture kvserve serves it with.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# Tensor types read: exact ones and the k-quants the gguf package dequantizes.
+TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+_DECODER_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_DECODER_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                "output_norm": "transformer.ln_f", "output": "lm_head"}
+_GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+               "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def find_gguf(model_dir: str | os.PathLike) -> Path | None:
+    """The one `*.gguf` of a directory without safetensors weights; None if it has none."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.gguf"))
+    if not files or any(root.glob("*.safetensors")):
+        return None
+    if len(files) > 1:
+        raise ValueError(f"{root} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+                         "pass the path of the one to serve")
+    return files[0]
+
+
+def gguf_architecture(reader) -> str:
+    """The file's `general.architecture`; ValueError naming it when kvserve does not serve it."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, for every tensor a file of `arch` may hold."""
+    is_gpt2 = arch == "gpt2"
+    glob, block = (_GPT2_GLOBAL, _GPT2_BLOCK) if is_gpt2 else (_DECODER_GLOBAL, _DECODER_BLOCK)
+    prefix = "transformer.h" if is_gpt2 else "model.layers"
+    names = {}
+    for suffix in ("weight", "bias"):
+        names |= {f"{g}.{suffix}": f"{hf}.{suffix}" for g, hf in glob.items()}
+        for i in range(num_layers):
+            names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{hf}.{suffix}" for g, hf in block.items()}
+    return names
+
+
+def load_gguf_config(path: str | os.PathLike) -> Any:
+    """transformers' config for the file, with the `architectures` kvserve serves it with."""
+    import transformers
+
+    gguf = _import_gguf()
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.architectures = [ARCHITECTURES[arch]]
+    # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    head_dim = _field(reader, f"{arch}.attention.key_length", 0)
+    if head_dim and arch != "gpt2":  # transformers leaves Qwen3's at its default
+        config.head_dim = int(head_dim)
+    return config
+
+
+def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
+    gguf = _import_gguf()
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
+    names = gguf_tensor_names(arch, int(_field(reader, f"{arch}.block_count")))
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    for t in reader.tensors:
+        if t.name not in names:
+            raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")
+        hf_name, w = names[t.name], dequantize(t)
+        if arch == "llama" and t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, num_heads)
+        elif arch == "llama" and t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, num_kv_heads)
+        elif arch == "gpt2" and w.ndim == 2 and t.name.startswith("blk."):
+            w = w.t()  # back to Conv1D's [in, out]
+        yield hf_name, w
+
+
+def dequantize(t) -> Tensor:
+    """A GGUF reader tensor as fp32, in PyTorch's dimension order; ValueError for a type not read."""
+    gguf = _import_gguf()
+
+    qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    if qtype.name not in TENSOR_TYPES:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {qtype.name}, which kvserve does not read; "
+                         f"supported tensor types: {', '.join(TENSOR_TYPES)}")
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+    if qtype == gguf.GGMLQuantizationType.F32:
+        values = np.array(t.data)  # a copy: the reader's array is a read-only memory map
+    else:
+        values = gguf.quants.dequantize(t.data, qtype)
+    return torch.from_numpy(values).reshape(shape)
+
+
+def _unpermute(w: Tensor, num_heads: int) -> Tensor:
+    """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves."""
+    # [out, in] -> [heads, out / heads / 2, 2, in] -> swap -> [heads, 2, out / heads / 2, in]
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading a GGUF file needs the gguf package: pip install 'kvserve[gguf]'") from None
+    return gguf
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None or not field.types:
+        if default is None:
+            raise ValueError(f"GGUF file has no {key!r} metadata")
+        return default
+    return field.contents()

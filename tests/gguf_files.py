@@ -1,0 +1,126 @@
+"""Tiny GGUF files built at test time (no network): a `make_checkpoint` model rewritten as
+llama.cpp's converter writes it, so kvserve and `transformers` can both load it.
+
+The weights get GGUF names, llama-family q/k rows are permuted for llama.cpp's rotary layout,
+GPT-2's Conv1D weights are stored [out, in], matrices are stored in `tensor_type` (norms,
+biases and GPT-2's position table stay F32, as llama.cpp keeps them) and the byte-level BPE
+tokenizer goes in as tokenizer model "gpt2" with its merges and the ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from checkpoints import make_checkpoint
+from safetensors.numpy import load_file
+
+from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
+from kvserve.models.gguf_loader import gguf_tensor_names
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rotary halves become interleaved pairs."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F32", **overrides) -> Path:
+    """Write `out_dir/model.gguf` from a tiny random `family` checkpoint (made in out_dir/hf)."""
+    out_dir = Path(out_dir)
+    hf_dir = Path(make_checkpoint(out_dir / "hf", family, **overrides))
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCH[family]
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_config(writer, config, arch)
+    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()))
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
+    for hf_name, w in load_file(hf_dir / "model.safetensors").items():
+        if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        w = w.astype(np.float32)
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, config["num_attention_heads"])
+        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, config["num_key_value_heads"])
+        if arch == "gpt2" and w.ndim == 2 and ".h." in hf_name:
+            w = np.ascontiguousarray(w.T)  # Conv1D [in, out] -> [out, in]
+        if arch == "gpt2" and not hf_name.startswith(("transformer.", "lm_head.")):
+            hf_name = "transformer." + hf_name
+        name = to_gguf[hf_name]
+        if w.ndim == 2 and name != "position_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Where each block of a k-quant keeps its fp16 scales (bytes): gguf cannot quantize to these
+# types, so their blocks are random bytes with sane scales (only dequantization is tested).
+_K_QUANT_SCALES = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}
+
+
+def _quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    if qtype.name not in _K_QUANT_SCALES:
+        return gguf.quants.quantize(w, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (w.size // block_size, type_size), dtype=np.uint8)
+    where = _K_QUANT_SCALES[qtype.name]
+    scales = rng.uniform(1e-3, 1e-2, (len(blocks), (where.stop - where.start) // 2)).astype(np.float16)
+    blocks[:, where] = scales.view(np.uint8)
+    return blocks.reshape(*w.shape[:-1], -1)
+
+
+def _num_layers(config: dict) -> int:
+    return config.get("num_hidden_layers", config.get("n_layer"))
+
+
+def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
+    if arch == "gpt2":
+        writer.add_context_length(c["n_positions"])
+        writer.add_embedding_length(c["n_embd"])
+        writer.add_block_count(c["n_layer"])
+        writer.add_feed_forward_length(c["n_inner"] or 4 * c["n_embd"])
+        writer.add_head_count(c["n_head"])
+        writer.add_layer_norm_eps(c["layer_norm_epsilon"])
+        return
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_rope_freq_base(c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(c["vocab_size"])
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict) -> None:
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)

@@ -1,0 +1,146 @@
+"""GGUF checkpoints (models/gguf_loader.py): tiny files written at test time (tests/gguf_files.py).
+
+kvserve's logits on a GGUF file equal transformers' on the same file, every family and tensor
+type; dequantized tensors equal the gguf package's reference exactly; config, tokenizer and
+chat template come from the file's metadata; what kvserve does not read is refused by name.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf_files import llama_cpp_permute, make_gguf
+from safetensors.torch import load_file
+from test_models import PagedRunner, assert_close, hf_logits, make_prompts
+
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.input_processor import load_tokenizer
+from kvserve.models import load_model
+from kvserve.models.gguf_loader import iter_gguf_tensors
+from kvserve.models.hf_config import load_hf_config
+from kvserve.models.loader import resolve_model_path
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+# transformers reads no head_dim from a qwen3 GGUF (it keeps its default, 128), so its model
+# matches the file only at that head_dim; kvserve reads `attention.key_length` (test below).
+OVERRIDES = {"qwen3": dict(head_dim=128)}
+
+
+def hf_gguf_model(path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("tensor_type", TENSOR_TYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tmp_path, family, tensor_type):
+    path = make_gguf(tmp_path, family, tensor_type, **OVERRIDES.get(family, {}))
+    model_path = resolve_model_path(str(path))
+    config = load_hf_config(model_path)
+    model = load_model(model_path, config, torch.float32, "cpu")
+    prompts = make_prompts(config.vocab_size, lens=[1, 5, 17])
+    runner = PagedRunner(model, block_size=4)
+    got = [runner.step([(i, p, 0)])[0] for i, p in enumerate(prompts)]
+    assert_close(got, hf_logits(hf_gguf_model(path), prompts))
+
+
+@pytest.mark.parametrize("tensor_type", [*TENSOR_TYPES, "Q4_K", "Q6_K"])
+def test_dequantized_tensors_equal_reference(tmp_path, tensor_type):
+    """Each tensor, with llama.cpp's q/k permutation put back, is the reference's values exactly;
+    unquantized (F32) it is the original checkpoint's weight exactly."""
+    if tensor_type in ("Q4_K", "Q6_K"):  # 256-wide blocks: rows of 256
+        path = make_gguf(tmp_path, "llama", tensor_type, hidden_size=256, intermediate_size=256)
+    else:
+        path = make_gguf(tmp_path, "llama", tensor_type)
+    reader = gguf.GGUFReader(path)
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    loaded = dict(iter_gguf_tensors(path))
+    assert set(loaded) == set(original)
+    for t, (name, w) in zip(reader.tensors, loaded.items(), strict=True):
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = 4 if name.endswith("q_proj.weight") else 2
+            w = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
+        assert w.dtype == torch.float32 and torch.equal(w.reshape(want.shape), want), name
+        if tensor_type == "F32":
+            assert torch.equal(loaded[name], original[name]), name
+        elif tensor_type == "Q8_0":  # near the original: the names and permutation round-trip
+            torch.testing.assert_close(loaded[name], original[name], atol=0.02, rtol=0.02)
+
+
+def test_config_from_metadata(tmp_path):
+    path = make_gguf(tmp_path, "qwen3", "F32")  # head_dim 32 != hidden / heads
+    config = load_hf_config(str(path))
+    want = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert config.architectures == ["Qwen3ForCausalLM"]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings"):
+        # GGUF stores floats as float32: equal up to that rounding
+        assert getattr(config, key) == pytest.approx(getattr(want, key), rel=1e-7), key
+    assert config.rope_parameters["rope_theta"] == pytest.approx(want.rope_parameters["rope_theta"], rel=1e-7)
+    assert load_hf_config(str(make_gguf(tmp_path / "gpt2", "gpt2"))).tie_word_embeddings is True
+
+
+def test_tokenizer_and_chat_template_from_file(tmp_path):
+    path = make_gguf(tmp_path, "llama", "Q8_0")
+    tokenizer = load_tokenizer(str(path))
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Café, naïve: 東京 🚀 def add(a, b):"
+    assert tokenizer.encode(text) == want.encode(text)
+    chat = [{"role": "user", "content": "Hello Zürich"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == want.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_model_path_resolution(tmp_path):
+    path = make_gguf(tmp_path, "llama", "F32")
+    shutil.rmtree(tmp_path / "hf")
+    assert resolve_model_path(str(tmp_path)) == str(path)  # a directory holding one .gguf
+    shutil.copy(path, tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match="2 GGUF files"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, gpt2"):
+        load_hf_config(str(path))
+    with pytest.raises(ValueError, match="'falcon'"):
+        list(iter_gguf_tensors(path))
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path):
+    path = make_gguf(tmp_path, "llama", "Q5_0")
+    with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.]+weight' has type Q5_0.*supported tensor types"):
+        list(iter_gguf_tensors(path))
+
+
+def test_llm_generates_from_gguf(tmp_path):
+    path = make_gguf(tmp_path, "llama", "Q8_0")
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, max_num_seqs=2)
+    try:
+        prompt = "The quick brown fox"
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    tokenizer = load_tokenizer(str(path))
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        want = hf_gguf_model(path).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert list(out.token_ids) == want
