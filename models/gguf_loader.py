@@ -97,8 +97,10 @@ def load_gguf_config(path: str | os.PathLike) -> Any:
     config.architectures = [ARCHITECTURES[arch]]
     # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
     config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    # transformers leaves Qwen3's head_dim and GPT-2's n_positions at their defaults
+    config.max_position_embeddings = int(_field(reader, f"{arch}.context_length"))
     head_dim = _field(reader, f"{arch}.attention.key_length", 0)
-    if head_dim and arch != "gpt2":  # transformers leaves Qwen3's at its default
+    if head_dim and arch != "gpt2":
         config.head_dim = int(head_dim)
     return config
 

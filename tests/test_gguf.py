@@ -27,9 +27,10 @@ from kvserve.models.loader import resolve_model_path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
-# transformers reads no head_dim from a qwen3 GGUF (it keeps its default, 128), so its model
-# matches the file only at that head_dim; kvserve reads `attention.key_length` (test below).
-OVERRIDES = {"qwen3": dict(head_dim=128)}
+# transformers reads no head_dim from a qwen3 GGUF and no n_positions from a gpt2 one (it keeps
+# its defaults), so its model matches the file only at those values; kvserve reads
+# `attention.key_length` and `context_length` (test_config_from_metadata).
+OVERRIDES = {"qwen3": dict(head_dim=128), "gpt2": dict(n_positions=1024)}
 
 
 def hf_gguf_model(path) -> torch.nn.Module:
@@ -84,7 +85,8 @@ def test_config_from_metadata(tmp_path):
         # GGUF stores floats as float32: equal up to that rounding
         assert getattr(config, key) == pytest.approx(getattr(want, key), rel=1e-7), key
     assert config.rope_parameters["rope_theta"] == pytest.approx(want.rope_parameters["rope_theta"], rel=1e-7)
-    assert load_hf_config(str(make_gguf(tmp_path / "gpt2", "gpt2"))).tie_word_embeddings is True
+    gpt2 = load_hf_config(str(make_gguf(tmp_path / "gpt2", "gpt2")))
+    assert gpt2.tie_word_embeddings is True and gpt2.n_positions == 512
 
 
 def test_tokenizer_and_chat_template_from_file(tmp_path):
