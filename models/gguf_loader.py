@@ -14,6 +14,7 @@ matrices are stored [out, in] and go back to Conv1D's [in, out] that the model f
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> the Hugging Face architecture kvserve serves it with.
 ARCHITECTURES: dict[str, str] = {
@@ -40,6 +43,9 @@ _DECODER_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
+# transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
+_ROPE_FREQS = "rope_freqs.weight"
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -102,19 +108,22 @@ def load_gguf_config(path: str | os.PathLike) -> Any:
     head_dim = _field(reader, f"{arch}.attention.key_length", 0)
     if head_dim and arch != "gpt2":
         config.head_dim = int(head_dim)
+    if any(t.name == _ROPE_FREQS for t in reader.tensors):
+        logger.warning("%s has rope scaling factors (%s), which kvserve, like transformers, does not apply: "
+                       "rotary embedding as without rope scaling", path, _ROPE_FREQS)
     return config
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
-    gguf = _import_gguf()
-
-    reader = gguf.GGUFReader(path)
+    reader = _import_gguf().GGUFReader(path)
     arch = gguf_architecture(reader)
     names = gguf_tensor_names(arch, int(_field(reader, f"{arch}.block_count")))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
         if t.name not in names:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")
         hf_name, w = names[t.name], dequantize(t)

@@ -89,6 +89,21 @@ def test_config_from_metadata(tmp_path):
     assert gpt2.tie_word_embeddings is True and gpt2.n_positions == 512
 
 
+def test_tied_embeddings_match_safetensors(tmp_path):
+    """A file without `output.weight` ties the head to the embedding; F32 GGUF and the
+    safetensors checkpoint it was written from give the same logits."""
+    path = make_gguf(tmp_path, "llama", "F32", tie_word_embeddings=True)
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    prompts = make_prompts(384, lens=[3, 9])
+    logits = []
+    for model_path in (str(path), str(tmp_path / "hf")):
+        config = load_hf_config(model_path)
+        assert config.tie_word_embeddings
+        runner = PagedRunner(load_model(model_path, config, torch.float32, "cpu"), block_size=4)
+        logits.append([runner.step([(i, p, 0)])[0] for i, p in enumerate(prompts)])
+    assert_close(*logits)
+
+
 def test_tokenizer_and_chat_template_from_file(tmp_path):
     path = make_gguf(tmp_path, "llama", "Q8_0")
     tokenizer = load_tokenizer(str(path))
