@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs, RuntimeInfo
@@ -77,10 +78,11 @@ class AsyncLLM:
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
-        # a local tokenizer loads while the core starts (both mostly import modules: two cores)
+        # a local tokenizer loads while the core starts (both mostly import modules: two cores);
+        # not from a directory of GGUF files: which file is the checkpoint is the core's to resolve
         local_path = args.tokenizer or args.model or built_default_model()
         self._early_tokenizer = None
-        if local_path and os.path.isdir(local_path):
+        if local_path and os.path.isdir(local_path) and not any(Path(local_path).glob("*.gguf")):
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
             self._early_tokenizer = pool.submit(load_tokenizer, local_path)
             pool.shutdown(wait=False)

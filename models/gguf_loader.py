@@ -43,13 +43,13 @@ _DECODER_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-# Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
-# transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
-_ROPE_FREQS = "rope_freqs.weight"
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
                "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
+# transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -94,9 +94,7 @@ def load_gguf_config(path: str | os.PathLike) -> Any:
     """transformers' config for the file, with the `architectures` kvserve serves it with."""
     import transformers
 
-    gguf = _import_gguf()
-
-    reader = gguf.GGUFReader(path)
+    reader = _import_gguf().GGUFReader(path)
     arch = gguf_architecture(reader)
     path = Path(path)
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

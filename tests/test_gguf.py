@@ -7,6 +7,7 @@ chat template come from the file's metadata; what kvserve does not read is refus
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import gguf
@@ -18,7 +19,7 @@ from gguf_files import llama_cpp_permute, make_gguf
 from safetensors.torch import load_file
 from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
-from kvserve.engine import LLM, SamplingParams
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from kvserve.engine.input_processor import load_tokenizer
 from kvserve.models import load_model
 from kvserve.models.gguf_loader import iter_gguf_tensors
@@ -146,18 +147,43 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
         list(iter_gguf_tensors(path))
 
 
+ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, max_num_seqs=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
 def test_llm_generates_from_gguf(tmp_path):
+    """`LLM(model=file.gguf)` end to end: greedy tokens equal transformers' on the same file."""
     path = make_gguf(tmp_path, "llama", "Q8_0")
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, max_num_seqs=2)
+    llm = LLM(str(path), **ENGINE)
     try:
         prompt = "The quick brown fox"
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
     finally:
         llm.shutdown()
-    tokenizer = load_tokenizer(str(path))
-    ids = tokenizer.encode(prompt)
+    ids = load_tokenizer(str(path)).encode(prompt)
     with torch.no_grad():
         want = hf_gguf_model(path).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
                                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert list(out.token_ids) == want
+
+
+def test_async_engine_serves_a_directory_holding_a_gguf(tmp_path):
+    """What `kvserve serve --model dir` runs: the engine resolves the directory's one .gguf."""
+    path = make_gguf(tmp_path, "qwen2", "Q4_0")
+    shutil.rmtree(tmp_path / "hf")
+    prompt = "Once upon a time"
+
+    async def main(engine):
+        return [out async for out in engine.generate(prompt, GREEDY, "r0")][-1].outputs[0]
+
+    engine = AsyncLLM(EngineArgs(model=str(tmp_path), **ENGINE))
+    try:
+        got = asyncio.run(main(engine))
+    finally:
+        asyncio.run(engine.shutdown())
+    llm = LLM(str(path), **ENGINE)
+    try:
+        want = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert got.token_ids == want.token_ids and got.text == want.text
