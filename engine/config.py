@@ -32,7 +32,7 @@ def _check_positive(name: str, value: int | None, allow_none: bool = False) -> N
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str | None  # local dir or hub id; None = the embedded default model
+    model: str | None  # local dir, .gguf file or hub id; None = the embedded default model
     tokenizer: str | None
     dtype: str
     device: str
@@ -131,7 +131,8 @@ class EngineArgs:
     """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
 
     model: str | None = option(
-        None, "Checkpoint directory or Hub id; unset serves the embedded default model.", metavar="PATH_OR_ID")
+        None, "Checkpoint directory, GGUF file (or a directory holding one) or Hub id; unset serves the embedded "
+        "default model.", metavar="PATH_OR_ID")
     tokenizer: str | None = option(None, "Tokenizer directory or Hub id (default: the model's).",
                                    metavar="PATH_OR_ID")
     dtype: str = option("auto", "Weight/activation dtype (auto: bf16 on CUDA and on CPUs with bf16 units, "
