@@ -2,8 +2,8 @@
 
 Why threads in the core process, not a killable child process: a compiled grammar must end up
 in the core (its matchers run there every step), and xgrammar 0.2.8's only way to move one
-between processes is `serialize_json`, which for a 128-tool grammar costs about a hundred times
-the compile itself (docs/security.md, "Grammar work"). Its compile cannot be interrupted either.
+between processes is `serialize_json`, which for a large tool set costs far more than the
+compile itself (docs/security.md, "Grammar work"). Its compile cannot be interrupted either.
 So a compile, once started, runs to its end; what this module makes sure of instead:
 
 - the threads run at a low CPU priority (Linux nice `COMPILE_NICE`; xgrammar's own compile

@@ -2,7 +2,7 @@
 
 `load()` compiles the C++ sources once per source/torch version into a cache directory
 (`$KVSERVE_CPU_OPS_DIR`, else `$KVSERVE_CACHE_DIR/cpu_ops`, else
-`~/.cache/kvserve/cpu_ops`; about 15 s on two cores; a library already built there is
+`~/.cache/kvserve/cpu_ops`; a first build takes a while (docs/performance.md); a library already built there is
 loaded without a compiler, which is how the CPU Docker image ships it) and registers
 `torch.ops.kvserve.*`. Anything that goes wrong (no compiler, not x86-64,
 `KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps its portable PyTorch
