@@ -5,6 +5,8 @@
 //    64-column blocks of input-feature pairs. One 6x64 register tile of vdpbf16ps at any
 //    batch: at batch 1 it streams the weights at close to DRAM bandwidth; at 64-2048 rows
 //    it runs at 85-95% of this CPU's measured bf16 peak (oneDNN: 60-95%).
+//  * kvserve::quant_linear   the same for int8 / int4 weights in groups (models/quantization.py):
+//    activations quantized per row and group, int8 dot products (vpdpbusd), fp32 per group.
 //  * kvserve::paged_decode_attention  one query token per request attending over its
 //    keys/values *in place* in the paged cache (no gather copy), GQA-aware: the query
 //    heads that share a KV head are scored together from one read of each key.
@@ -28,14 +30,19 @@
 #include "decode_attention.h"
 #include "linear.h"
 #include "prefill_attention.h"
+#include "quant_linear.h"
 #include "small_ops.h"
 
 namespace {
 bool has_avx512_bf16_op() { return kvserve::has_avx512_bf16(); }
+bool has_avx512_vnni_op() { return kvserve::has_avx512_vnni(); }
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16_op);
+  m.def("has_avx512_vnni() -> bool", &has_avx512_vnni_op);
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bits, int group) -> Tensor");
+  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(kvserve::quant_linear));
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(kvserve::linear_bf16));
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "

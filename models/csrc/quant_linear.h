@@ -1,0 +1,209 @@
+// kvserve::quant_linear: the int8 / int4 linear (see ops.cpp and models/quantization.py).
+#pragma once
+
+#include "common.h"
+
+// VNNI code (vpdpbusd) also converts fp16 scales and writes bf16: it needs all of these.
+#define KV_AVX512_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")))
+
+namespace kvserve {
+
+inline bool has_avx512_vnni() {
+  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// ---- y[M, N] = x[M, K] @ (W[N, K] in groups of G along K).T (+ bias) ----------------------
+// Weights: w = (u - offset) * scale[n, g], u unsigned (int8: u = q + 128, offset 128;
+// int4: u = q + 8 in 0..15, offset 8), one fp16 scale per output column and group of G inputs.
+// Packed (models/quantization.py), per block of 64 output columns, per step of 4 inputs:
+//   int8: 256 bytes, the 64 columns' 4 bytes side by side (4 vectors of 16 columns);
+//   int4: 128 bytes, vectors 0 and 1 in the low / high nibbles of the first 64, 2 and 3 of the next.
+// Scales [N/64][K/G][64] fp16.
+// Activations are quantized per row and group like llama.cpp's Q8_0 (scale amax/127, round to
+// nearest even), so one vpdpbusd multiplies 4 inputs by 16 columns in int32; the unsigned offset
+// is taken back per row and group (-offset * sum(q_x) preloaded into each group's accumulator).
+
+constexpr int kQuantTileM = 3;         // rows per register tile: 12 int32 + 12 fp32 accumulators
+constexpr int64_t kQuantBlockM = 96;   // rows per work item
+
+KV_AVX512_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+KV_AVX512_VNNI inline __m512 load16(const uint16_t* p) { return load_bf16_as_float(p); }
+
+// One row's groups: q_x (int8), the scale, and -offset * sum(q_x).
+template <typename T>
+KV_AVX512_VNNI void quantize_row(const T* x, int64_t k, int64_t group, int32_t offset, int8_t* q, float* d,
+                                 int32_t* corr) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    const T* src = x + g * group;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(src + i)));
+    const float a = _mm512_reduce_max_ps(amax);
+    const float scale = a / 127.f;
+    const __m512 inv = _mm512_set1_ps(scale == 0.f ? 0.f : 1.f / scale);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < group; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src + i), inv));  // nearest even
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128((__m128i*)(q + g * group + i), _mm512_cvtsepi32_epi8(v));
+    }
+    d[g] = scale;
+    corr[g] = -offset * _mm512_reduce_add_epi32(sum);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t group, int32_t offset, int8_t* q,
+                   float* d, int32_t* corr) {
+  const int64_t groups = k / group;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * ldx, k, group, offset, q + r * k, d + r * groups, corr + r * groups);
+  });
+}
+
+// One MR x 64 tile over all groups, then the bias, written to y (bf16 or fp32).
+template <int MR, int BITS>
+KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, const int32_t* xc, int64_t groups,
+                               const uint8_t* w, const uint16_t* ws, int64_t group, const float* bias, void* y,
+                               bool y_bf16, int64_t ldy, int64_t col0, int64_t n) {
+  constexpr int64_t kStepBytes = BITS == 8 ? 256 : 128;
+  const int64_t steps = group / 4;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i s[MR][4];
+    for (int i = 0; i < MR; ++i) {
+      const __m512i c = _mm512_set1_epi32(xc[i * groups + g]);
+      for (int j = 0; j < 4; ++j) s[i][j] = c;
+    }
+    const uint8_t* wg = w + g * steps * kStepBytes;
+    const int8_t* xg = xq + g * group;
+    for (int64_t st = 0; st < steps; ++st) {
+      __m512i wv[4];
+      if constexpr (BITS == 8) {
+        for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(wg + st * kStepBytes + 64 * j);
+      } else {
+        const __m512i a = _mm512_loadu_si512(wg + st * kStepBytes), b = _mm512_loadu_si512(wg + st * kStepBytes + 64);
+        wv[0] = _mm512_and_si512(a, low4);
+        wv[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+        wv[2] = _mm512_and_si512(b, low4);
+        wv[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+      }
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xg + i * k + 4 * st, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int j = 0; j < 4; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], wv[j], xv);
+      }
+    }
+    __m512 wsv[4];
+    for (int j = 0; j < 4; ++j) wsv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 64 + 16 * j)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
+      for (int j = 0; j < 4; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), _mm512_mul_ps(wsv[j], dx), acc[i][j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t col = col0 + 16 * j;
+    const int64_t width = std::min<int64_t>(16, n - col);
+    if (width <= 0) break;
+    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 out = _mm512_add_ps(acc[i][j], b);
+      if (y_bf16)
+        _mm256_mask_storeu_epi16((uint16_t*)y + i * ldy + col, mask, (__m256i)_mm512_cvtneps_pbh(out));
+      else
+        _mm512_mask_storeu_ps((float*)y + i * ldy + col, mask, out);
+    }
+  }
+}
+
+using QuantTileFn = decltype(&quant_tile<1, 8>);
+
+template <int BITS>
+QuantTileFn quant_tile_fn(int mr) {
+  switch (mr) {
+    case 1: return quant_tile<1, BITS>;
+    case 2: return quant_tile<2, BITS>;
+    default: return quant_tile<3, BITS>;
+  }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t bits, int64_t group) {
+  TORCH_CHECK(has_avx512_vnni(), "quant_linear needs a CPU with AVX512-VNNI and AVX512-BF16");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be [M, K] bf16 or float32 rows");
+  const int64_t step_bytes = bits == 8 ? 256 : 128;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == step_bytes && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "packed weight must be uint8 [N/64, K/4, ", step_bytes, "]");
+  const int64_t m = x.size(0), k = x.size(1), col_blocks = packed.size(0);
+  TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "group ", group, " must be a multiple of 16 dividing K=", k);
+  TORCH_CHECK(packed.size(1) * 4 == k, "x has ", k, " features, the weight ", packed.size(1) * 4);
+  TORCH_CHECK(n <= 64 * col_blocks && n > 64 * (col_blocks - 1), "n=", n, " does not match the packed weight");
+  const int64_t groups = k / group;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == col_blocks && scales.size(1) == groups && scales.size(2) == 64,
+              "scales must be float16 [N/64, K/G, 64]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= n,
+                "bias must be float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  // the activations, quantized once for all column blocks
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({m, groups}, x.options().dtype(at::kFloat));
+  at::Tensor xc = at::empty({m, groups}, x.options().dtype(at::kInt));
+  const int32_t offset = bits == 8 ? 128 : 8;
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), m, k, group, offset,
+                  xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xc.data_ptr<int32_t>());
+  else
+    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, group, offset, xq.data_ptr<int8_t>(),
+                  xd.data_ptr<float>(), xc.data_ptr<int32_t>());
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  const int32_t* xcp = xc.data_ptr<int32_t>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const bool y_bf16 = y.scalar_type() == at::kBFloat16;
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t y_item = y.element_size();
+  // Work items (block of rows, 64-column block), as in linear_bf16.
+  const int64_t want_items = 8 * at::get_num_threads();
+  int64_t rows_per_item = kQuantBlockM;
+  if (col_blocks < want_items) {
+    const int64_t parts = (want_items + col_blocks - 1) / col_blocks;
+    rows_per_item = std::clamp<int64_t>((m / parts + kQuantTileM - 1) / kQuantTileM * kQuantTileM, kQuantTileM,
+                                        kQuantBlockM);
+  }
+  const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
+      const int64_t r1 = std::min(m, r0 + rows_per_item);
+      const uint8_t* w = wp + cb * (k / 4) * step_bytes;
+      const uint16_t* ws = sp + cb * groups * 64;
+      for (int64_t r = r0; r < r1; r += kQuantTileM) {
+        const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
+        const auto tile = bits == 8 ? quant_tile_fn<8>(mr) : quant_tile_fn<4>(mr);
+        tile(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group, bias_ptr,
+             yp + r * n * y_item, y_bf16, n, cb * 64, n);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace kvserve

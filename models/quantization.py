@@ -1,0 +1,290 @@
+"""Weight quantization: int8 and int4 in groups along the input features, applied at load.
+
+The formats are llama.cpp's Q8_0 and Q4_0 with any group size (32 by default, theirs):
+per output row and group of G input features, one fp16 scale d and G integers q, w = q * d;
+int8: d = amax / 127, q = round(w / d) (half away from zero); int4: d = m / -8 with m the
+group's value of largest magnitude, q = trunc(w / d + 8.5) - 8, clipped to [-8, 7].
+`quantize_int8` / `quantize_int4` give the gguf package's blocks bit for bit, so quantizing
+the exact values of a Q8_0 or Q4_0 file gives back that file's blocks.
+
+Each `Linear` is quantized once its weight is loaded; `QuantizedLinear` replaces its matmul.
+On CPUs with AVX512-VNNI (models/cpu_ops) the weight is packed for
+`torch.ops.kvserve.quant_linear`, which also quantizes the activations per row and group
+(as llama.cpp does) and multiplies in int8 (`reference_linear` is its exact definition in
+float64). Elsewhere, and as the portable reference, the weight stays [N, K] and each call
+dequantizes it for `F.linear` (weight-only: no activation rounding; slow, a fallback).
+The LM head is int8 under both schemes (llama.cpp keeps it at 6 bits or more too); a tied
+embedding reads its rows from the quantized head; an untied input embedding stays in the
+model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvserve.models import cpu_ops
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("none", "int8", "int4")
+DEFAULT_GROUP_SIZE = 32
+_OFFSET = {8: 128, 4: 8}  # the unsigned storage: u = q + offset
+_STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization {method!r} is not supported (supported: {', '.join(METHODS)})")
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size <= 0 or group_size % 16:
+        raise ValueError(f"quantization group size {group_size} must be a positive multiple of 16")
+
+
+# ---- the formats ------------------------------------------------------------------------------------
+
+
+def _groups(w: Tensor, group: int) -> Tensor:
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"a [{n}, {k}] weight does not split into groups of {group} input features")
+    return w.float().reshape(n, k // group, group)
+
+
+def _roundf(x: Tensor) -> Tensor:
+    """C's roundf: half away from zero (what ggml's reference quantizer uses)."""
+    return x.sign() * (x.abs() + 0.5).floor()
+
+
+def quantize_int8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """[N, K] -> (q int8 [N, K], d float16 [N, K / group]): Q8_0's rule."""
+    blocks = _groups(w, group)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    q = _roundf(blocks * inv).to(torch.int8)
+    return q.reshape(w.shape), d.squeeze(-1).to(torch.float16)
+
+
+def quantize_int4(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """[N, K] -> (q int8 in [-8, 7] [N, K], d float16 [N, K / group]): Q4_0's rule."""
+    blocks = _groups(w, group)
+    extreme = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+    d = extreme / -8
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    u = (blocks * inv + 8.5).trunc().clamp(0, 15)
+    return (u - 8).to(torch.int8).reshape(w.shape), d.squeeze(-1).to(torch.float16)
+
+
+def dequantize(q: Tensor, d: Tensor, group: int) -> Tensor:
+    """(q [N, K], d [N, K / group]) -> fp32 [N, K], w = q * d exactly."""
+    return (q.float().unflatten(-1, (-1, group)) * d.float()[..., None]).flatten(-2)
+
+
+@dataclass
+class QuantizedWeight:
+    """One quantized [n, k] matrix. `packed`: the kernel layout (uint8 [ceil(n/64), k/4, 256 or
+    128] and fp16 scales [ceil(n/64), k/group, 64]); else plain (int8 q [n, k], fp16 d [n, k/group])."""
+
+    bits: int
+    group: int
+    n: int
+    k: int
+    data: Tensor
+    scales: Tensor
+    packed: bool
+
+    @classmethod
+    def quantize(cls, w: Tensor, bits: int, group: int, packed: bool) -> QuantizedWeight:
+        q, d = (quantize_int8 if bits == 8 else quantize_int4)(w, group)
+        return cls.from_int(q, d, bits, group, packed)
+
+    @classmethod
+    def from_int(cls, q: Tensor, d: Tensor, bits: int, group: int, packed: bool) -> QuantizedWeight:
+        n, k = q.shape
+        if not packed:
+            return cls(bits, group, n, k, q.contiguous(), d.contiguous(), False)
+        blocks = -(-n // 64)
+        u = torch.zeros(blocks * 64, k, dtype=torch.uint8)  # padding rows: weight 0 (their scales are 0)
+        u[:n] = (q.to(torch.int16) + _OFFSET[bits]).to(torch.uint8)
+        u = u.view(blocks, 64, k // 4, 4).permute(0, 2, 1, 3)  # [blocks, steps, 64 columns, 4 inputs]
+        if bits == 4:  # vectors of 16 columns: 0 | 1 << 4, then 2 | 3 << 4
+            v = u.reshape(blocks, k // 4, 2, 2, 64)
+            u = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
+        data = u.reshape(blocks, k // 4, _STEP_BYTES[bits]).contiguous()
+        s = torch.zeros(blocks * 64, k // group, dtype=torch.float16)
+        s[:n] = d
+        scales = s.view(blocks, 64, k // group).permute(0, 2, 1).contiguous()
+        return cls(bits, group, n, k, data, scales, True)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes
+
+    def unpack_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(q int8 [T, k], d float16 [T, k / group]) of rows `ids`."""
+        if not self.packed:
+            return self.q_rows(ids), self.scales[ids]
+        block, col = ids // 64, ids % 64
+        d = self.scales[block, :, col]  # [T, groups]
+        if self.bits == 8:
+            u = self.data.view(-1, self.k // 4, 64, 4)[block, :, col]  # [T, steps, 4]
+        else:
+            vec = col // 16
+            half, shift = vec // 2, (vec % 2) * 4
+            byte = 4 * (col % 16)[:, None] + torch.arange(4, device=ids.device)
+            v = self.data.view(-1, self.k // 4, 2, 64)[block[:, None], :, half[:, None], byte]  # [T, 4, steps]
+            u = (v.transpose(1, 2) >> shift[:, None, None].to(torch.uint8)) & 15
+        q = (u.reshape(len(ids), self.k).to(torch.int16) - _OFFSET[self.bits]).to(torch.int8)
+        return q, d
+
+    def q_rows(self, ids: Tensor) -> Tensor:
+        return self.data[ids]
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Dequantized rows `ids` [T] -> [T, k] (an embedding lookup from the quantized matrix)."""
+        q, d = self.unpack_rows(ids)
+        return dequantize(q, d, self.group).to(dtype)
+
+    def unpack(self) -> tuple[Tensor, Tensor]:
+        """(q int8 [n, k], d float16 [n, k / group]) of the whole matrix."""
+        return self.unpack_rows(torch.arange(self.n, device=self.data.device))
+
+
+# ---- the matmul ---------------------------------------------------------------------------------------
+
+
+def quantize_activations(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """The kernel's activation rounding: x [M, K] -> (q [M, K] in [-127, 127] as fp32, d fp32 [M, K/group])."""
+    blocks = x.float().unflatten(-1, (-1, group))
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    return torch.round(blocks * inv).flatten(-2), d.squeeze(-1)  # round: to nearest even, like vcvtps2dq
+
+
+def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """What `torch.ops.kvserve.quant_linear` computes, in float64: x [M, K] -> [M, N]."""
+    qx, dx = quantize_activations(x, weight.group)
+    qw, dw = weight.unpack()
+    g = weight.group
+    dots = torch.einsum("mgi,ngi->mng", qx.double().unflatten(-1, (-1, g)), qw.double().unflatten(-1, (-1, g)))
+    y = (dots * dx.double()[:, None, :] * dw.double()[None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def has_kernels() -> bool:
+    """True when models/cpu_ops' int8 kernel runs here (AVX512-VNNI and AVX512-BF16)."""
+    return cpu_ops.has_fast_bf16() and bool(torch.ops.kvserve.has_avx512_vnni())
+
+
+class QuantizedLinear:
+    """x @ W.T (+ bias) for a `QuantizedWeight`: the C++ kernel for a packed weight, else
+    dequantize-and-F.linear (the portable path)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None) -> None:
+        self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if not w.packed:
+            full = dequantize(w.data, w.scales, w.group).to(x.dtype)
+            return F.linear(x, full, None if self.bias is None else self.bias.to(x.dtype))
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = torch.ops.kvserve.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
+
+
+# ---- applying it to a model ---------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizationReport:
+    """What `quantize_model` did: the format and the resident bytes of the model's weights."""
+
+    method: str
+    group_size: int
+    quantized_layers: int
+    weight_bytes: int
+
+    def describe(self) -> str:
+        if self.method == "none":
+            return f"weights unquantized, {self.weight_bytes / 2**20:.1f} MiB"
+        return (f"weights {self.method} (groups of {self.group_size}, LM head int8), {self.quantized_layers} "
+                f"matrices quantized, {self.weight_bytes / 2**20:.1f} MiB")
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from kvserve.models.layers import Linear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def _is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
+def check_quantizable(model: nn.Module, group: int) -> None:
+    """ValueError naming the first matrix whose input features do not split into groups (before any
+    weight is read, so nothing is half-loaded)."""
+    check_group_size(group)
+    for name, m in _linears(model):
+        if m.in_features % group:
+            raise ValueError(f"cannot quantize {name} in groups of {group}: it has {m.in_features} input "
+                             f"features (not a multiple of {group}); choose another --quantization-group-size")
+
+
+def mark_for_staging(model: nn.Module, dtype: torch.dtype) -> None:
+    """Load the weights that will be quantized in `dtype` (fp32 keeps a GGUF file's values exact)."""
+    for _, m in _linears(model):
+        m.weight.stage_dtype = dtype
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, group: int) -> QuantizationReport:
+    """Replace every loaded `Linear`'s matmul by a `QuantizedLinear` (`method` int8 or int4; the LM
+    head int8) and a tied embedding's matrix by its int8 form; the float weights are freed."""
+    from kvserve.models.layers import VocabEmbedding
+
+    count = 0
+    for name, m in _linears(model):
+        if not m.weight.numel():
+            continue
+        bits = 8 if method == "int8" or _is_lm_head(name) else 4
+        packed = m.weight.is_cpu and has_kernels()
+        qw = QuantizedWeight.quantize(m.weight.detach(), bits, group, packed)
+        m.packed = QuantizedLinear(qw, m.bias)
+        m.weight.data = m.weight.data.new_empty(0)
+        count += 1
+    if getattr(model, "tie_word_embeddings", False):
+        vocab_size = model.config.vocab_size
+        for emb in model.modules():
+            if isinstance(emb, VocabEmbedding) and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size:
+                w = emb.weight
+                qw = QuantizedWeight.quantize(w.detach(), 8, group, w.is_cpu and has_kernels())
+                emb.packed_lm_head = QuantizedLinear(qw, None)
+                emb.quantized_rows = qw
+                w.data = w.data.new_empty(0)
+                count += 1
+                break
+    return QuantizationReport(method, group, count, weight_bytes(model))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights: parameters, buffers and quantized matrices."""
+    total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    for m in model.modules():
+        for attr in ("packed", "packed_lm_head"):
+            fn = getattr(m, attr, None)
+            qw = getattr(fn, "weight", None)
+            if isinstance(qw, QuantizedWeight):
+                total += qw.nbytes
+            elif isinstance(qw, Tensor):
+                total += qw.nbytes
+    return total
