@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.grammar_limits import GrammarLimits
-from kvserve.models.backends import ATTENTION_BACKENDS
+from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
+                                     check_quantization)
 
 _LIMITS = GrammarLimits()  # the defaults
 
@@ -41,8 +42,11 @@ class ModelConfig:
     attention_backend: str = "auto"  # the device's best: cpu on CPU, triton on CUDA
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
+    quantization: str | None = None  # int8, int4, none; None: a GGUF file's own, else none
+    quantization_group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization, self.quantization_group_size)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
@@ -155,6 +159,11 @@ class EngineArgs:
         0.9, "CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
     tensor_parallel_size: int = option(
         1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
+    quantization: str | None = option(
+        None, "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), quantized at load; none "
+        "keeps the checkpoint's. Unset: a GGUF file's own type, else none. docs/quantization.md.", choices=QUANTIZATION_METHODS)
+    quantization_group_size: int = option(
+        DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
     # structured outputs (StructuredOutputsConfig, GrammarLimits)
     grammar_compile_timeout_s: float = option(
         20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
@@ -182,7 +191,8 @@ class EngineArgs:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,
-                           self.attention_backend, self.enforce_eager, self.gpu_memory_utilization)
+                           self.attention_backend, self.enforce_eager, self.gpu_memory_utilization,
+                           self.quantization, self.quantization_group_size)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.num_kv_blocks, self.enable_prefix_caching)
@@ -225,6 +235,8 @@ class RuntimeInfo:
     attention_backend: str = "torch"  # the backend the loader chose
     cuda_graphs: bool = False  # decode steps replay CUDA graphs
     tensor_parallel_size: int = 1
+    quantization: str = "none"  # what the weights are held as: none, int8, int4
+    weight_bytes: int = 0  # resident bytes of the weights (this rank's under tensor parallelism)
 
     @property
     def kv_capacity_tokens(self) -> int:

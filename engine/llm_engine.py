@@ -90,6 +90,8 @@ class LLMEngine:
             attention_backend=self.runner.attn_backend.name,
             cuda_graphs=self.runner.graphs is not None,
             tensor_parallel_size=tp_size,
+            quantization=self.runner.model.weights_report.method,
+            weight_bytes=self.runner.model.weights_report.weight_bytes,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
@@ -112,10 +114,11 @@ class LLMEngine:
         self.prompt_tokens_computed_total = 0
         self.generation_tokens_total = 0
         self.num_consecutive_step_failures = 0  # a sticky device error fails every step; the core counts on this
-        logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens",
+        logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens; %s",
                     files.model_path, self.info.architecture, self.info.device, self.info.dtype,
                     self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
-                    self.info.max_model_len, self.info.kv_capacity_tokens)
+                    self.info.max_model_len, self.info.kv_capacity_tokens,
+                    self.runner.model.weights_report.describe())
 
     # ---- requests ----------------------------------------------------------
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:

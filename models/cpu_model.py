@@ -88,7 +88,7 @@ def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
         vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
         lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
                         and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size  # a rank's shard too
-                        and emb.weight.dtype == torch.bfloat16), None)
+                        and emb.weight.dtype == torch.bfloat16 and emb.packed_lm_head is None), None)
     weights = [m.weight for m in linears] + ([lm_head.weight] if lm_head is not None else [])
     # one huge-page arena (every decode step streams all of it), filled one matrix at a time
     slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)

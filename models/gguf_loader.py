@@ -2,8 +2,9 @@
 
 A GGUF checkpoint is one file; kvserve's model path is then that file. Weights are dequantized
 here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
-so the values are exactly its values), and the model's weight loaders copy them into its dtype:
-memory and speed are those of an unquantized model. Config and tokenizer come from the file's
+so the values are exactly its values). Served as it comes, a Q8_0 / Q4_0 file's matrices are
+quantized again at load (models/quantization.py) from those exact values, which gives back the
+file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and tokenizer come from the file's
 metadata through transformers' own GGUF support, so they are read as `transformers` reads them
 (the tokenizer in engine/input_processor.load_tokenizer).
 
@@ -110,6 +111,22 @@ def load_gguf_config(path: str | os.PathLike) -> Any:
         logger.warning("%s has rope scaling factors (%s), which kvserve, like transformers, does not apply: "
                        "rotary embedding as without rope scaling", path, _ROPE_FREQS)
     return config
+
+
+# What each tensor type is kept as when the file is served as it comes (`gguf_quantization`).
+_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q4_0": "int4", "Q4_K": "int4"}
+
+
+def gguf_quantization(path: str | os.PathLike) -> str:
+    """The quantization that serves the file as it comes: that of the type holding most of its
+    layers' matrix weights (Q8_0, Q6_K: int8; Q4_0, Q4_K: int4; float types: none)."""
+    gguf = _import_gguf()
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
+            counts[kept] = counts.get(kept, 0) + int(t.n_elements)
+    return max(counts, key=counts.get) if counts else "none"
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:

@@ -284,6 +284,8 @@ class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; also serves as the tied LM head (`lm_head`)."""
 
     packed_lm_head: Callable[[Tensor], Tensor] | None = None  # a tied head repacked at load
+    quantized = None  # a tied head quantized at load (models/quantization.py): rows come from it
+    quantized_dtype: torch.dtype | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -291,6 +293,11 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, hidden]
+        return self.rows(ids)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(ids, self.quantized_dtype)
         return F.embedding(ids, self.weight)
 
     def lm_head(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab]

@@ -21,9 +21,11 @@ from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
-from kvserve.models.gguf_loader import find_gguf, is_gguf, iter_gguf_tensors
+from kvserve.models.gguf_loader import find_gguf, gguf_quantization, is_gguf, iter_gguf_tensors
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
+from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, check_quantizable,
+                                         mark_for_staging, quantize_model, weight_bytes)
 from kvserve.models.registry import get_model_class
 from kvserve.models.timing import phase
 
@@ -148,7 +150,8 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             if param is None:
                 continue
             if id(param) not in done:
-                new = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+                param_dtype = getattr(param, "stage_dtype", dtype)  # weights loaded to be quantized
+                new = nn.Parameter(torch.empty(param.shape, dtype=param_dtype, device=device), requires_grad=False)
                 new.__dict__.update(param.__dict__)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
@@ -160,27 +163,51 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             module.reset_buffers()
 
 
+def resolve_quantization(requested: str | None, model_path: str | os.PathLike) -> str:
+    """The quantization to apply: the one requested, else a GGUF file's own (its weights' type),
+    else none."""
+    if requested is not None:
+        return requested
+    return gguf_quantization(model_path) if is_gguf(model_path) else "none"
+
+
 def load_model(
     model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
     attention_backend: str = "auto", parallel: ParallelState | None = None,
+    quantization: str | None = None, quantization_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
     the device's attention backend and fused ops bound to its layers (chosen here, once).
-    With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only."""
+    With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only.
+    `quantization` (int8, int4, none; None: `resolve_quantization`'s choice) is applied as the
+    weights load; `model.weights_report` says the format and the bytes."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
+    method = resolve_quantization(quantization, model_dir)
     with phase("model"):
         with torch.device("meta"), tensor_parallel(parallel or ParallelState()):
             model = cls(hf_config)
+        if method != "none":
+            check_quantizable(model, quantization_group_size)  # before any weight is read
+            # a GGUF file's quantized values are exact in fp32, so quantizing them again gives its blocks
+            mark_for_staging(model, torch.float32 if is_gguf(model_dir) else dtype)
         _materialize(model, dtype, device)
     with phase("weights"):
         load_weights(model, model_dir)
+    report = QuantizationReport("none", 0, 0, 0)
+    if method != "none":
+        with phase("quantization"):
+            if device.type == "cpu":
+                cpu_ops.load()
+            report = quantize_model(model, method, quantization_group_size, dtype)
     if device.type == "cpu":
         with phase("kernels"):  # the cached library; the first use builds it (docs/performance.md)
             cpu_ops.load()
         if dtype == torch.bfloat16:
             with phase("CPU packing"):
                 pack_for_cpu(model)
+    report.weight_bytes = weight_bytes(model)
+    model.weights_report = report
     attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
     backend = select_backend(attention_backend, device, dtype, {layer.head_dim for layer in attn_layers})
     for layer in attn_layers:

@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvserve.models.layers import Linear, PackedLinear, VocabEmbedding, as_lazy, check_shape
@@ -274,7 +273,8 @@ class VocabParallelEmbedding(VocabEmbedding):
         self.tp = current()
         self.vocab_size = num_embeddings
         self.tp_size = self.tp.size
-        super().__init__(-(-num_embeddings // self.tp.size), embedding_dim)
+        self.num_rows = -(-num_embeddings // self.tp.size)  # this rank's
+        super().__init__(self.num_rows, embedding_dim)
         self.weight.weight_loader = self.weight_loader
 
     @torch.no_grad()
@@ -283,11 +283,11 @@ class VocabParallelEmbedding(VocabEmbedding):
 
     def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, hidden]
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
-        per = self.weight.shape[0]
+            return self.rows(ids)
+        per = self.num_rows
         local = ids - self.tp.rank * per
         outside = (local < 0) | (local >= per)  # [T] another rank's rows
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.rows(local.masked_fill(outside, 0))
         x.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce(x)
 

@@ -28,23 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
+from kvserve.models.backends import DEFAULT_GROUP_SIZE, check_quantization
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "int8", "int4")
-DEFAULT_GROUP_SIZE = 32
 _OFFSET = {8: 128, 4: 8}  # the unsigned storage: u = q + offset
 _STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
-
-
-def check_method(method: str | None) -> None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"quantization {method!r} is not supported (supported: {', '.join(METHODS)})")
-
-
-def check_group_size(group_size: int) -> None:
-    if group_size <= 0 or group_size % 16:
-        raise ValueError(f"quantization group size {group_size} must be a positive multiple of 16")
 
 
 # ---- the formats ------------------------------------------------------------------------------------
@@ -233,7 +222,7 @@ def _is_lm_head(name: str) -> bool:
 def check_quantizable(model: nn.Module, group: int) -> None:
     """ValueError naming the first matrix whose input features do not split into groups (before any
     weight is read, so nothing is half-loaded)."""
-    check_group_size(group)
+    check_quantization(None, group)
     for name, m in _linears(model):
         if m.in_features % group:
             raise ValueError(f"cannot quantize {name} in groups of {group}: it has {m.in_features} input "
@@ -244,14 +233,27 @@ def mark_for_staging(model: nn.Module, dtype: torch.dtype) -> None:
     """Load the weights that will be quantized in `dtype` (fp32 keeps a GGUF file's values exact)."""
     for _, m in _linears(model):
         m.weight.stage_dtype = dtype
+    emb = _tied_embedding(model)
+    if emb is not None:
+        emb.weight.stage_dtype = dtype
+
+
+def _tied_embedding(model: nn.Module) -> nn.Module | None:
+    """The token embedding that is also the LM head, if the model ties them."""
+    from kvserve.models.layers import VocabEmbedding
+
+    if not getattr(model, "tie_word_embeddings", False):
+        return None
+    vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
+    return next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
+                 and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size), None)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, group: int) -> QuantizationReport:
+def quantize_model(model: nn.Module, method: str, group: int, dtype: torch.dtype) -> QuantizationReport:
     """Replace every loaded `Linear`'s matmul by a `QuantizedLinear` (`method` int8 or int4; the LM
-    head int8) and a tied embedding's matrix by its int8 form; the float weights are freed."""
-    from kvserve.models.layers import VocabEmbedding
-
+    head int8) and a tied embedding's matrix by its int8 form (rows looked up in `dtype`, the
+    model's); the float weights are freed."""
     count = 0
     for name, m in _linears(model):
         if not m.weight.numel():
@@ -262,17 +264,15 @@ def quantize_model(model: nn.Module, method: str, group: int) -> QuantizationRep
         m.packed = QuantizedLinear(qw, m.bias)
         m.weight.data = m.weight.data.new_empty(0)
         count += 1
-    if getattr(model, "tie_word_embeddings", False):
-        vocab_size = model.config.vocab_size
-        for emb in model.modules():
-            if isinstance(emb, VocabEmbedding) and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size:
-                w = emb.weight
-                qw = QuantizedWeight.quantize(w.detach(), 8, group, w.is_cpu and has_kernels())
-                emb.packed_lm_head = QuantizedLinear(qw, None)
-                emb.quantized_rows = qw
-                w.data = w.data.new_empty(0)
-                count += 1
-                break
+    emb = _tied_embedding(model)
+    if emb is not None:
+        w = emb.weight
+        qw = QuantizedWeight.quantize(w.detach(), 8, group, w.is_cpu and has_kernels())
+        emb.packed_lm_head = QuantizedLinear(qw, None)
+        emb.quantized = qw
+        emb.quantized_dtype = dtype  # of the rows it looks up
+        w.data = w.data.new_empty(0)
+        count += 1
     return QuantizationReport(method, group, count, weight_bytes(model))
 
 
