@@ -110,8 +110,9 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
 
 def log_startup(state: AppState) -> None:
     mc, stats = state.engine.model_config, state.engine.stats()
-    logger.info("model %s served as %s: dtype=%s device=%s max_model_len=%d", model_path(mc),
-                ", ".join(state.limits.served_model_names), mc.dtype, mc.device, mc.max_model_len)
+    logger.info("model %s served as %s: dtype=%s device=%s max_model_len=%d weights=%s (%.1f MiB)", model_path(mc),
+                ", ".join(state.limits.served_model_names), mc.dtype, mc.device, mc.max_model_len,
+                mc.quantization, mc.weight_bytes / 2**20)
     logger.info("KV cache: %d blocks, capacity %d tokens; max_num_seqs=%d; at most %s sequences wait (--max-queue %s)",
                 stats.num_kv_blocks_total, state.limits.kv_capacity_tokens, state.config.max_num_seqs,
                 "any number of" if state.admission.max_queue is None else state.admission.max_queue,

@@ -23,6 +23,8 @@ class ModelInfo(Protocol):
     vocab_size: int
     max_model_len: int
     block_size: int
+    quantization: str  # none, int8, int4
+    weight_bytes: int
 
 
 class ServingEngine(Protocol):

@@ -118,6 +118,12 @@ class _EngineCollector(Collector):
                     "for any more.", getattr(stats, "num_grammars_compiling", 0))
         yield counter("structured_output_requests", "Requests with an output constraint (response_format, guided_*).",
                       stats.structured_requests_total)
+        info = self.metrics.engine.model_config
+        weights = GaugeMetricFamily("kvserve:model_weight_bytes", "Resident bytes of the model's weights (this "
+                                    "process's share under tensor parallelism), by format: none (the model dtype), "
+                                    "int8 or int4.", labels=["model_name", "quantization"])
+        weights.add_metric([self.metrics.model_name, info.quantization], info.weight_bytes)
+        yield weights
         compile_time = SummaryMetricFamily("kvserve:grammar_compile_seconds",
                                            "Grammar compile time (count: compiles, cache misses only).",
                                            labels=["model_name"])
