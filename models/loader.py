@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,8 +24,8 @@ from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 from kvserve.models.gguf_loader import find_gguf, gguf_quantization, is_gguf, iter_gguf_tensors
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
-from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, check_quantizable,
-                                         mark_for_staging, quantize_model, weight_bytes)
+from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, Quantizer, check_quantizable,
+                                         mark_for_staging, weight_bytes)
 from kvserve.models.registry import get_model_class
 from kvserve.models.timing import phase
 
@@ -75,12 +75,14 @@ def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, La
                 yield name, LazyTensor(file=f, name=name)
 
 
-def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> set[str]:
+def load_weights(model: nn.Module, model_dir: str | os.PathLike,
+                 on_loaded: Callable[[str], None] | None = None) -> set[str]:
     """Copy every checkpoint tensor through its parameter's `weight_loader`; return the loaded names.
 
     Names go through `model.map_weight_name` (None = skip, e.g. rotary buffers) and
     `model.packed_modules_mapping` (e.g. `.q_proj.` -> `.qkv_proj.` shard "q"). A
-    packed parameter counts as loaded once all of its shards are.
+    packed parameter counts as loaded once all of its shards are; then `on_loaded(name)` runs
+    (the quantizer: each matrix is quantized as soon as it is whole).
     """
     params = dict(model.named_parameters())
     mapping: dict = getattr(model, "packed_modules_mapping", {})
@@ -113,6 +115,8 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> set[str]:
             loaded.add(name)
         else:
             shards_loaded[name].add(shard_id)
+        if on_loaded is not None and (shard_id is None or set(param.shard_ids) <= shards_loaded[name]):
+            on_loaded(name)
     if unexpected:
         raise ValueError(
             f"checkpoint has {len(unexpected)} weights the model does not expect "
@@ -192,14 +196,14 @@ def load_model(
             # a GGUF file's quantized values are exact in fp32, so quantizing them again gives its blocks
             mark_for_staging(model, torch.float32 if is_gguf(model_dir) else dtype)
         _materialize(model, dtype, device)
-    with phase("weights"):
-        load_weights(model, model_dir)
-    report = QuantizationReport("none", 0, 0, 0)
+    quantizer = None
     if method != "none":
-        with phase("quantization"):
-            if device.type == "cpu":
-                cpu_ops.load()
-            report = quantize_model(model, method, quantization_group_size, dtype)
+        if device.type == "cpu":
+            cpu_ops.load()  # the quantized layout is the kernel's where it runs
+        quantizer = Quantizer(model, method, quantization_group_size, dtype)
+    with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
+        load_weights(model, model_dir, None if quantizer is None else quantizer.loaded)
+    report = QuantizationReport("none", 0, 0, 0) if quantizer is None else quantizer.finish()
     if device.type == "cpu":
         with phase("kernels"):  # the cached library; the first use builds it (docs/performance.md)
             cpu_ops.load()

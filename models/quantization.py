@@ -249,31 +249,53 @@ def _tied_embedding(model: nn.Module) -> nn.Module | None:
                  and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size), None)
 
 
-@torch.no_grad()
-def quantize_model(model: nn.Module, method: str, group: int, dtype: torch.dtype) -> QuantizationReport:
-    """Replace every loaded `Linear`'s matmul by a `QuantizedLinear` (`method` int8 or int4; the LM
-    head int8) and a tied embedding's matrix by its int8 form (rows looked up in `dtype`, the
-    model's); the float weights are freed."""
-    count = 0
-    for name, m in _linears(model):
+class Quantizer:
+    """Quantizes a model's matrices as the loader completes them (`loaded(name)`), so at most one
+    float matrix is resident beside the quantized ones, then the rest in `finish()`: every
+    `Linear` gets a `QuantizedLinear` (`method` int8 or int4; the LM head int8) and a tied
+    embedding its int8 form (rows looked up in `dtype`, the model's). Float weights are freed."""
+
+    def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype) -> None:
+        self.model, self.method, self.group, self.dtype = model, method, group, dtype
+        self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
+        self.count = 0
+
+    def loaded(self, param_name: str) -> None:
+        if param_name in self.pending:
+            self._quantize(*self.pending.pop(param_name))
+
+    @torch.no_grad()
+    def _quantize(self, name: str, m: nn.Module) -> None:
         if not m.weight.numel():
-            continue
-        bits = 8 if method == "int8" or _is_lm_head(name) else 4
-        packed = m.weight.is_cpu and has_kernels()
-        qw = QuantizedWeight.quantize(m.weight.detach(), bits, group, packed)
-        m.packed = QuantizedLinear(qw, m.bias)
+            return
+        bits = 8 if self.method == "int8" or _is_lm_head(name) else 4
+        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, m.weight.is_cpu and has_kernels())
+        m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
-        count += 1
-    emb = _tied_embedding(model)
-    if emb is not None:
-        w = emb.weight
-        qw = QuantizedWeight.quantize(w.detach(), 8, group, w.is_cpu and has_kernels())
-        emb.packed_lm_head = QuantizedLinear(qw, None)
-        emb.quantized = qw
-        emb.quantized_dtype = dtype  # of the rows it looks up
-        w.data = w.data.new_empty(0)
-        count += 1
-    return QuantizationReport(method, group, count, weight_bytes(model))
+        self.count += 1
+
+    @torch.no_grad()
+    def finish(self) -> QuantizationReport:
+        for name, m in list(self.pending.values()):
+            self._quantize(name, m)
+        self.pending.clear()
+        for _, m in _linears(self.model):
+            if isinstance(m.packed, QuantizedLinear) and m.bias is not None:
+                m.packed.bias = m.bias.detach().float().contiguous()
+        emb = _tied_embedding(self.model)
+        if emb is not None and emb.weight.numel():
+            w = emb.weight
+            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, w.is_cpu and has_kernels())
+            emb.packed_lm_head = QuantizedLinear(qw, None)
+            emb.quantized, emb.quantized_dtype = qw, self.dtype
+            w.data = w.data.new_empty(0)
+            self.count += 1
+        return QuantizationReport(self.method, self.group, self.count, weight_bytes(self.model))
+
+
+def quantize_model(model: nn.Module, method: str, group: int, dtype: torch.dtype) -> QuantizationReport:
+    """Quantize a loaded model at once (`Quantizer`)."""
+    return Quantizer(model, method, group, dtype).finish()
 
 
 def weight_bytes(model: nn.Module) -> int:
