@@ -13,7 +13,8 @@ Steps (each can be left out with --skip):
   `ByteLevel(use_regex=True)` pre-tokenizer does); known hashes are converted as usual.
 - llama: for each concurrency C a fresh `llama-server -t T -tb T -ngl 0 --parallel C` with
   prompt caching off, then `python -m kvserve.loadtest serve --max-concurrency C` against it.
-- kvserve: one `kvserve serve --dtype D`, then the same `loadtest serve` runs against it.
+- kvserve: one `kvserve serve --dtype D`, then the same `loadtest serve` runs against it; with
+  --kvserve-gguf it serves the same GGUF file as llama.cpp (a Q8_0 / Q4_0 file held as int8 / int4).
 - offline: `python -m benchmarks.bench_offline` (kvserve's engine, no server), and llama.cpp's
   `llama-batched-bench` (no server, no sampling) if it is in --llama-bin.
 - startup: launch to first `GET /health` 200, --startup-repeats times, for both servers.
@@ -80,8 +81,14 @@ def llama_server_command(args: argparse.Namespace, port: int, parallel: int) -> 
             "--host", "127.0.0.1", "--port", str(port)]
 
 
+def kvserve_model(args: argparse.Namespace) -> str:
+    """What kvserve serves: the HF checkpoint, or with --kvserve-gguf the same GGUF file as llama.cpp
+    (held as the file holds it: Q8_0 as int8, Q4_0 as int4)."""
+    return str(args.gguf) if args.kvserve_gguf else args.model
+
+
 def kvserve_command(args: argparse.Namespace, port: int) -> list[str]:
-    return serve_command(args.model, port, ["--dtype", args.dtype, "--served-model-name", args.name])
+    return serve_command(kvserve_model(args), port, ["--dtype", args.dtype, "--served-model-name", args.name])
 
 
 def run_client(args: argparse.Namespace, base_url: str, concurrency: int, out: Path) -> dict:
@@ -118,7 +125,7 @@ def serve_kvserve(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def offline(args: argparse.Namespace, out: Path) -> dict:
     batch_sizes = ",".join(map(str, args.concurrency))
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", args.model, "--dtype", args.dtype,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", kvserve_model(args), "--dtype", args.dtype,
                     "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--batch-sizes",
                     batch_sizes, "--repeats", str(args.offline_repeats), "--seed", str(args.seed),
                     "--out", str(out / "bench_offline.json")], check=True)
@@ -197,6 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-dir", type=Path, help="llama.cpp source tree (has convert_hf_to_gguf.py)")
     p.add_argument("--convert-python", default=sys.executable, help="python that runs the converter")
     p.add_argument("--pre-tokenizer", default="gpt-2", help="llama.cpp pre-tokenizer for unknown BPE hashes")
+    p.add_argument("--kvserve-gguf", action="store_true",
+                   help="kvserve serves the --gguf file too (e.g. a Q8_0 file, held as int8), not --model")
     p.add_argument("--name", default="model", help="model name both servers serve")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_GGUF_TYPES))
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t/-tb (kvserve uses torch's default)")

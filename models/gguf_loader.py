@@ -15,6 +15,7 @@ matrices are stored [out, in] and go back to Conv1D's [in, out] that the model f
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -95,7 +96,7 @@ def load_gguf_config(path: str | os.PathLike) -> Any:
     """transformers' config for the file, with the `architectures` kvserve serves it with."""
     import transformers
 
-    reader = _import_gguf().GGUFReader(path)
+    reader = open_gguf(path)
     arch = gguf_architecture(reader)
     path = Path(path)
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -122,7 +123,7 @@ def gguf_quantization(path: str | os.PathLike) -> str:
     layers' matrix weights (Q8_0, Q6_K: int8; Q4_0, Q4_K: int4; float types: none)."""
     gguf = _import_gguf()
     counts: dict[str, int] = {}
-    for t in gguf.GGUFReader(path).tensors:
+    for t in open_gguf(path).tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
             kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
             counts[kept] = counts.get(kept, 0) + int(t.n_elements)
@@ -131,7 +132,7 @@ def gguf_quantization(path: str | os.PathLike) -> str:
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
-    reader = _import_gguf().GGUFReader(path)
+    reader = open_gguf(path)
     arch = gguf_architecture(reader)
     names = gguf_tensor_names(arch, int(_field(reader, f"{arch}.block_count")))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -171,6 +172,23 @@ def _unpermute(w: Tensor, num_heads: int) -> Tensor:
     """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves."""
     # [out, in] -> [heads, out / heads / 2, 2, in] -> swap -> [heads, 2, out / heads / 2, in]
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` of the file, shared by the loader's steps: building one parses every
+    metadata field (a large vocabulary takes seconds), the tensors are memory-mapped."""
+    path = Path(path).resolve()
+    return _open_gguf(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int):
+    return _import_gguf().GGUFReader(path)
+
+
+def close_gguf_files() -> None:
+    """Forget the shared readers: their memory maps go (pages read stay resident while mapped)."""
+    _open_gguf.cache_clear()
 
 
 def _import_gguf():

@@ -21,7 +21,7 @@ from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
-from kvserve.models.gguf_loader import find_gguf, gguf_quantization, is_gguf, iter_gguf_tensors
+from kvserve.models.gguf_loader import close_gguf_files, find_gguf, gguf_quantization, is_gguf, iter_gguf_tensors
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
 from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, Quantizer, check_quantizable,
@@ -203,6 +203,7 @@ def load_model(
         quantizer = Quantizer(model, method, quantization_group_size, dtype)
     with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
         load_weights(model, model_dir, None if quantizer is None else quantizer.loaded)
+    close_gguf_files()
     report = QuantizationReport("none", 0, 0, 0) if quantizer is None else quantizer.finish()
     if device.type == "cpu":
         with phase("kernels"):  # the cached library; the first use builds it (docs/performance.md)
