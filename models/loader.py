@@ -193,8 +193,9 @@ def load_model(
             model = cls(hf_config)
         if method != "none":
             check_quantizable(model, quantization_group_size)  # before any weight is read
-            # a GGUF file's quantized values are exact in fp32, so quantizing them again gives its blocks
-            mark_for_staging(model, torch.float32 if is_gguf(model_dir) else dtype)
+            # quantized from the checkpoint's own values: a GGUF file's are exact in fp32, so
+            # quantizing them again gives its blocks (each matrix is freed once quantized)
+            mark_for_staging(model, torch.float32)
         _materialize(model, dtype, device)
     quantizer = None
     if method != "none":

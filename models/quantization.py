@@ -47,8 +47,11 @@ def _groups(w: Tensor, group: int) -> Tensor:
 
 
 def _roundf(x: Tensor) -> Tensor:
-    """C's roundf: half away from zero (what ggml's reference quantizer uses)."""
-    return x.sign() * (x.abs() + 0.5).floor()
+    """C's roundf: half away from zero (what ggml's reference quantizer uses). Not floor(|x| + 0.5):
+    that sum rounds 0.49999997 up to 1."""
+    a = x.abs()
+    whole = a.floor()
+    return x.sign() * (whole + (2 * (a - whole)).floor())
 
 
 def quantize_int8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
@@ -184,9 +187,11 @@ class QuantizedLinear:
             full = dequantize(w.data, w.scales, w.group).to(x.dtype)
             return F.linear(x, full, None if self.bias is None else self.bias.to(x.dtype))
         flat = x.reshape(-1, x.shape[-1])
-        if flat.stride(-1) != 1:
+        if flat.dtype not in (torch.bfloat16, torch.float32):  # fp16: the kernel reads bf16 or fp32
+            flat = flat.float()
+        elif flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = torch.ops.kvserve.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group)
+        y = torch.ops.kvserve.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
@@ -230,7 +235,7 @@ def check_quantizable(model: nn.Module, group: int) -> None:
 
 
 def mark_for_staging(model: nn.Module, dtype: torch.dtype) -> None:
-    """Load the weights that will be quantized in `dtype` (fp32 keeps a GGUF file's values exact)."""
+    """Load the weights that will be quantized in `dtype` (fp32: the checkpoint's values, exactly)."""
     for _, m in _linears(model):
         m.weight.stage_dtype = dtype
     emb = _tied_embedding(model)

@@ -63,53 +63,56 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t group,
   });
 }
 
-// One MR x 64 tile over all groups, then the bias, written to y (bf16 or fp32).
-template <int MR, int BITS>
+// One MR x (16 NV) tile, vectors j0 .. j0 + NV - 1 of a 64-column block, over all groups; then
+// the bias, written to y (bf16 or fp32). NV = 2 halves the work item when a matrix has too few
+// column blocks to share evenly between the threads (batch 1 on a narrow matrix).
+template <int MR, int BITS, int NV>
 KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, const int32_t* xc, int64_t groups,
                                const uint8_t* w, const uint16_t* ws, int64_t group, const float* bias, void* y,
-                               bool y_bf16, int64_t ldy, int64_t col0, int64_t n) {
+                               bool y_bf16, int64_t ldy, int64_t col0, int64_t n, int j0) {
   constexpr int64_t kStepBytes = BITS == 8 ? 256 : 128;
   const int64_t steps = group / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[MR][4];
+  __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i s[MR][4];
+    __m512i s[MR][NV];
     for (int i = 0; i < MR; ++i) {
       const __m512i c = _mm512_set1_epi32(xc[i * groups + g]);
-      for (int j = 0; j < 4; ++j) s[i][j] = c;
+      for (int j = 0; j < NV; ++j) s[i][j] = c;
     }
     const uint8_t* wg = w + g * steps * kStepBytes;
     const int8_t* xg = xq + g * group;
     for (int64_t st = 0; st < steps; ++st) {
-      __m512i wv[4];
+      __m512i wv[NV];
       if constexpr (BITS == 8) {
-        for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(wg + st * kStepBytes + 64 * j);
-      } else {
-        const __m512i a = _mm512_loadu_si512(wg + st * kStepBytes), b = _mm512_loadu_si512(wg + st * kStepBytes + 64);
-        wv[0] = _mm512_and_si512(a, low4);
-        wv[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
-        wv[2] = _mm512_and_si512(b, low4);
-        wv[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_si512(wg + st * kStepBytes + 64 * (j0 + j));
+      } else {  // vectors 2h and 2h + 1 share the h-th 64 bytes (low and high nibbles)
+        for (int h = 0; h < NV / 2; ++h) {
+          const __m512i a = _mm512_loadu_si512(wg + st * kStepBytes + 64 * (j0 / 2 + h));
+          wv[2 * h] = _mm512_and_si512(a, low4);
+          wv[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+        }
       }
       for (int i = 0; i < MR; ++i) {
         int32_t quad;
         std::memcpy(&quad, xg + i * k + 4 * st, sizeof(quad));
         const __m512i xv = _mm512_set1_epi32(quad);
-        for (int j = 0; j < 4; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], wv[j], xv);
+        for (int j = 0; j < NV; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], wv[j], xv);
       }
     }
-    __m512 wsv[4];
-    for (int j = 0; j < 4; ++j) wsv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 64 + 16 * j)));
+    __m512 wsv[NV];
+    for (int j = 0; j < NV; ++j)
+      wsv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 64 + 16 * (j0 + j))));
     for (int i = 0; i < MR; ++i) {
       const __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < NV; ++j)
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), _mm512_mul_ps(wsv[j], dx), acc[i][j]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t col = col0 + 16 * j;
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = col0 + 16 * (j0 + j);
     const int64_t width = std::min<int64_t>(16, n - col);
     if (width <= 0) break;
     const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
@@ -124,15 +127,20 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
   }
 }
 
-using QuantTileFn = decltype(&quant_tile<1, 8>);
+using QuantTileFn = decltype(&quant_tile<1, 8, 4>);
 
-template <int BITS>
+template <int BITS, int NV>
 QuantTileFn quant_tile_fn(int mr) {
   switch (mr) {
-    case 1: return quant_tile<1, BITS>;
-    case 2: return quant_tile<2, BITS>;
-    default: return quant_tile<3, BITS>;
+    case 1: return quant_tile<1, BITS, NV>;
+    case 2: return quant_tile<2, BITS, NV>;
+    default: return quant_tile<3, BITS, NV>;
   }
+}
+
+QuantTileFn pick_quant_tile(int64_t bits, bool halves, int mr) {
+  if (bits == 8) return halves ? quant_tile_fn<8, 2>(mr) : quant_tile_fn<8, 4>(mr);
+  return halves ? quant_tile_fn<4, 2>(mr) : quant_tile_fn<4, 4>(mr);
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -180,26 +188,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t y_item = y.element_size();
-  // Work items (block of rows, 64-column block), as in linear_bf16.
-  const int64_t want_items = 8 * at::get_num_threads();
+  // Work items (block of rows, 64-column block), as in linear_bf16; a matrix with fewer column
+  // blocks than about 8 per thread, not a multiple of the thread count, is cut into halves.
+  const int64_t threads = at::get_num_threads();
+  const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
+  const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
+  const int64_t want_items = 8 * threads;
   int64_t rows_per_item = kQuantBlockM;
-  if (col_blocks < want_items) {
-    const int64_t parts = (want_items + col_blocks - 1) / col_blocks;
+  if (col_items < want_items) {
+    const int64_t parts = (want_items + col_items - 1) / col_items;
     rows_per_item = std::clamp<int64_t>((m / parts + kQuantTileM - 1) / kQuantTileM * kQuantTileM, kQuantTileM,
                                         kQuantBlockM);
   }
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
-  at::parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
+      const int64_t r0 = (item % row_items) * rows_per_item, ci = item / row_items;
+      const int64_t cb = halves ? ci / 2 : ci;
+      const int j0 = halves ? 2 * (int)(ci % 2) : 0;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint8_t* w = wp + cb * (k / 4) * step_bytes;
       const uint16_t* ws = sp + cb * groups * 64;
       for (int64_t r = r0; r < r1; r += kQuantTileM) {
         const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
-        const auto tile = bits == 8 ? quant_tile_fn<8>(mr) : quant_tile_fn<4>(mr);
-        tile(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group, bias_ptr,
-             yp + r * n * y_item, y_bf16, n, cb * 64, n);
+        pick_quant_tile(bits, halves, mr)(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group,
+                                          bias_ptr, yp + r * n * y_item, y_bf16, n, cb * 64, n, j0);
       }
     }
   });
