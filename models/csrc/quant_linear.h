@@ -169,20 +169,20 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  // the activations, quantized once for all column blocks
-  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({m, groups}, x.options().dtype(at::kFloat));
-  at::Tensor xc = at::empty({m, groups}, x.options().dtype(at::kInt));
+  // The activations, quantized once for all column blocks, into this calling thread's scratch
+  // (kept between calls: an allocation per call costs as much as a small matrix's work at batch 1).
+  thread_local std::vector<int32_t> scratch;
+  const int64_t q_words = (m * k + 3) / 4;
+  scratch.resize(std::max<size_t>(scratch.size(), q_words + 2 * m * groups));
+  int8_t* xqp = reinterpret_cast<int8_t*>(scratch.data());
+  float* xdp = reinterpret_cast<float*>(scratch.data() + q_words);
+  int32_t* xcp = scratch.data() + q_words + m * groups;
   const int32_t offset = bits == 8 ? 128 : 8;
   if (x.scalar_type() == at::kBFloat16)
     quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), m, k, group, offset,
-                  xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xc.data_ptr<int32_t>());
+                  xqp, xdp, xcp);
   else
-    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, group, offset, xq.data_ptr<int8_t>(),
-                  xd.data_ptr<float>(), xc.data_ptr<int32_t>());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const int32_t* xcp = xc.data_ptr<int32_t>();
+    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, group, offset, xqp, xdp, xcp);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
