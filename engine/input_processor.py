@@ -229,7 +229,11 @@ def load_tokenizer(path: str):
     if str(path).endswith(".gguf"):
         import transformers
 
-        return transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+        from kvserve.models.loader import release_free_memory
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+        release_free_memory()  # parsing the file's metadata left the heap large
+        return tokenizer
     if _names_generic_fast_tokenizer(path):
         from transformers import PreTrainedTokenizerFast
 

@@ -6,6 +6,8 @@ naming it. Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling can run 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 from collections import defaultdict
@@ -219,7 +221,21 @@ def load_model(
     for layer in attn_layers:
         layer.backend = backend
     bind_ops(model, select_ops(device, dtype, backend.name))
+    release_free_memory()
     return model.eval()
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): loading frees staged float
+    matrices and a GGUF file's parsed metadata, and glibc keeps freed heap memory mapped, so the
+    process's resident memory would stay that much above its live data."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+        return
+    trim(0)
 
 
 def get_max_model_len(hf_config: PretrainedConfig) -> int:
