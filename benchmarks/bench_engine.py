@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                        help="the engine's weights (transformers stays unquantized)")
     parser.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c")
     parser.add_argument("--skip-hf", default="", help="cases for which transformers is not run, e.g. c")
     parser.add_argument("--hf-batch", type=int, default=32)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve.engine import LLM
 
-    llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_caching=False)
+    llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_caching=False, quantization=args.quantization)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     vocab = llm.engine.info.vocab_size
     warm = [[5] * 64]
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     run_hf(hf, warm, [8], 1)
 
     results = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-               "dtype": args.dtype, "torch": torch.__version__, "cases": {}}
+               "dtype": args.dtype, "quantization": args.quantization or "none", "torch": torch.__version__, "cases": {}}
     skip_hf = set(args.skip_hf.split(","))
     for case in args.cases.split(","):
         prompts, outs = make_case(case, vocab, np.random.default_rng(0))
