@@ -722,3 +722,32 @@ def test_structured_outputs_on_int8(llama_dir):
         value = json.loads(out.outputs[0].text)
         assert value["color"] in ("red", "green") and set(value) <= {"color", "size"}
     assert all(out.outputs[0].text in choices for out in outs[4:])
+
+
+# ---- the server ---------------------------------------------------------------------------------------
+
+
+def test_server_serves_a_quantized_gguf_and_reports_its_weights(tmp_path):
+    """`kvserve serve --model file.gguf` (a Q4_0 file: held as int4): completions stream, chat
+    answers, and /metrics and the start-up log give the format and the weights' bytes."""
+    import httpx
+    from server_fixtures import ServerProcess, metric, scrape
+
+    path = make_gguf(tmp_path, "llama", "Q4_0")
+    server = ServerProcess(str(path), "--served-model-name", "q4", "--dtype", "bfloat16").wait_ready()
+    try:
+        body = {"model": "q4", "prompt": "Once upon", "max_tokens": 5, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+            "model": "q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] == 4
+        samples = scrape(server.url)
+        assert metric(samples, "kvserve:model_weight_bytes", quantization="int4") > 0
+        assert metric(samples, "kvserve:model_weight_bytes", quantization="none") == 0
+        assert "weights=int4" in server.log()
+    finally:
+        server.stop()
