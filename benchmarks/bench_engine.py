@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     run_hf(hf, warm, [8], 1)
 
     results = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-               "dtype": args.dtype, "quantization": args.quantization or "none", "torch": torch.__version__, "cases": {}}
+               "dtype": args.dtype, "quantization": args.quantization or "none", "torch": torch.__version__,
+               "cases": {}}
     skip_hf = set(args.skip_hf.split(","))
     for case in args.cases.split(","):
         prompts, outs = make_case(case, vocab, np.random.default_rng(0))

@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                   help="the engine's weights (Triton weight-only kernel on CUDA); transformers stays bf16")
     return p
 
 
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print_row(case, system, results["cases"][case], row)
         write_json(out_path, results)
 
-    engine_kw = dict(dtype="bfloat16", device=args.device, max_model_len=max_model_len,
+    engine_kw = dict(dtype="bfloat16", device=args.device, max_model_len=max_model_len, quantization=args.quantization,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_prefix_caching=False)
     print_header()
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = _load_engine(model_dir, engine_kw, eager, results, name)
         if llm is None:
             continue
+        if args.quantization not in (None, "none"):  # the roofline reads the quantized bytes the model holds
+            weight_bytes = llm.engine.info.weight_bytes
         _warm_engine(llm, config.vocab_size)
         for c in run_cases:
             record(c, name, lambda c=c: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))

@@ -125,7 +125,8 @@ def serve_kvserve(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def offline(args: argparse.Namespace, out: Path) -> dict:
     batch_sizes = ",".join(map(str, args.concurrency))
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", kvserve_model(args), "--dtype", args.dtype,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", kvserve_model(args),
+                    "--dtype", args.dtype,
                     "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--batch-sizes",
                     batch_sizes, "--repeats", str(args.offline_repeats), "--seed", str(args.seed),
                     "--out", str(out / "bench_offline.json")], check=True)

@@ -1,5 +1,6 @@
-"""The attention backends' names and the quantization methods, in a module without torch so that configuration (EngineArgs,
-the CLI) can offer and check them before anything loads. `models/attention/backend.py` picks one."""
+"""The attention backends' names and the quantization methods, in a module without torch so that
+configuration (EngineArgs, the CLI) can offer and check them before anything loads.
+`models/attention/backend.py` picks the backend; models/quantization.py quantizes."""
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: cpu on CPU, triton on CUDA
 

@@ -4,9 +4,9 @@ A GGUF checkpoint is one file; kvserve's model path is then that file. Weights a
 here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
 so the values are exactly its values). Served as it comes, a Q8_0 / Q4_0 file's matrices are
 quantized again at load (models/quantization.py) from those exact values, which gives back the
-file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and tokenizer come from the file's
-metadata through transformers' own GGUF support, so they are read as `transformers` reads them
-(the tokenizer in engine/input_processor.load_tokenizer).
+file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and
+tokenizer come from the file's metadata through transformers' own GGUF support, so they are read
+as `transformers` reads them (the tokenizer in engine/input_processor.load_tokenizer).
 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
 halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's

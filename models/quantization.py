@@ -90,6 +90,7 @@ class QuantizedWeight:
     data: Tensor
     scales: Tensor
     packed: bool
+    nibbles: bool = False  # plain int4 two to a byte ([n, k / 2], `pack_int4`), not one int8 each
 
     @classmethod
     def quantize(cls, w: Tensor, bits: int, group: int, packed: bool) -> QuantizedWeight:
@@ -99,7 +100,9 @@ class QuantizedWeight:
     @classmethod
     def from_int(cls, q: Tensor, d: Tensor, bits: int, group: int, packed: bool) -> QuantizedWeight:
         n, k = q.shape
-        if not packed:
+        if not packed:  # int4 two to a byte: a quarter of bf16's memory here too
+            if bits == 4 and k % 2 == 0:
+                return cls(bits, group, n, k, pack_int4(q), d.contiguous(), False, nibbles=True)
             return cls(bits, group, n, k, q.contiguous(), d.contiguous(), False)
         blocks = -(-n // 64)
         u = torch.zeros(blocks * 64, k, dtype=torch.uint8)  # padding rows: weight 0 (their scales are 0)
@@ -136,7 +139,12 @@ class QuantizedWeight:
         return q, d
 
     def q_rows(self, ids: Tensor) -> Tensor:
-        return self.data[ids]
+        """int8 q of rows `ids` (plain layouts)."""
+        return unpack_int4(self.data[ids]) if self.nibbles else self.data[ids]
+
+    def full_q(self) -> Tensor:
+        """int8 q [n, k] (plain layouts)."""
+        return unpack_int4(self.data) if self.nibbles else self.data
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantized rows `ids` [T] -> [T, k] (an embedding lookup from the quantized matrix)."""
@@ -169,22 +177,56 @@ def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = N
     return y if bias is None else y + bias.double()
 
 
+def triton_applies(weight: QuantizedWeight) -> bool:
+    """Whether the Triton kernel takes this plain weight (a power-of-two group of 16 or more, int4
+    two to a byte) and triton is installed."""
+    if weight.group < 16 or weight.group & (weight.group - 1) or (weight.bits == 4 and not weight.nibbles):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """int8 q in [-8, 7] [N, K] (K even) -> uint8 [N, K / 2]: u = q + 8, even k in the low nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of `pack_int4`: int8 [N, K]."""
+    lo, hi = (packed & 15).to(torch.int8) - 8, (packed >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
 def has_kernels() -> bool:
     """True when models/cpu_ops' int8 kernel runs here (AVX512-VNNI and AVX512-BF16)."""
     return cpu_ops.has_fast_bf16() and bool(torch.ops.kvserve.has_avx512_vnni())
 
 
 class QuantizedLinear:
-    """x @ W.T (+ bias) for a `QuantizedWeight`: the C++ kernel for a packed weight, else
+    """x @ W.T (+ bias) for a `QuantizedWeight`, chosen once: the C++ kernel for a packed weight;
+    on CUDA the Triton weight-only kernel (models/kernels/triton_quant.py); else
     dequantize-and-F.linear (the portable path)."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None) -> None:
         self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
+        self.triton = None
+        if not weight.packed and weight.data.is_cuda and triton_applies(weight):
+            from kvserve.models.kernels import triton_quant  # imports triton: only when chosen
+
+            self.triton = triton_quant.quant_linear
 
     def __call__(self, x: Tensor) -> Tensor:
         w = self.weight
+        if self.triton is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            y = self.triton(flat, w.data, w.scales, self.bias, w.bits, w.group)
+            return y.view(*x.shape[:-1], w.n)
         if not w.packed:
-            full = dequantize(w.data, w.scales, w.group).to(x.dtype)
+            full = dequantize(w.full_q(), w.scales, w.group).to(x.dtype)
             return F.linear(x, full, None if self.bias is None else self.bias.to(x.dtype))
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:  # the model's case: no reshapes
             return torch.ops.kvserve.quant_linear(x, w.data, w.scales, self.bias, w.n, w.bits, w.group)

@@ -169,7 +169,8 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.chat_template = tokenizer.chat_template
         self.model_config = SimpleNamespace(model_path="/fake", dtype="float32", device="cpu",
-                                            max_model_len=max_model_len, vocab_size=len(tokenizer), block_size=16, quantization="none", weight_bytes=0)
+                                            max_model_len=max_model_len, vocab_size=len(tokenizer), block_size=16,
+                                            quantization="none", weight_bytes=0)
         self.is_healthy = True
         self.num_generated = 0
 

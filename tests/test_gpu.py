@@ -398,3 +398,40 @@ def test_triton_norms_and_silu_bf16_real_sizes(hidden, intermediate):
     torch.testing.assert_close(out, want_out)
     gate_up = torch.randn(4096, 2 * intermediate, device="cuda").bfloat16()
     torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_quant_linear_real_sizes(bits, dtype):
+    """The weight-only int8 / int4 kernel on the GPU against the dequantized matmul (bf16 included,
+    which the interpreter cannot run)."""
+    from kvserve.models.kernels import triton_quant
+    from kvserve.models.quantization import dequantize, pack_int4, quantize_int4, quantize_int8
+
+    torch.manual_seed(0)
+    for m, n, k in [(1, 4096, 4096), (7, 14336, 4096), (300, 4096, 14336)]:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        q, d = (quantize_int8 if bits == 8 else quantize_int4)(w, 32)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        y = triton_quant.quant_linear(x, q if bits == 8 else pack_int4(q), d, None, bits, 32)
+        want = x.float() @ dequantize(q, d, 32).T
+        assert (y.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_model_on_cuda_matches_the_cpu(checkpoint_dirs, quantization):
+    """A quantized model on CUDA (the Triton weight-only kernel) gives the greedy tokens of the same
+    quantized weights on the CPU (whose kernel also rounds activations), up to near-ties."""
+    prompts = make_prompts(384)[:3]
+    outs = {}
+    for device in ("cuda", "cpu"):
+        llm = LLM(checkpoint_dirs["llama"], device=device, dtype="float32", quantization=quantization,
+                  enable_prefix_caching=False)
+        try:
+            outs[device] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0),
+                use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    same = sum(a[:4] == b[:4] for a, b in zip(outs["cuda"], outs["cpu"]))
+    assert same >= 2, (outs["cuda"], outs["cpu"])

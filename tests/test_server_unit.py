@@ -165,7 +165,8 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_config = SimpleNamespace(model_path="/fake", dtype="float32", device="cpu", max_model_len=64,
-                                            vocab_size=len(tokenizer), block_size=16, quantization="none", weight_bytes=0)
+                                            vocab_size=len(tokenizer), block_size=16,
+                                            quantization="none", weight_bytes=0)
         self.is_healthy = True
         self.mode = "ok"
         self.aborted: list[str] = []

@@ -255,7 +255,8 @@ class ScriptedEngine:
         self.text = text
         self.chat_template = None
         self.model_config = SimpleNamespace(model_path="/scripted", dtype="float32", device="cpu", max_model_len=4096,
-                                            vocab_size=len(tokenizer), block_size=16, quantization="none", weight_bytes=0)
+                                            vocab_size=len(tokenizer), block_size=16,
+                                            quantization="none", weight_bytes=0)
         self.is_healthy = True
         self.params: list[SamplingParams] = []
 

@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvserve.models.kernels import fix_interpreter_scalar_index
+
 DECODE_PARTITION_SIZE = 512  # keys per split-K partition (rounded to a multiple of DECODE_BLOCK_N)
 DECODE_MAX_SPLITS = 32  # bounds the partials' workspace; longer rows get longer partitions
 DECODE_BLOCK_N = 64  # keys per tile in the decode kernel
@@ -56,26 +58,7 @@ REDUCE_SPLIT_TILE = 16  # partials combined per step of the reduce kernel
 _LOG2E = 1.4426950408889634
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's CPU interpreter turns a scalar into an int with int(ndarray of shape (1,)), which
-    numpy >= 2.4 refuses, so a `range()` with runtime bounds fails (triton-lang/triton#9171, fixed
-    after 3.6). Only under TRITON_INTERPRET=1 (the tests); compiled kernels are unaffected."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "kvserve_fixed", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.kvserve_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if triton.knobs.runtime.interpret:
-    _fix_interpreter_scalar_index()
+fix_interpreter_scalar_index()
 
 
 @triton.jit

@@ -1,0 +1,126 @@
+"""models/kernels/triton_quant.py on the CPU under Triton's interpreter, against float64 references.
+
+The kernel is weight-only: y = x @ (q * d).T (+ bias), accumulated in fp32 one group at a time,
+so the reference is the dequantized matmul in float64 and the tolerance is fp32 summation plus
+one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.models.kernels import triton_quant  # noqa: E402
+from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequantize, pack_int4,  # noqa: E402
+                                         quantize_int4, quantize_int8, triton_applies, unpack_int4)
+
+
+def make_weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    return (quantize_int8 if bits == 8 else quantize_int4)(w, group)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+# bf16: the interpreter's tl.dot has no bf16 (numpy), so bf16 is checked by compiling for sm_90 below
+# and on a GPU (.ci/gpu_session.sh); fp16 runs the same code path with the same conversions.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group,bias", [(1, 64, 64, 32, False), (3, 100, 128, 32, True),
+                                               (20, 70, 96, 32, True), (17, 130, 256, 64, False),
+                                               (5, 16, 64, 16, True)])
+def test_matches_the_dequantized_matmul(bits, dtype, m, n, k, group, bias):
+    q, d = make_weight(n, k, bits, group, seed=m + n)
+    w = q if bits == 8 else pack_int4(q)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(m, k).to(dtype)
+    y = triton_quant.quant_linear(x, w, d, b, bits, group)
+    want = x.double() @ dequantize(q, d, group).double().T + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2 ** -10}[dtype]
+    assert ((y.double() - want).abs() <= tol * want.abs().max() + 1e-6).all()
+
+
+def test_int4_nibbles_round_trip():
+    q, _ = make_weight(33, 64, 4, 32)
+    packed = pack_int4(q)
+    assert packed.shape == (33, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_empty_batch_and_strided_rows():
+    q, d = make_weight(64, 64, 8, 32)
+    assert triton_quant.quant_linear(torch.zeros(0, 64), q, d, None, 8, 32).shape == (0, 64)
+    wide = torch.randn(4, 96)
+    x = wide[:, 16:80]  # rows 96 apart
+    want = triton_quant.quant_linear(x.contiguous(), q, d, None, 8, 32)
+    assert torch.equal(triton_quant.quant_linear(x, q, d, None, 8, 32), want)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bits=3), "bits must be 8 or 4"),
+    (dict(group=48), "power of two"),
+    (dict(x=torch.zeros(2, 32)), "int8 weight for 32 inputs"),
+    (dict(scales=torch.zeros(64, 2)), "scales must be float16"),
+    (dict(x=torch.zeros(2, 64, dtype=torch.int32)), "x must be"),
+])
+def test_bad_arguments_raise_value_errors(kwargs, match):
+    q, d = make_weight(64, 64, 8, 32)
+    args = dict(x=torch.zeros(2, 64), w=q, scales=d, bias=None, bits=8, group=32) | kwargs
+    with pytest.raises(ValueError, match=match):
+        triton_quant.quant_linear(**args)
+
+
+def test_plain_int4_weights_are_two_to_a_byte_and_take_the_triton_path():
+    """What a CUDA model holds (the portable layout): int4 in nibbles, a quarter of bf16's bytes;
+    the layout the Triton kernel reads. Group sizes it cannot tile stay on the portable path."""
+    w = torch.randn(64, 128) * 0.05
+    int4 = QuantizedWeight.quantize(w, 4, 32, packed=False)
+    assert int4.nibbles and int4.data.shape == (64, 64) and triton_applies(int4)
+    assert int4.nbytes == 64 * 64 + 64 * 4 * 2
+    q, d = quantize_int4(w, 32)
+    assert torch.equal(int4.unpack()[0], q) and torch.equal(int4.unpack()[1], d)
+    lin = QuantizedLinear(int4, None)
+    x = torch.randn(3, 128)
+    portable = x @ dequantize(q, d, 32).T
+    assert torch.allclose(lin(x), portable, atol=1e-5)  # CPU tensors: the portable path
+    assert not triton_applies(QuantizedWeight.quantize(torch.randn(8, 96), 8, 48, packed=False))
+
+
+_COMPILE_FOR_SM90 = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvserve.models.kernels import triton_quant as tq
+
+fn = tq._quant_linear_kernel
+for t in ("bf16", "fp16", "fp32"):
+    for bits in (8, 4):
+        for bm in (16, 64):
+            consts = dict(GROUP=32, BITS=bits, HAS_BIAS=True, IEEE=t == "fp32", BM=bm, BN=64)
+            types = dict(x_ptr="*" + t, w_ptr="*i8" if bits == 8 else "*u8", s_ptr="*fp16", b_ptr="*fp32",
+                         y_ptr="*" + t)
+            sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+            triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4, num_stages=3))
+print("compiled")
+'''
+
+
+def test_kernel_compiles_for_h100():
+    """The interpreter skips Triton's compiler (and bf16): compile every variant for sm_90, no GPU needed."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
