@@ -183,7 +183,11 @@ def open_gguf(path: str | os.PathLike):
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, mtime_ns: int):
-    return _import_gguf().GGUFReader(path)
+    gguf = _import_gguf()
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises whatever numpy or struct hit first
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
 
 
 def close_gguf_files() -> None:

@@ -188,3 +188,14 @@ def test_async_engine_serves_a_directory_holding_a_gguf(tmp_path):
     finally:
         llm.shutdown()
     assert got.token_ids == want.token_ids and got.text == want.text
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_truncated_or_corrupt_file_is_a_clear_error(tmp_path, damage):
+    """Nothing half-loads: the error names the file and says what is wrong with it."""
+    good = make_gguf(tmp_path, "llama", "Q8_0").read_bytes()
+    blob = {"truncated": good[: len(good) // 2], "garbage": b"GGUF" + bytes(range(256)) * 8, "empty": b""}[damage]
+    path = tmp_path / f"{damage}.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(ValueError, match=r"is not a readable GGUF file \(truncated or corrupt\?\)"):
+        LLM(str(path), **ENGINE)
