@@ -9,7 +9,7 @@
 # `deps` reads only PROJECT_DIR/pyproject.toml and PROJECT_DIR/docker/constraints.txt,
 # so a Dockerfile can run it before copying the source and keep the layer
 # across source edits. Which packages come from pyproject.toml ([project]
-# dependencies, the `server` extra, [build-system] requires); which versions
+# dependencies, the `server` and `gguf` extras, [build-system] requires); which versions
 # come from docker/constraints.txt, which pins every one of them and their
 # dependencies (tests/test_docker.py checks that nothing is left unpinned).
 #
@@ -58,6 +58,7 @@ with open(sys.argv[1], "rb") as f:
     pyproject = tomllib.load(f)
 reqs = pyproject["project"]["dependencies"]
 reqs += pyproject["project"]["optional-dependencies"]["server"]
+reqs += pyproject["project"]["optional-dependencies"]["gguf"]  # GGUF files (models/gguf_loader.py)
 reqs += pyproject["build-system"]["requires"]  # so `package` needs no build isolation
 print("\n".join(reqs))
 EOF

@@ -414,7 +414,7 @@ def test_constraints_pin_every_dependency() -> None:
             pins[canonicalize_name(name)] = version
     project = PYPROJECT["project"]
     declared = (project["dependencies"] + project["optional-dependencies"]["server"]
-                + PYPROJECT["build-system"]["requires"] + ["pip"])
+                + project["optional-dependencies"]["gguf"] + PYPROJECT["build-system"]["requires"] + ["pip"])
     for text in declared:
         requirement = Requirement(text)
         version = pins.get(canonicalize_name(requirement.name))
