@@ -47,11 +47,11 @@ def _groups(w: Tensor, group: int) -> Tensor:
 
 
 def _roundf(x: Tensor) -> Tensor:
-    """C's roundf: half away from zero (what ggml's reference quantizer uses). Not floor(|x| + 0.5):
-    that sum rounds 0.49999997 up to 1."""
-    a = x.abs()
-    whole = a.floor()
-    return x.sign() * (whole + (2 * (a - whole)).floor())
+    """C's roundf (half away from zero, what ggml's reference quantizer uses) of fp32 values of
+    magnitude below 2**28. Not trunc(x + 0.5 sign(x)) in fp32: that sum rounds 0.49999997 up to 1;
+    in fp64 it is exact."""
+    y = x.double()
+    return y.add_(torch.full_like(y, 0.5).copysign_(x)).trunc_()
 
 
 def quantize_int8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
