@@ -737,11 +737,11 @@ def test_server_serves_a_quantized_gguf_and_reports_its_weights(tmp_path):
     server = ServerProcess(str(path), "--served-model-name", "q4", "--dtype", "bfloat16").wait_ready()
     try:
         body = {"model": "q4", "prompt": "Once upon", "max_tokens": 5, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=180) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) >= 3
-        chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        chat = httpx.post(server.base_url + "/chat/completions", timeout=180, json={
             "model": "q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["completion_tokens"] == 4
