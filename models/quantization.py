@@ -7,12 +7,13 @@ group's value of largest magnitude, q = trunc(w / d + 8.5) - 8, clipped to [-8, 
 `quantize_int8` / `quantize_int4` give the gguf package's blocks bit for bit, so quantizing
 the exact values of a Q8_0 or Q4_0 file gives back that file's blocks.
 
-Each `Linear` is quantized once its weight is loaded; `QuantizedLinear` replaces its matmul.
-On CPUs with AVX512-VNNI (models/cpu_ops) the weight is packed for
+Each `Linear` is quantized once its weight is loaded (`Quantizer`); `QuantizedLinear` replaces
+its matmul. On CPUs with AVX512-VNNI (models/cpu_ops) the weight is packed for
 `torch.ops.kvserve.quant_linear`, which also quantizes the activations per row and group
 (as llama.cpp does) and multiplies in int8 (`reference_linear` is its exact definition in
-float64). Elsewhere, and as the portable reference, the weight stays [N, K] and each call
-dequantizes it for `F.linear` (weight-only: no activation rounding; slow, a fallback).
+float64). Elsewhere the weight stays plain ([N, K] int8, or int4 two to a byte): on CUDA the
+Triton weight-only kernel multiplies it (models/kernels/triton_quant.py); otherwise, and as the
+portable reference, each call dequantizes it for `F.linear` (weight-only; slow, a fallback).
 The LM head is int8 under both schemes (llama.cpp keeps it at 6 bits or more too); a tied
 embedding reads its rows from the quantized head; an untied input embedding stays in the
 model dtype.
@@ -20,7 +21,6 @@ model dtype.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +29,6 @@ from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.backends import DEFAULT_GROUP_SIZE, check_quantization
-
-logger = logging.getLogger(__name__)
 
 _OFFSET = {8: 128, 4: 8}  # the unsigned storage: u = q + offset
 _STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
