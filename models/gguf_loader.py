@@ -187,7 +187,8 @@ def _open_gguf(path: str, mtime_ns: int):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises whatever numpy or struct hit first
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def close_gguf_files() -> None:
