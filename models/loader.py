@@ -156,8 +156,10 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             if param is None:
                 continue
             if id(param) not in done:
-                param_dtype = getattr(param, "stage_dtype", dtype)  # weights loaded to be quantized
-                new = nn.Parameter(torch.empty(param.shape, dtype=param_dtype, device=device), requires_grad=False)
+                # weights loaded to be quantized: models/quantization.mark_for_staging
+                param_dtype, param_device = getattr(param, "stage_dtype", dtype), getattr(param, "stage_device", device)
+                new = nn.Parameter(torch.empty(param.shape, dtype=param_dtype, device=param_device),
+                                   requires_grad=False)
                 new.__dict__.update(param.__dict__)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
@@ -197,13 +199,13 @@ def load_model(
             check_quantizable(model, quantization_group_size)  # before any weight is read
             # quantized from the checkpoint's own values: a GGUF file's are exact in fp32, so
             # quantizing them again gives its blocks (each matrix is freed once quantized)
-            mark_for_staging(model, torch.float32)
+            mark_for_staging(model)
         _materialize(model, dtype, device)
     quantizer = None
     if method != "none":
         if device.type == "cpu":
             cpu_ops.load()  # the quantized layout is the kernel's where it runs
-        quantizer = Quantizer(model, method, quantization_group_size, dtype)
+        quantizer = Quantizer(model, method, quantization_group_size, dtype, device)
     with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
         load_weights(model, model_dir, None if quantizer is None else quantizer.loaded)
     close_gguf_files()

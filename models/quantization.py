@@ -21,7 +21,7 @@ model dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,12 @@ class QuantizedWeight:
         s[:n] = d
         scales = s.view(blocks, 64, k // group).permute(0, 2, 1).contiguous()
         return cls(bits, group, n, k, data, scales, True)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """This weight on `device` (itself when already there)."""
+        if self.data.device == device:
+            return self
+        return replace(self, data=self.data.to(device), scales=self.scales.to(device))
 
     @property
     def nbytes(self) -> int:
@@ -276,13 +282,14 @@ def check_quantizable(model: nn.Module, group: int) -> None:
                              f"features (not a multiple of {group}); choose another --quantization-group-size")
 
 
-def mark_for_staging(model: nn.Module, dtype: torch.dtype) -> None:
-    """Load the weights that will be quantized in `dtype` (fp32: the checkpoint's values, exactly)."""
-    for _, m in _linears(model):
-        m.weight.stage_dtype = dtype
+def mark_for_staging(model: nn.Module) -> None:
+    """Load the weights that will be quantized in fp32 (the checkpoint's values, exactly) on the
+    CPU: there an unwritten allocation costs nothing, so only the matrix being quantized is ever
+    resident (a GPU would allocate every staged matrix up front)."""
+    weights = [m.weight for _, m in _linears(model)]
     emb = _tied_embedding(model)
-    if emb is not None:
-        emb.weight.stage_dtype = dtype
+    for w in weights + ([emb.weight] if emb is not None else []):
+        w.stage_dtype, w.stage_device = torch.float32, torch.device("cpu")
 
 
 def _tied_embedding(model: nn.Module) -> nn.Module | None:
@@ -302,8 +309,11 @@ class Quantizer:
     `Linear` gets a `QuantizedLinear` (`method` int8 or int4; the LM head int8) and a tied
     embedding its int8 form (rows looked up in `dtype`, the model's). Float weights are freed."""
 
-    def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         self.model, self.method, self.group, self.dtype = model, method, group, dtype
+        self.device = torch.device(device)  # where the quantized weights go (staged ones are on the CPU)
+        self.packed = self.device.type == "cpu" and has_kernels()
         self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
         self.count = 0
 
@@ -316,7 +326,7 @@ class Quantizer:
         if not m.weight.numel():
             return
         bits = 8 if self.method == "int8" or _is_lm_head(name) else 4
-        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, m.weight.is_cpu and has_kernels())
+        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed).to(self.device)
         m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
         self.count += 1
@@ -332,7 +342,7 @@ class Quantizer:
         emb = _tied_embedding(self.model)
         if emb is not None and emb.weight.numel():
             w = emb.weight
-            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, w.is_cpu and has_kernels())
+            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed).to(self.device)
             emb.packed_lm_head = QuantizedLinear(qw, None)
             emb.quantized, emb.quantized_dtype = qw, self.dtype
             w.data = w.data.new_empty(0)
@@ -341,7 +351,7 @@ class Quantizer:
 
 
 def quantize_model(model: nn.Module, method: str, group: int, dtype: torch.dtype) -> QuantizationReport:
-    """Quantize a loaded model at once (`Quantizer`)."""
+    """Quantize a loaded CPU model at once (`Quantizer`)."""
     return Quantizer(model, method, group, dtype).finish()
 
 
