@@ -225,15 +225,12 @@ def load_tokenizer(path: str):
     A checkpoint that names the generic fast tokenizer class is loaded with that class directly:
     the same object, without AutoTokenizer's import of transformers' config machinery (over a
     second of start-up; tests/test_hf_config.py checks the two agree). A GGUF file's tokenizer
-    and chat template come from its metadata, converted by transformers."""
-    if str(path).endswith(".gguf"):
-        import transformers
+    and chat template come from its metadata, converted by transformers once
+    (models/gguf_metadata.py)."""
+    if str(path).endswith(".gguf"):  # its metadata converted once into tokenizer files (no torch here)
+        from kvserve.models.gguf_metadata import gguf_metadata_dir
 
-        from kvserve.models.loader import release_free_memory
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
-        release_free_memory()  # parsing the file's metadata left the heap large
-        return tokenizer
+        path = str(gguf_metadata_dir(path))
     if _names_generic_fast_tokenizer(path):
         from transformers import PreTrainedTokenizerFast
 

@@ -1,12 +1,12 @@
-"""Read a GGUF file (llama.cpp's format): config, tokenizer and weights in Hugging Face names.
+"""Read a GGUF file's weights (llama.cpp's format) under their Hugging Face names.
 
 A GGUF checkpoint is one file; kvserve's model path is then that file. Weights are dequantized
 here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
 so the values are exactly its values). Served as it comes, a Q8_0 / Q4_0 file's matrices are
 quantized again at load (models/quantization.py) from those exact values, which gives back the
 file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and
-tokenizer come from the file's metadata through transformers' own GGUF support, so they are read
-as `transformers` reads them (the tokenizer in engine/input_processor.load_tokenizer).
+tokenizer come from the file's metadata through transformers' own GGUF support, converted once
+(models/gguf_metadata.py), so they are read as `transformers` reads them.
 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
 halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
@@ -15,26 +15,18 @@ matrices are stored [out, in] and go back to Conv1D's [in, out] that the model f
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from kvserve.models.gguf_metadata import ROPE_FREQS, field, gguf_architecture, import_gguf, open_gguf
+
 logger = logging.getLogger(__name__)
 
-# GGUF `general.architecture` -> the Hugging Face architecture kvserve serves it with.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
 # Tensor types read: exact ones and the k-quants the gguf package dequantizes.
 TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
@@ -49,36 +41,6 @@ _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.w
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
                "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
-# Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
-# transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
-_ROPE_FREQS = "rope_freqs.weight"
-
-
-def is_gguf(path: str | os.PathLike) -> bool:
-    return str(path).endswith(".gguf") and Path(path).is_file()
-
-
-def find_gguf(model_dir: str | os.PathLike) -> Path | None:
-    """The one `*.gguf` of a directory without safetensors weights; None if it has none."""
-    root = Path(model_dir)
-    files = sorted(root.glob("*.gguf"))
-    if not files or any(root.glob("*.safetensors")):
-        return None
-    if len(files) > 1:
-        raise ValueError(f"{root} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                         "pass the path of the one to serve")
-    return files[0]
-
-
-def gguf_architecture(reader) -> str:
-    """The file's `general.architecture`; ValueError naming it when kvserve does not serve it."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
-                         f"{', '.join(ARCHITECTURES)}")
-    return arch
-
-
 def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor a file of `arch` may hold."""
     is_gpt2 = arch == "gpt2"
@@ -92,28 +54,6 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     return names
 
 
-def load_gguf_config(path: str | os.PathLike) -> Any:
-    """transformers' config for the file, with the `architectures` kvserve serves it with."""
-    import transformers
-
-    reader = open_gguf(path)
-    arch = gguf_architecture(reader)
-    path = Path(path)
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.architectures = [ARCHITECTURES[arch]]
-    # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
-    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
-    # transformers leaves Qwen3's head_dim and GPT-2's n_positions at their defaults
-    config.max_position_embeddings = int(_field(reader, f"{arch}.context_length"))
-    head_dim = _field(reader, f"{arch}.attention.key_length", 0)
-    if head_dim and arch != "gpt2":
-        config.head_dim = int(head_dim)
-    if any(t.name == _ROPE_FREQS for t in reader.tensors):
-        logger.warning("%s has rope scaling factors (%s), which kvserve, like transformers, does not apply: "
-                       "rotary embedding as without rope scaling", path, _ROPE_FREQS)
-    return config
-
-
 # What each tensor type is kept as when the file is served as it comes (`gguf_quantization`).
 _KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q4_0": "int4", "Q4_K": "int4"}
 
@@ -121,7 +61,7 @@ _KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q4_0": "int4", "Q4_K": "int4"}
 def gguf_quantization(path: str | os.PathLike) -> str:
     """The quantization that serves the file as it comes: that of the type holding most of its
     layers' matrix weights (Q8_0, Q6_K: int8; Q4_0, Q4_K: int4; float types: none)."""
-    gguf = _import_gguf()
+    gguf = import_gguf()
     counts: dict[str, int] = {}
     for t in open_gguf(path).tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
@@ -134,11 +74,11 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
-    names = gguf_tensor_names(arch, int(_field(reader, f"{arch}.block_count")))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
+    num_heads = int(field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(field(reader, f"{arch}.attention.head_count_kv", num_heads))
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name == ROPE_FREQS:
             continue
         if t.name not in names:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")
@@ -154,7 +94,7 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
 
 def dequantize(t) -> Tensor:
     """A GGUF reader tensor as fp32, in PyTorch's dimension order; ValueError for a type not read."""
-    gguf = _import_gguf()
+    gguf = import_gguf()
 
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     if qtype.name not in TENSOR_TYPES:
@@ -172,42 +112,3 @@ def _unpermute(w: Tensor, num_heads: int) -> Tensor:
     """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves."""
     # [out, in] -> [heads, out / heads / 2, 2, in] -> swap -> [heads, 2, out / heads / 2, in]
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` of the file, shared by the loader's steps: building one parses every
-    metadata field (a large vocabulary takes seconds), the tensors are memory-mapped."""
-    path = Path(path).resolve()
-    return _open_gguf(str(path), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int):
-    gguf = _import_gguf()
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises whatever numpy or struct hit first
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(e).__name__}: {e}") from None
-
-
-def close_gguf_files() -> None:
-    """Forget the shared readers: their memory maps go (pages read stay resident while mapped)."""
-    _open_gguf.cache_clear()
-
-
-def _import_gguf():
-    try:
-        import gguf
-    except ImportError:
-        raise ValueError("reading a GGUF file needs the gguf package: pip install 'kvserve[gguf]'") from None
-    return gguf
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None or not field.types:
-        if default is None:
-            raise ValueError(f"GGUF file has no {key!r} metadata")
-        return default
-    return field.contents()

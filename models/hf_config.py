@@ -83,11 +83,12 @@ class CheckpointConfig:
 
 def load_hf_config(model_dir: str | Path) -> Any:
     """The checkpoint's config: a `CheckpointConfig` when `read_plain_config` can read it, else
-    `transformers.AutoConfig`'s; a GGUF file's from its metadata (models/gguf_loader.py)."""
+    `transformers.AutoConfig`'s; a GGUF file's from its metadata, converted once
+    (models/gguf_metadata.py)."""
     if str(model_dir).endswith(".gguf"):
-        from kvserve.models.gguf_loader import load_gguf_config
+        from kvserve.models.gguf_metadata import gguf_metadata_dir
 
-        return load_gguf_config(model_dir)
+        model_dir = gguf_metadata_dir(model_dir)
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())

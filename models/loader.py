@@ -23,7 +23,8 @@ from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
-from kvserve.models.gguf_loader import close_gguf_files, find_gguf, gguf_quantization, is_gguf, iter_gguf_tensors
+from kvserve.models.gguf_loader import gguf_quantization, iter_gguf_tensors
+from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
 from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, Quantizer, check_quantizable,

@@ -1,0 +1,156 @@
+"""A GGUF file's metadata: its architecture, and its config and tokenizer as Hugging Face files.
+
+Without torch, so that the API server process can load a GGUF file's tokenizer. transformers'
+GGUF support (which converts the config, the tokenizer and the chat template from the file's
+metadata) imports torch and takes seconds on a large vocabulary, so `gguf_metadata_dir` runs it
+once per file and keeps what it made as an ordinary checkpoint directory (`config.json`,
+tokenizer files) under `$KVSERVE_CACHE_DIR/gguf/`, keyed by the file's path, size and
+modification time and transformers' version; every later load, in every process, reads that.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvserve.models.default_model import default_cache_root
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` -> the Hugging Face architecture kvserve serves it with.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
+# transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
+ROPE_FREQS = "rope_freqs.weight"
+_DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def find_gguf(model_dir: str | os.PathLike) -> Path | None:
+    """The one `*.gguf` of a directory without safetensors weights; None if it has none."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.gguf"))
+    if not files or any(root.glob("*.safetensors")):
+        return None
+    if len(files) > 1:
+        raise ValueError(f"{root} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+                         "pass the path of the one to serve")
+    return files[0]
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` of the file, shared by the loader's steps: building one parses every
+    metadata field (a large vocabulary takes seconds), the tensors are memory-mapped."""
+    path = Path(path).resolve()
+    return _open_gguf(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int):
+    gguf = import_gguf()
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises whatever numpy or struct hit first
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def close_gguf_files() -> None:
+    """Forget the shared readers: their memory maps go (pages read stay resident while mapped)."""
+    _open_gguf.cache_clear()
+
+
+def import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading a GGUF file needs the gguf package: pip install 'kvserve[gguf]'") from None
+    return gguf
+
+
+def field(reader, key: str, default: Any = None) -> Any:
+    """Metadata value `key`; ValueError naming it when absent and no default is given."""
+    value = reader.get_field(key)
+    if value is None or not value.types:
+        if default is None:
+            raise ValueError(f"GGUF file has no {key!r} metadata")
+        return default
+    return value.contents()
+
+
+def gguf_architecture(reader) -> str:
+    """The file's `general.architecture`; ValueError naming it when kvserve does not serve it."""
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def gguf_metadata_dir(path: str | os.PathLike) -> Path:
+    """A checkpoint directory with the file's config.json and tokenizer files (made once, see the
+    module doc); where the cache cannot be written, a temporary one. Warnings about the file (rope
+    scaling factors that are not applied) are logged on every load."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
+    target = default_cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not (target / _DONE).is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+        except OSError:  # a read-only cache: convert into a directory of our own
+            staging = target = Path(tempfile.mkdtemp(prefix="kvserve-gguf-"))
+        try:
+            _convert(path, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if staging != target:
+            try:
+                staging.rename(target)
+            except OSError:  # another process finished first: keep its directory
+                shutil.rmtree(staging, ignore_errors=True)
+    for warning in json.loads((target / _DONE).read_text())["warnings"]:
+        logger.warning("%s %s", path, warning)
+    return target
+
+
+def _convert(path: Path, out: Path) -> None:
+    """transformers' config and tokenizer for the file, with what kvserve reads beyond them."""
+    import transformers
+
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.architectures = [ARCHITECTURES[arch]]
+    # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    # transformers leaves Qwen3's head_dim and GPT-2's n_positions at their defaults
+    config.max_position_embeddings = int(field(reader, f"{arch}.context_length"))
+    head_dim = field(reader, f"{arch}.attention.key_length", 0)
+    if head_dim and arch != "gpt2":
+        config.head_dim = int(head_dim)
+    config.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    warnings = []
+    if any(t.name == ROPE_FREQS for t in reader.tensors):
+        warnings.append(f"has rope scaling factors ({ROPE_FREQS}), which kvserve, like transformers, does not "
+                        "apply: rotary embedding as without rope scaling")
+    (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")
