@@ -227,10 +227,10 @@ def load_tokenizer(path: str):
     second of start-up; tests/test_hf_config.py checks the two agree). A GGUF file's tokenizer
     and chat template come from its metadata, converted by transformers once
     (models/gguf_metadata.py)."""
-    if str(path).endswith(".gguf"):  # its metadata converted once into tokenizer files (no torch here)
+    if str(path).endswith(".gguf"):  # its metadata converted once into tokenizer files
         from kvserve.models.gguf_metadata import gguf_metadata_dir
 
-        path = str(gguf_metadata_dir(path))
+        return _load_named_tokenizer(gguf_metadata_dir(path))
     if _names_generic_fast_tokenizer(path):
         from transformers import PreTrainedTokenizerFast
 
@@ -238,6 +238,17 @@ def load_tokenizer(path: str):
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _load_named_tokenizer(path: Path):
+    """The class the directory's tokenizer_config.json names, loaded directly: AutoTokenizer would
+    import transformers' config machinery, and with it torch (a GGUF file's converted tokenizer
+    names its family's class, e.g. Qwen2Tokenizer)."""
+    import transformers
+
+    name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(path)
 
 
 def _names_generic_fast_tokenizer(path: str) -> bool:

@@ -8,6 +8,7 @@ chat template come from the file's metadata; what kvserve does not read is refus
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 
 import gguf
@@ -199,3 +200,45 @@ def test_truncated_or_corrupt_file_is_a_clear_error(tmp_path, damage):
     path.write_bytes(blob)
     with pytest.raises(ValueError, match=r"is not a readable GGUF file \(truncated or corrupt\?\)"):
         LLM(str(path), **ENGINE)
+
+
+def test_metadata_is_converted_once_and_read_without_torch(tmp_path, monkeypatch):
+    """transformers converts a file's config and tokenizer once (per path, size and mtime); later
+    loads read the cached directory, and a process that only needs the tokenizer (the API server)
+    does not import torch for it."""
+    import subprocess
+    import sys
+
+    from kvserve.models import gguf_metadata
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = make_gguf(tmp_path, "qwen2", "Q8_0")
+    first = gguf_metadata.gguf_metadata_dir(path)
+    assert (first / "config.json").is_file() and (first / "tokenizer.json").is_file()
+    monkeypatch.setattr(gguf_metadata, "_convert", lambda *a: pytest.fail("converted twice"))
+    assert gguf_metadata.gguf_metadata_dir(path) == first
+    assert load_hf_config(str(path)).architectures == ["Qwen2ForCausalLM"]
+    code = ("import sys; from kvserve.engine.input_processor import load_tokenizer; "
+            f"t = load_tokenizer({str(path)!r}); print('torch' in sys.modules, len(t.encode('hello world')) > 0)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KVSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.split() == ["False", "True"], result.stderr[-2000:]
+    path.touch()  # a changed file is converted again (a new directory)
+    monkeypatch.undo()
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert gguf_metadata.gguf_metadata_dir(path) != first
+
+
+def test_metadata_without_a_writable_cache(tmp_path, monkeypatch):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(read_only / "cache"))
+    path = make_gguf(tmp_path, "llama", "F16")
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        assert load_hf_config(str(path)).architectures == ["LlamaForCausalLM"]
+    finally:
+        read_only.chmod(0o700)
