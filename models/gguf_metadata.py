@@ -15,11 +15,14 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvserve.models.default_model import default_cache_root
 
@@ -132,6 +135,44 @@ def gguf_metadata_dir(path: str | os.PathLike) -> Path:
     return target
 
 
+def llama3_factors(dim: int, theta: float, factor: float, low: float, high: float, old_len: float) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as `rope_freqs.weight` for Llama 3's
+    rope scaling (its formula, in fp32 like it)."""
+    freqs = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    wavelen = np.float32(2 * math.pi) / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid)).astype(np.float32)
+
+
+def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict | None:
+    """Llama 3's rope parameters that give `factors` (a GGUF file's `rope_freqs.weight`), or None.
+
+    The file keeps only the divisors; between the unscaled and the fully scaled frequencies they
+    follow s = (L / wavelength - low) / (high - low), linear in 1 / wavelength, so two of them give
+    L and high (with low = 1, Llama 3's; any (L, low, high) on that line gives the same divisors).
+    Without two such points, Llama 3's published values are tried. Accepted only if the rule gives
+    back every divisor."""
+    if factors.shape != (dim // 2,) or not (factors >= 1).all():
+        return None
+    factor = float(factors.max())
+    candidates = [(factor, 1.0, 4.0, float(2 ** k)) for k in range(8, 18)]
+    freqs = 1.0 / (np.float64(theta) ** (np.arange(0, dim, 2) / dim))
+    mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factor > 1 and mid.sum() >= 2:
+        x = freqs[mid] / (2 * math.pi)  # 1 / wavelength
+        s = (1 / factors[mid].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(x, s, 1)  # s = a x + b = (L x - low) / (high - low)
+        if b < 0:
+            high = 1 - 1 / b
+            candidates.insert(0, (factor, 1.0, round(float(high), 4), round(float(a * (high - 1)), 2)))
+    for factor_, low, high, old_len in candidates:
+        if np.allclose(llama3_factors(dim, theta, factor_, low, high, old_len), factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "rope_theta": theta, "factor": factor_, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": int(old_len)}
+    return None
+
+
 def _convert(path: Path, out: Path) -> None:
     """transformers' config and tokenizer for the file, with what kvserve reads beyond them."""
     import transformers
@@ -147,10 +188,20 @@ def _convert(path: Path, out: Path) -> None:
     head_dim = field(reader, f"{arch}.attention.key_length", 0)
     if head_dim and arch != "gpt2":
         config.head_dim = int(head_dim)
+    warnings = []
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None:
+        theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
+        dim = int(field(reader, f"{arch}.rope.dimension_count", 0)) or int(config.hidden_size
+                                                                          // config.num_attention_heads)
+        params = llama3_rope_parameters(np.array(rope_freqs.data, dtype=np.float32).reshape(-1), theta, dim)
+        if params is None:
+            warnings.append(f"has rope scaling factors ({ROPE_FREQS}) that are not Llama 3's rule, which kvserve "
+                            "does not apply: rotary embedding as without rope scaling")
+        elif hasattr(config, "rope_parameters"):  # transformers >= 5
+            config.rope_parameters = params
+        else:
+            config.rope_scaling = params
     config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-    warnings = []
-    if any(t.name == ROPE_FREQS for t in reader.tensors):
-        warnings.append(f"has rope scaling factors ({ROPE_FREQS}), which kvserve, like transformers, does not "
-                        "apply: rotary embedding as without rope scaling")
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from kvserve.models.gguf_loader import gguf_tensor_names
+from kvserve.models.gguf_metadata import llama3_factors
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 
@@ -57,6 +58,12 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
             writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":  # as llama.cpp's converter writes it
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_factors(
+            head_dim, rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -25,6 +25,7 @@ from kvserve.engine.input_processor import load_tokenizer
 from kvserve.models import load_model
 from kvserve.models.gguf_loader import iter_gguf_tensors
 from kvserve.models.hf_config import load_hf_config
+from kvserve.models.layers import rope_parameters
 from kvserve.models.loader import resolve_model_path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
@@ -242,3 +243,23 @@ def test_metadata_without_a_writable_cache(tmp_path, monkeypatch):
         assert load_hf_config(str(path)).architectures == ["LlamaForCausalLM"]
     finally:
         read_only.chmod(0o700)
+
+
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(tmp_path, caplog):
+    """A Llama 3.x file keeps its rope scaling only as per-frequency divisors (`rope_freqs.weight`):
+    kvserve recovers Llama 3's parameters from them (transformers drops them), so the file gives the
+    logits of the safetensors checkpoint it was written from. Divisors of another rule: a warning."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    path = make_gguf(tmp_path, "llama", "F32", rope_parameters=rope)
+    config = load_hf_config(str(path))
+    assert rope_parameters(config) == rope
+    prompts = make_prompts(384, lens=[3, 40])
+    logits = []
+    for model_path in (str(path), str(tmp_path / "hf")):
+        runner = PagedRunner(load_model(model_path, load_hf_config(model_path), torch.float32, "cpu"), block_size=4)
+        logits.append([runner.step([(i, p, 0)])[0] for i, p in enumerate(prompts)])
+    assert_close(*logits)
+    from kvserve.models.gguf_metadata import llama3_rope_parameters
+
+    assert llama3_rope_parameters(np.full(8, 2.0, dtype=np.float32) ** np.arange(8), 10000.0, 16) is None
