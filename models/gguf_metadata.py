@@ -5,7 +5,8 @@ GGUF support (which converts the config, the tokenizer and the chat template fro
 metadata) imports torch and takes seconds on a large vocabulary, so `gguf_metadata_dir` runs it
 once per file and keeps what it made as an ordinary checkpoint directory (`config.json`,
 tokenizer files) under `$KVSERVE_CACHE_DIR/gguf/`, keyed by the file's path, size and
-modification time and transformers' version; every later load, in every process, reads that.
+modification time, transformers' version and this conversion's; every later load, in every
+process, reads that.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, str] = {
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
+_CONVERSION = 2  # part of the cache key: bump when `_convert` writes something else
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -112,7 +114,8 @@ def gguf_metadata_dir(path: str | os.PathLike) -> Path:
     scaling factors that are not applied) are logged on every load."""
     path = Path(path).resolve()
     stat = path.stat()
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
+    key = (f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
+           f"\0{_CONVERSION}")
     target = default_cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if not (target / _DONE).is_file():
         try:
