@@ -225,7 +225,8 @@ def test_metadata_is_converted_once_and_read_without_torch(tmp_path, monkeypatch
     env["KVSERVE_CACHE_DIR"] = str(tmp_path / "cache")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.split() == ["False", "True"], result.stderr[-2000:]
-    path.touch()  # a changed file is converted again (a new directory)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a changed file is converted again
     monkeypatch.undo()
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     assert gguf_metadata.gguf_metadata_dir(path) != first
