@@ -248,7 +248,7 @@ class QuantizedLinear:
 
 @dataclass
 class QuantizationReport:
-    """What `quantize_model` did: the format and the resident bytes of the model's weights."""
+    """What loading did to the weights: their format and resident bytes (set once the model is packed)."""
 
     method: str
     group_size: int
@@ -347,12 +347,7 @@ class Quantizer:
             emb.quantized, emb.quantized_dtype = qw, self.dtype
             w.data = w.data.new_empty(0)
             self.count += 1
-        return QuantizationReport(self.method, self.group, self.count, weight_bytes(self.model))
-
-
-def quantize_model(model: nn.Module, method: str, group: int, dtype: torch.dtype) -> QuantizationReport:
-    """Quantize a loaded CPU model at once (`Quantizer`)."""
-    return Quantizer(model, method, group, dtype).finish()
+        return QuantizationReport(self.method, self.group, self.count, 0)
 
 
 def weight_bytes(model: nn.Module) -> int:
