@@ -64,6 +64,23 @@ KV_AVX512_BF16 inline __m512 exp_any(__m512 x) {
   return exp_nonpositive_unclamped(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f)));
 }
 
+// A linear's optional bias: float32 [>= n], or nullptr.
+inline const float* linear_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= n,
+              "bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// Rows per work item of a linear split into (block of rows, column block) items: block_m, or
+// fewer (a multiple of tile_m) when there are too few column items to keep every thread busy.
+inline int64_t linear_rows_per_item(int64_t m, int64_t col_items, int64_t tile_m, int64_t block_m) {
+  const int64_t want_items = 8 * at::get_num_threads();
+  if (col_items >= want_items) return block_m;
+  const int64_t parts = (want_items + col_items - 1) / col_items;
+  return std::clamp<int64_t>((m / parts + tile_m - 1) / tile_m * tile_m, tile_m, block_m);
+}
+
 // Where cached tokens t0 .. t0 + n - 1 (all KV heads) sit in a K or V cache.
 inline void token_rows(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t stride_block,
                        int64_t stride_token, int64_t t0, int n, const uint16_t** rows) {

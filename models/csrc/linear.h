@@ -72,12 +72,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   const int64_t m = x.size(0), half_k = packed.size(1), col_blocks = packed.size(0);
   TORCH_CHECK(x.size(1) == 2 * half_k, "x has ", x.size(1), " features, the weight ", 2 * half_k);
   TORCH_CHECK(n <= 64 * col_blocks && n > 64 * (col_blocks - 1), "n=", n, " does not match the packed weight");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= n,
-                "bias must be float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = linear_bias(bias, n);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -85,13 +80,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
   // Work items: (block of rows, 64-column block).
-  // With few column blocks, smaller row blocks keep every thread busy.
-  const int64_t want_items = 8 * at::get_num_threads();
-  int64_t rows_per_item = kBlockM;
-  if (col_blocks < want_items) {
-    const int64_t parts = (want_items + col_blocks - 1) / col_blocks;
-    rows_per_item = std::clamp<int64_t>((m / parts + kTileM - 1) / kTileM * kTileM, kTileM, kBlockM);
-  }
+  const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kTileM, kBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
   // Row blocks vary fastest, so each thread's contiguous share mixes full and short row
   // blocks when a few column blocks are split by rows.

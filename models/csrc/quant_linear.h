@@ -161,12 +161,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == col_blocks && scales.size(1) == groups && scales.size(2) == 64,
               "scales must be float16 [N/64, K/G, 64]");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= n,
-                "bias must be float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = linear_bias(bias, n);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   // The activations, quantized once for all column blocks, into this calling thread's scratch
@@ -193,13 +188,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t threads = at::get_num_threads();
   const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
   const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
-  const int64_t want_items = 8 * threads;
-  int64_t rows_per_item = kQuantBlockM;
-  if (col_items < want_items) {
-    const int64_t parts = (want_items + col_items - 1) / col_items;
-    rows_per_item = std::clamp<int64_t>((m / parts + kQuantTileM - 1) / kQuantTileM * kQuantTileM, kQuantTileM,
-                                        kQuantBlockM);
-  }
+  const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
   at::parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
