@@ -270,12 +270,18 @@ print("compiled")
 '''
 
 
-def test_kernels_compile_for_h100():
-    """The interpreter skips Triton's compiler: compile each kernel for sm_90 (no GPU needed)."""
+def compile_for_sm90(script: str) -> None:
+    """Run `script` (which compiles kernels for sm_90 and prints "compiled") in a process without
+    the interpreter: Triton's compiler is what it skips. No GPU needed; without ptxas, a skip."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr:
         pytest.skip("no ptxas in this triton install")
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_kernels_compile_for_h100():
+    """The interpreter skips Triton's compiler: compile each kernel for sm_90 (no GPU needed)."""
+    compile_for_sm90(_COMPILE_FOR_SM90)

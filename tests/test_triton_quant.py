@@ -8,8 +8,6 @@ one rounding to the output dtype.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
@@ -17,6 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from test_triton_attention import compile_for_sm90  # noqa: E402
 
 from kvserve.models.kernels import triton_quant  # noqa: E402
 from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequantize, pack_int4,  # noqa: E402
@@ -117,10 +117,4 @@ print("compiled")
 
 def test_kernel_compiles_for_h100():
     """The interpreter skips Triton's compiler (and bf16): compile every variant for sm_90, no GPU needed."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr:
-        pytest.skip("no ptxas in this triton install")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    compile_for_sm90(_COMPILE_FOR_SM90)
