@@ -29,7 +29,8 @@ from kvserve.engine.logits_processors import LogitsProcessors
 from kvserve.engine.memory_profile import MemoryProfile, profile_kv_budget
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
-from kvserve.models import load_model
+from kvserve.models import cpu_stack, load_model
+from kvserve.models.cpu_stack import CpuDecoderStack
 from kvserve.models.attention import Attention, AttentionMetadata, forward_context
 from kvserve.models.parallel import ParallelState
 from kvserve.models.timing import phase
@@ -102,6 +103,10 @@ class ModelRunner:
                     self.graphs.capture()
             else:
                 logger.warning("attention backend %r cannot be captured: CUDA graphs off", self.attn_backend.name)
+        # the CPU's counterpart of CUDA graphs: the decoder layers as one C++ call per step
+        self.cpu_stack: CpuDecoderStack | None = None
+        if self.device.type == "cpu" and not model_config.enforce_eager and self.parallel is None:
+            self.cpu_stack = cpu_stack.build(self.model)
 
     # ---- warm-up -----------------------------------------------------------
     def warm_up(self) -> None:
@@ -185,6 +190,8 @@ class ModelRunner:
 
         if self.graphs is not None and self.graphs.can_run(meta, num_reqs):
             hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
+        elif self.cpu_stack is not None:
+            hidden = self.cpu_stack(input_ids, positions, meta)  # [T, hidden]
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)  # [T, hidden]

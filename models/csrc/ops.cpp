@@ -14,6 +14,8 @@
 //  * kvserve::rms_norm, add_rms_norm_, rotary_, silu_and_mul, argmax_bf16  fused
 //    per-layer ops with PyTorch's roundings; write_kv_cache stores a layer's new keys
 //    and values.
+//  * torch.classes.kvserve.DecoderStack  a Llama-family model's layers as one call per step,
+//    through the kernels above (no Python between them).
 //
 // All accumulate in fp32. The AVX512-BF16 paths are compiled with target attributes
 // and chosen at run time, so the library loads on any x86-64 CPU; the Python side
@@ -28,6 +30,7 @@
 // (parsing ATen's headers dominates the build, so one unit builds much faster than one per
 // family).
 #include "decode_attention.h"
+#include "decoder_stack.h"
 #include "linear.h"
 #include "prefill_attention.h"
 #include "quant_linear.h"
@@ -65,4 +68,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(kvserve::rotary_));
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, TORCH_FN(kvserve::apply_token_bitmask_));
+  m.class_<kvserve::DecoderStack>("DecoderStack")
+      .def(torch::init<double>())
+      .def("add_linear", &kvserve::DecoderStack::add_linear)
+      .def("add_layer", &kvserve::DecoderStack::add_layer)
+      .def("forward", &kvserve::DecoderStack::forward)
+      .def("num_layers", &kvserve::DecoderStack::num_layers);
 }
