@@ -40,7 +40,7 @@ class ModelConfig:
     seed: int
     max_model_len: int | None  # None = the model's own limit
     attention_backend: str = "auto"  # the device's best: cpu on CPU, triton on CUDA
-    enforce_eager: bool = False  # no CUDA graphs
+    enforce_eager: bool = False  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
     quantization: str | None = None  # int8, int4, none; None: a GGUF file's own, else none
     quantization_group_size: int = DEFAULT_GROUP_SIZE
@@ -154,7 +154,8 @@ class EngineArgs:
     attention_backend: str = option(
         "auto", "Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), cpu, triton.",
         choices=ATTENTION_BACKENDS)
-    enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs).")
+    enforce_eager: bool = option(
+        False, "Run every step through the model's Python forward (no CUDA graphs; on the CPU, no C++ decoder stack).")
     gpu_memory_utilization: float = option(
         0.9, "CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
     tensor_parallel_size: int = option(
