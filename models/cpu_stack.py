@@ -129,4 +129,5 @@ def build(model: nn.Module) -> CpuDecoderStack | None:
     if reason is not None:
         logger.info("CPU decoder stack off (%s): steps run the model's Python forward", reason)
         return None
+    logger.info("CPU decoder stack on: %d layers per C++ call", len(model.model.layers))
     return CpuDecoderStack(model)
