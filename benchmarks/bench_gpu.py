@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "fp8"],
                    help="the engine's weights (Triton weight-only kernel on CUDA); transformers stays bf16")
     return p
 

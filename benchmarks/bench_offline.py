@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrival-gap-ms", type=float, default=0.0,
                    help="request i joins G*i ms after the first (0: all at once)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (docs/scaling.md)")
-    p.add_argument("--quantization", default=None, help="none, int8, int4 (default: the checkpoint's own)")
+    p.add_argument("--quantization", default=None, help="none, int8, int4, fp8 (default: the checkpoint's own)")
     p.add_argument("--out", help="JSON file for every run")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -42,7 +42,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # the device's best: cpu on CPU, triton on CUDA
     enforce_eager: bool = False  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
-    quantization: str | None = None  # int8, int4, none; None: a GGUF file's own, else none
+    quantization: str | None = None  # int8, int4, fp8, none; None: a GGUF file's own, else none
     quantization_group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
@@ -161,8 +161,8 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
     quantization: str | None = option(
-        None, "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), quantized at load; none "
-        "keeps the checkpoint's. Unset: a GGUF file's own type, else none. docs/quantization.md.",
+        None, "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), or fp8 (e4m3, for "
+        "GPUs), quantized at load; none keeps the checkpoint's. Unset: a GGUF file's own type, else none. docs/quantization.md.",
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(
         DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
@@ -237,7 +237,7 @@ class RuntimeInfo:
     attention_backend: str = "torch"  # the backend the loader chose
     cuda_graphs: bool = False  # decode steps replay CUDA graphs
     tensor_parallel_size: int = 1
-    quantization: str = "none"  # what the weights are held as: none, int8, int4
+    quantization: str = "none"  # what the weights are held as: none, int8, int4, fp8
     weight_bytes: int = 0  # resident bytes of the weights (this rank's under tensor parallelism)
 
     @property

@@ -5,7 +5,7 @@ configuration (EngineArgs, the CLI) can offer and check them before anything loa
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: cpu on CPU, triton on CUDA
 
 # Weight quantization (models/quantization.py): what `--quantization` accepts, and its default group.
-QUANTIZATION_METHODS = ("none", "int8", "int4")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")  # fp8: for GPUs (no CPU kernel)
 DEFAULT_GROUP_SIZE = 32
 
 

@@ -188,7 +188,7 @@ def load_model(
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
     the device's attention backend and fused ops bound to its layers (chosen here, once).
     With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only.
-    `quantization` (int8, int4, none; None: `resolve_quantization`'s choice) is applied as the
+    `quantization` (int8, int4, fp8, none; None: `resolve_quantization`'s choice) is applied as the
     weights load; `model.weights_report` says the format and the bytes."""
     cls = get_model_class(hf_config)
     device = torch.device(device)

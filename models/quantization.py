@@ -17,10 +17,15 @@ portable reference, each call dequantizes it for `F.linear` (weight-only; slow, 
 The LM head is int8 under both schemes (llama.cpp keeps it at 6 bits or more too); a tied
 embedding reads its rows from the quantized head; an untied input embedding stays in the
 model dtype.
+
+fp8 (for GPUs) is the same shape of format with float8_e4m3fn values: per row and group one fp16
+scale d = max|w| / 448 and w = q * d (`quantize_fp8`); every matrix, the LM head included, is
+fp8. It is always plain and weight-only: the Triton kernel on CUDA, the portable path elsewhere.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,6 +34,8 @@ from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.backends import DEFAULT_GROUP_SIZE, check_quantization
+
+logger = logging.getLogger(__name__)
 
 _OFFSET = {8: 128, 4: 8}  # the unsigned storage: u = q + offset
 _STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
@@ -71,6 +78,19 @@ def quantize_int4(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, T
     return (u - 8).to(torch.int8).reshape(w.shape), d.squeeze(-1).to(torch.float16)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: past it is NaN)
+
+
+def quantize_fp8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """[N, K] -> (q float8_e4m3fn [N, K], d float16 [N, K / group]): d = max|w| / 448 per group, q = w / d
+    rounded to the nearest fp8 value (the division by the fp16-rounded d, clamped into range)."""
+    blocks = _groups(w, group)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX).to(torch.float16)
+    inv = torch.where(d == 0, 0.0, 1 / d.float())
+    q = (blocks * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(w.shape), d.squeeze(-1)
+
+
 def dequantize(q: Tensor, d: Tensor, group: int) -> Tensor:
     """(q [N, K], d [N, K / group]) -> fp32 [N, K], w = q * d exactly."""
     return (q.float().unflatten(-1, (-1, group)) * d.float()[..., None]).flatten(-2)
@@ -79,7 +99,8 @@ def dequantize(q: Tensor, d: Tensor, group: int) -> Tensor:
 @dataclass
 class QuantizedWeight:
     """One quantized [n, k] matrix. `packed`: the kernel layout (uint8 [ceil(n/64), k/4, 256 or
-    128] and fp16 scales [ceil(n/64), k/group, 64]); else plain (int8 q [n, k], fp16 d [n, k/group])."""
+    128] and fp16 scales [ceil(n/64), k/group, 64]); else plain (int8 q [n, k], fp16 d [n, k/group]).
+    `fp8`: q is float8_e4m3fn (bits 8, always plain: no CPU kernel multiplies it)."""
 
     bits: int
     group: int
@@ -89,9 +110,13 @@ class QuantizedWeight:
     scales: Tensor
     packed: bool
     nibbles: bool = False  # plain int4 two to a byte ([n, k / 2], `pack_int4`), not one int8 each
+    fp8: bool = False
 
     @classmethod
-    def quantize(cls, w: Tensor, bits: int, group: int, packed: bool) -> QuantizedWeight:
+    def quantize(cls, w: Tensor, bits: int, group: int, packed: bool, fp8: bool = False) -> QuantizedWeight:
+        if fp8:
+            q, d = quantize_fp8(w, group)
+            return cls(8, group, q.shape[0], q.shape[1], q.contiguous(), d.contiguous(), False, fp8=True)
         q, d = (quantize_int8 if bits == 8 else quantize_int4)(w, group)
         return cls.from_int(q, d, bits, group, packed)
 
@@ -126,7 +151,7 @@ class QuantizedWeight:
         return self.data.nbytes + self.scales.nbytes
 
     def unpack_rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(q int8 [T, k], d float16 [T, k / group]) of rows `ids`."""
+        """(q int8 (fp8: float8_e4m3fn) [T, k], d float16 [T, k / group]) of rows `ids`."""
         if not self.packed:
             return self.q_rows(ids), self.scales[ids]
         block, col = ids // 64, ids % 64
@@ -143,11 +168,11 @@ class QuantizedWeight:
         return q, d
 
     def q_rows(self, ids: Tensor) -> Tensor:
-        """int8 q of rows `ids` (plain layouts)."""
+        """q of rows `ids` (plain layouts)."""
         return unpack_int4(self.data[ids]) if self.nibbles else self.data[ids]
 
     def full_q(self) -> Tensor:
-        """int8 q [n, k] (plain layouts)."""
+        """q [n, k] (plain layouts)."""
         return unpack_int4(self.data) if self.nibbles else self.data
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
@@ -156,7 +181,7 @@ class QuantizedWeight:
         return dequantize(q, d, self.group).to(dtype)
 
     def unpack(self) -> tuple[Tensor, Tensor]:
-        """(q int8 [n, k], d float16 [n, k / group]) of the whole matrix."""
+        """(q [n, k] as `unpack_rows`, d float16 [n, k / group]) of the whole matrix."""
         return self.unpack_rows(torch.arange(self.n, device=self.data.device))
 
 
@@ -258,7 +283,8 @@ class QuantizationReport:
     def describe(self) -> str:
         if self.method == "none":
             return f"weights unquantized, {self.weight_bytes / 2**20:.1f} MiB"
-        return (f"weights {self.method} (groups of {self.group_size}, LM head int8), {self.quantized_layers} "
+        head = "fp8" if self.method == "fp8" else "int8"
+        return (f"weights {self.method} (groups of {self.group_size}, LM head {head}), {self.quantized_layers} "
                 f"matrices quantized, {self.weight_bytes / 2**20:.1f} MiB")
 
 
@@ -306,14 +332,19 @@ def _tied_embedding(model: nn.Module) -> nn.Module | None:
 class Quantizer:
     """Quantizes a model's matrices as the loader completes them (`loaded(name)`), so at most one
     float matrix is resident beside the quantized ones, then the rest in `finish()`: every
-    `Linear` gets a `QuantizedLinear` (`method` int8 or int4; the LM head int8) and a tied
-    embedding its int8 form (rows looked up in `dtype`, the model's). Float weights are freed."""
+    `Linear` gets a `QuantizedLinear` (`method` int8, int4 or fp8; the LM head int8, or fp8 under
+    fp8) and a tied embedding that 8-bit form (rows looked up in `dtype`, the model's). Float
+    weights are freed."""
 
     def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.model, self.method, self.group, self.dtype = model, method, group, dtype
         self.device = torch.device(device)  # where the quantized weights go (staged ones are on the CPU)
-        self.packed = self.device.type == "cpu" and has_kernels()
+        self.fp8 = method == "fp8"
+        self.packed = self.device.type == "cpu" and has_kernels() and not self.fp8
+        if self.fp8 and self.device.type == "cpu":
+            logger.warning("fp8 weights have no CPU kernel: every matmul dequantizes its weight (slow); "
+                           "int8 is the CPU's 8-bit format")
         self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
         self.count = 0
 
@@ -325,8 +356,8 @@ class Quantizer:
     def _quantize(self, name: str, m: nn.Module) -> None:
         if not m.weight.numel():
             return
-        bits = 8 if self.method == "int8" or _is_lm_head(name) else 4
-        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed).to(self.device)
+        bits = 4 if self.method == "int4" and not _is_lm_head(name) else 8
+        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed, self.fp8).to(self.device)
         m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
         self.count += 1
@@ -342,7 +373,7 @@ class Quantizer:
         emb = _tied_embedding(self.model)
         if emb is not None and emb.weight.numel():
             w = emb.weight
-            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed).to(self.device)
+            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed, self.fp8).to(self.device)
             emb.packed_lm_head = QuantizedLinear(qw, None)
             emb.quantized, emb.quantized_dtype = qw, self.dtype
             w.data = w.data.new_empty(0)

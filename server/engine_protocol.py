@@ -23,7 +23,7 @@ class ModelInfo(Protocol):
     vocab_size: int
     max_model_len: int
     block_size: int
-    quantization: str  # none, int8, int4
+    quantization: str  # none, int8, int4, fp8
     weight_bytes: int
 
 

@@ -400,25 +400,26 @@ def test_triton_norms_and_silu_bf16_real_sizes(hidden, intermediate):
     torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_quant_linear_real_sizes(bits, dtype):
-    """The weight-only int8 / int4 kernel on the GPU against the dequantized matmul (bf16 included,
-    which the interpreter cannot run)."""
+def test_triton_quant_linear_real_sizes(fmt, dtype):
+    """The weight-only int8 / int4 / fp8 kernel on the GPU against the dequantized matmul (bf16
+    included, which the interpreter cannot run)."""
     from kvserve.models.kernels import triton_quant
-    from kvserve.models.quantization import dequantize, pack_int4, quantize_int4, quantize_int8
+    from kvserve.models.quantization import dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8
 
     torch.manual_seed(0)
+    bits = 4 if fmt == "int4" else 8
     for m, n, k in [(1, 4096, 4096), (7, 14336, 4096), (300, 4096, 14336)]:
         w = torch.randn(n, k, device="cuda") * 0.02
-        q, d = (quantize_int8 if bits == 8 else quantize_int4)(w, 32)
+        q, d = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8}[fmt](w, 32)
         x = torch.randn(m, k, device="cuda").to(dtype)
-        y = triton_quant.quant_linear(x, q if bits == 8 else pack_int4(q), d, None, bits, 32)
+        y = triton_quant.quant_linear(x, pack_int4(q) if bits == 4 else q, d, None, bits, 32)
         want = x.float() @ dequantize(q, d, 32).T
         assert (y.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_model_on_cuda_matches_the_cpu(checkpoint_dirs, quantization):
     """A quantized model on CUDA (the Triton weight-only kernel) gives the greedy tokens of the same
     quantized weights on the CPU (whose kernel also rounds activations), up to near-ties."""

@@ -20,24 +20,27 @@ from test_triton_attention import compile_for_sm90  # noqa: E402
 
 from kvserve.models.kernels import triton_quant  # noqa: E402
 from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequantize, pack_int4,  # noqa: E402
-                                         quantize_int4, quantize_int8, triton_applies, unpack_int4)
+                                         quantize_fp8, quantize_int4, quantize_int8, triton_applies,
+                                         unpack_int4)
 
 
-def make_weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_weight(n: int, k: int, bits: int, group: int, seed: int = 0, fp8: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    return (quantize_int8 if bits == 8 else quantize_int4)(w, group)
+    return (quantize_fp8 if fp8 else quantize_int8 if bits == 8 else quantize_int4)(w, group)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 # bf16: the interpreter's tl.dot has no bf16 (numpy), so bf16 is checked by compiling for sm_90 below
 # and on a GPU (.ci/gpu_session.sh); fp16 runs the same code path with the same conversions.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k,group,bias", [(1, 64, 64, 32, False), (3, 100, 128, 32, True),
                                                (20, 70, 96, 32, True), (17, 130, 256, 64, False),
                                                (5, 16, 64, 16, True)])
-def test_matches_the_dequantized_matmul(bits, dtype, m, n, k, group, bias):
-    q, d = make_weight(n, k, bits, group, seed=m + n)
+def test_matches_the_dequantized_matmul(fmt, dtype, m, n, k, group, bias):
+    bits = 4 if fmt == "int4" else 8
+    q, d = make_weight(n, k, bits, group, seed=m + n, fp8=fmt == "fp8")
     w = q if bits == 8 else pack_int4(q)
     b = torch.randn(n) if bias else None
     x = torch.randn(m, k).to(dtype)
@@ -67,7 +70,7 @@ def test_empty_batch_and_strided_rows():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bits=3), "bits must be 8 or 4"),
     (dict(group=48), "power of two"),
-    (dict(x=torch.zeros(2, 32)), "int8 weight for 32 inputs"),
+    (dict(x=torch.zeros(2, 32)), "8-bit weight for 32 inputs"),
     (dict(scales=torch.zeros(64, 2)), "scales must be float16"),
     (dict(x=torch.zeros(2, 64, dtype=torch.int32)), "x must be"),
 ])
@@ -94,6 +97,24 @@ def test_plain_int4_weights_are_two_to_a_byte_and_take_the_triton_path():
     assert not triton_applies(QuantizedWeight.quantize(torch.randn(8, 96), 8, 48, packed=False))
 
 
+def test_fp8_weights_are_plain_e4m3_and_take_the_triton_path():
+    """fp8: one byte per weight (e4m3) plus an fp16 scale per group; max|w| of each group maps to 448."""
+    w = torch.randn(64, 128) * 0.05
+    w[3, :32] = 0  # an all-zero group: scale 0, values 0
+    fp8 = QuantizedWeight.quantize(w, 8, 32, packed=False, fp8=True)
+    assert fp8.fp8 and not fp8.packed and fp8.data.dtype == torch.float8_e4m3fn and triton_applies(fp8)
+    assert fp8.nbytes == 64 * 128 + 64 * 4 * 2
+    q, d = fp8.unpack()
+    assert q.float()[3, :32].eq(0).all() and d[3, 0] == 0
+    assert q.float().abs().amax(-1).le(448).all() and torch.isfinite(q.float()).all()
+    w_hat = dequantize(q, d, 32)
+    assert ((w_hat - w).abs() <= 2 ** -4 * w.abs() + 2 ** -9 * d.float().repeat_interleave(32, -1)).all()
+    lin = QuantizedLinear(fp8, None)
+    x = torch.randn(3, 128)
+    assert torch.allclose(lin(x), x @ w_hat.T, atol=1e-5)  # CPU tensors: the portable path
+    assert torch.equal(fp8.rows(torch.tensor([3, 5]), torch.float32), w_hat[[3, 5]])
+
+
 _COMPILE_FOR_SM90 = r'''
 import triton
 from triton.backends.compiler import GPUTarget
@@ -102,11 +123,10 @@ from kvserve.models.kernels import triton_quant as tq
 
 fn = tq._quant_linear_kernel
 for t in ("bf16", "fp16", "fp32"):
-    for bits in (8, 4):
+    for w_type in ("i8", "u8", "fp8e4nv"):  # int8, int4 in nibbles, fp8 e4m3
         for bm in (16, 64):
-            consts = dict(GROUP=32, BITS=bits, HAS_BIAS=True, IEEE=t == "fp32", BM=bm, BN=64)
-            types = dict(x_ptr="*" + t, w_ptr="*i8" if bits == 8 else "*u8", s_ptr="*fp16", b_ptr="*fp32",
-                         y_ptr="*" + t)
+            consts = dict(GROUP=32, BITS=4 if w_type == "u8" else 8, HAS_BIAS=True, IEEE=t == "fp32", BM=bm, BN=64)
+            types = dict(x_ptr="*" + t, w_ptr="*" + w_type, s_ptr="*fp16", b_ptr="*fp32", y_ptr="*" + t)
             sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
             triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

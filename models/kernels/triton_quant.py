@@ -1,10 +1,10 @@
-"""Triton weight-only matmul for int8 / int4 weights in groups (models/quantization.py's formats).
+"""Triton weight-only matmul for int8 / int4 / fp8 weights in groups (models/quantization.py's formats).
 
 y[M, N] = x[M, K] @ (q * d).T (+ bias): weights stay quantized in memory (int8: q as int8
 [N, K]; int4: two values per byte [N, K / 2], u = q + 8, even k in the low nibble: models/quantization's
-`pack_int4`) with one fp16
+`pack_int4`; fp8: float8_e4m3fn [N, K]) with one fp16
 scale per row and group of G inputs. Each program multiplies a [BM, G] tile of x by a [BN, G]
-tile of q converted to x's dtype (integers up to 127 are exact in bf16 / fp16) with fp32
+tile of q converted to x's dtype (integers up to 127 and e4m3 values are exact in bf16 / fp16) with fp32
 accumulation, then scales the group's partial product by d in fp32: no activation rounding, the
 same numerics as dequantizing to fp32 and multiplying (up to summation order).
 
@@ -45,8 +45,9 @@ def _quant_linear_kernel(
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None],
                     other=0.0)  # [BM, G]
         if BITS == 8:
-            q = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None],
-                        other=0)  # [BN, G] int8
+            # [BN, G] int8 or fp8 e4m3; rows past N (masked, no `other`: 0 does not cast to fp8) only
+            # reach output columns that are never stored
+            q = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None])
         else:
             half = tl.arange(0, GROUP // 2)
             b = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 // 2 + half)[None, :],
@@ -91,7 +92,8 @@ def _(x: Tensor, w: Tensor, scales: Tensor, bias: Tensor | None, bits: int, grou
 
 
 def quant_linear(x: Tensor, w: Tensor, scales: Tensor, bias: Tensor | None, bits: int, group: int) -> Tensor:
-    """x [M, K] @ the weight (`w`: int8 [N, K] or packed int4 [N, K / 2]; `scales` fp16 [N, K / group])
+    """x [M, K] @ the weight (`w`: int8 or float8_e4m3fn [N, K], or packed int4 [N, K / 2]; `scales` fp16
+    [N, K / group])
     (+ bias, fp32 [N]) -> [M, N] in x's dtype. ValueError naming anything that does not fit."""
     if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x must be [M, K] float32/bfloat16/float16, got {tuple(x.shape)} {x.dtype}")
@@ -99,8 +101,9 @@ def quant_linear(x: Tensor, w: Tensor, scales: Tensor, bias: Tensor | None, bits
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     k = x.shape[1]
     want_k = k if bits == 8 else k // 2
-    if w.dim() != 2 or w.shape[1] != want_k or w.dtype != (torch.int8 if bits == 8 else torch.uint8):
-        raise ValueError(f"an int{bits} weight for {k} inputs must be {'int8' if bits == 8 else 'uint8'} "
+    dtypes = (torch.int8, torch.float8_e4m3fn) if bits == 8 else (torch.uint8,)
+    if w.dim() != 2 or w.shape[1] != want_k or w.dtype not in dtypes:
+        raise ValueError(f"an {bits}-bit weight for {k} inputs must be {' or '.join(map(str, dtypes))} "
                          f"[N, {want_k}], got {tuple(w.shape)} {w.dtype}")
     if group < 16 or group & (group - 1) or k % group:
         raise ValueError(f"group {group} must be a power of two >= 16 dividing K={k}")
