@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models.attention import Attention
