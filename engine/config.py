@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.grammar_limits import GrammarLimits
+from kvserve.engine.spec_decode import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 
@@ -166,6 +167,9 @@ class EngineArgs:
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(
         DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
+    speculative_config: str | None = option(
+        None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
     # structured outputs (StructuredOutputsConfig, GrammarLimits)
     grammar_compile_timeout_s: float = option(
         20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
@@ -205,6 +209,12 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
 
+    def speculative(self) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
+        return spec
+
     def structured_outputs_config(self) -> StructuredOutputsConfig:
         limits = GrammarLimits(self.max_schema_properties, self.max_schema_depth, self.max_schema_enum_values,
                                self.max_schema_string_chars, self.max_regex_chars, self.max_grammar_chars,
@@ -219,6 +229,7 @@ class EngineArgs:
         self.scheduler_config()
         self.parallel_config()
         self.structured_outputs_config()
+        self.speculative()
 
 
 @dataclass(frozen=True, slots=True)

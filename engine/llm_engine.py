@@ -27,6 +27,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode import Proposer
 from kvserve.engine.structured_output import StructuredOutputManager, fill_threads_for
 from kvserve.engine.tokenizer import load_model_files
 from kvserve.models.parallel import check_tensor_parallel
@@ -95,7 +96,9 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len)
+        spec = args.speculative()
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len,
+                                   None if spec is None else Proposer(spec, files.max_model_len))
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
         so_config = args.structured_outputs_config()
@@ -243,8 +246,9 @@ class LLMEngine:
             # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
             result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))
             self.structured.accept_tokens(plan, result.sampled_token_ids)  # before update: it checks is_terminated
-            finished = self.scheduler.update(plan, result.sampled_token_ids)
-            self.generation_tokens_total += sum(t is not None for t in result.sampled_token_ids)
+            num_before = sum(item.request.num_output_tokens for item in plan.scheduled)
+            finished = self.scheduler.update(plan, result.sampled_token_ids, result.accepted)
+            self.generation_tokens_total += sum(item.request.num_output_tokens for item in plan.scheduled) - num_before
             outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())
         except Exception as e:
             # fail only the requests of this step (freeing their blocks); the engine goes on

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.input_batch import InputBatch
+from kvserve.engine.spec_verify import SpecRows
 from kvserve.engine.step_record import GrammarBitmask
 from kvserve.models import cpu_ops
 
@@ -25,14 +26,33 @@ class LogitsProcessors:
         self._bias_key: tuple[int, int] | None = None  # (rows_version, num_rows) of the cached bias
         self._bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int) -> torch.Tensor:
-        """`logits` [B, V] for rows 0..B-1 of the batch; modified in place and returned."""
+    def __call__(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
+                 spec: SpecRows | None = None) -> torch.Tensor:
+        """`logits` [B, V] for rows 0..B-1 of the batch (with `spec`, a speculative step's [R, V]:
+        several rows per speculating request); modified in place and returned."""
+        if spec is not None:
+            return self._expanded(logits, grammar, num_rows, spec)
         bias = self._bias_tensors(num_rows)
         if bias is not None:
             rows, ids, values = bias
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
         if grammar is not None:
             apply_bitmask(logits, grammar, self.device)
+        return logits
+
+    def _expanded(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
+                  spec: SpecRows) -> torch.Tensor:
+        """Bias on every row of a biased request; a grammar (never on a speculating request) on its one row."""
+        per_row = self.batch.logit_bias[:num_rows]
+        biased = [(r, per_row[i]) for r, i in enumerate(spec.row_req.tolist()) if per_row[i]]
+        if biased:
+            rows = torch.tensor([r for r, pairs in biased for _ in pairs], device=self.device)
+            ids = torch.tensor([t for _, pairs in biased for t, _ in pairs], device=self.device)
+            values = torch.tensor([b for _, pairs in biased for _, b in pairs], device=self.device)
+            logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        if grammar is not None:
+            rows = tuple(int(spec.last_row[i]) for i in grammar.rows)
+            apply_bitmask(logits, GrammarBitmask(rows, grammar.bitmask[spec.row_req]), self.device)
         return logits
 
     def _bias_tensors(self, num_rows: int):

@@ -27,6 +27,7 @@ class _ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens_sent: int = 0
+    num_tokens_seen: int = 0  # output tokens already detokenized
     pending_text: str = ""  # detokenized since the last emitted delta
     pending_logprobs: list[LogprobsEntry] | None = None
 
@@ -112,16 +113,8 @@ class OutputProcessor:
             if child.pending_logprobs is not None and req.request_id in out.logprobs:
                 self._add_logprobs(child, out.logprobs[req.request_id])
             is_done = req.request_id in finished_ids
-            # like a stop string, the EOS / stop token that ended the request adds no text
-            hide = (is_done and req.status == RequestStatus.FINISHED_STOPPED
-                    and not req.params.include_stop_str_in_output)
-            child.pending_text += child.detokenizer.update([] if hide else [token_id], finished=is_done)
-            if is_done:
-                child.finish_reason, child.stop_reason = req.status.value, req.stop_reason
-            elif child.detokenizer.stop_reason is not None:
+            if self._detokenize(child, req, is_done):
                 stopped_by_string.append(req.request_id)
-                req.stop_reason = child.detokenizer.stop_reason
-                child.finish_reason, child.stop_reason = RequestStatus.FINISHED_STOPPED.value, req.stop_reason
             parent.touched.add(req.sample_index)
             touched[parent.request_id] = parent
         deltas = []
@@ -131,6 +124,28 @@ class OutputProcessor:
                 del self.parents[parent.request_id]
             deltas.append(self._emit(parent))
         return deltas, stopped_by_string
+
+    @staticmethod
+    def _detokenize(child: _ChildState, req: Request, is_done: bool) -> bool:
+        """Feed the step's new tokens (one, or a speculating request's accepted drafts and its sampled
+        token) to the detokenizer one at a time; True when a stop string ended the request. Tokens
+        after the one that completed a stop string are dropped from the request's output."""
+        new = req.output_token_ids[child.num_tokens_seen:]
+        for k, token_id in enumerate(new):
+            last = is_done and k == len(new) - 1
+            # like a stop string, the EOS / stop token that ended the request adds no text
+            hide = last and req.status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
+            child.pending_text += child.detokenizer.update([] if hide else [token_id], finished=last)
+            child.num_tokens_seen += 1
+            if last:
+                child.finish_reason, child.stop_reason = req.status.value, req.stop_reason
+            elif child.detokenizer.stop_reason is not None:
+                req.stop_reason = child.detokenizer.stop_reason
+                child.finish_reason, child.stop_reason = RequestStatus.FINISHED_STOPPED.value, req.stop_reason
+                del req.output_token_ids[child.num_tokens_seen:]
+                del req.all_token_ids[req.num_prompt_tokens + child.num_tokens_seen:]
+                return True
+        return False
 
     def mark_scheduled(self, request: Request, now: float) -> None:
         parent = self.parents.get(request.parent_id)

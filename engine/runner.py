@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from kvserve.engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks
 from kvserve.engine.logits_processors import LogitsProcessors
 from kvserve.engine.memory_profile import MemoryProfile, profile_kv_budget
 from kvserve.engine.sampler import Sampler
+from kvserve.engine.spec_verify import SpecRows, accept, expand_sampling, spec_rows
 from kvserve.engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
 from kvserve.models import cpu_stack, load_model
 from kvserve.models.cpu_stack import CpuDecoderStack
@@ -46,6 +47,8 @@ class RunnerOutput:
     sampled_token_ids: list[int | None]  # aligned with plan.scheduled
     logprobs: dict[str, TokenLogprobs]  # request id -> the sampled token's logprobs
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # request id -> new prompt positions
+    # speculative decoding: request id -> its accepted drafts, which come before its sampled token
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -151,10 +154,15 @@ class ModelRunner:
         `grammar_bitmask` (structured outputs) is called once the forward is launched, so that on a
         GPU the host fills the bitmask while the device computes; None when nothing is constrained."""
         batch = self.batch
-        hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners = self._forward(step)
+        hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, spec = self._forward(step)
         num_reqs = len(step.req_ids)
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
+        if spec is not None:
+            grammar = grammar_bitmask() if grammar_bitmask is not None else None
+            sampled, accepted, logprobs = self._verify(step, logits, grammar, is_sampled, spec)
+            prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
+            return RunnerOutput(sampled, logprobs, prompt_lps, accepted)
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             logits = self.logits_processors(logits, grammar, num_reqs)  # no-op when unused
@@ -173,16 +181,40 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
         return RunnerOutput(sampled, logprobs, prompt_lps)
 
+    def _verify(self, step: StepRecord, logits: torch.Tensor, grammar: GrammarBitmask | None,
+                is_sampled: np.ndarray, spec: SpecRows):
+        """Sample every logits row of a speculative step [R, V], accept drafts, record the tokens;
+        -> (each request's sampled token, the accepted drafts of those that speculated, the
+        logprobs of the others: speculating requests ask for none)."""
+        batch, num_reqs = self.batch, len(step.req_ids)
+        logits = self.logits_processors(logits, grammar, num_reqs, spec)
+        tensors = expand_sampling(batch.sampling_tensors(num_reqs), spec, batch.is_seeded[:num_reqs], self.device)
+        out = self.sampler(logits, tensors)
+        token_ids = out.sampled_token_ids.cpu().numpy()  # [R] the one device->host sync
+        drafts = [step.spec_token_ids.get(r, ()) for r in step.req_ids]
+        new_tokens, num_accepted = accept(token_ids, spec, drafts)
+        rows = np.flatnonzero(is_sampled)
+        batch.num_tokens[:num_reqs] += np.array(num_accepted)  # the accepted drafts are in token_ids already
+        last = torch.from_numpy(spec.last_row).to(self.device)
+        batch.append_sampled(rows, np.array(new_tokens)[rows], out.sampled_token_ids.index_select(0, last),
+                             self._to_device(is_sampled.astype(np.float32)))
+        sampled = [t if s else None for t, s in zip(new_tokens, is_sampled.tolist())]
+        accepted = {r: d[:j] for r, d, j in zip(step.req_ids, drafts, num_accepted) if d}
+        return sampled, accepted, self._collect_logprobs(step.req_ids, is_sampled, token_ids, out, spec.last_row)
+
     def _forward(self, step: StepRecord):
-        """Apply the record to the batch, run the model and the LM head on each request's last row;
-        -> (hidden [T, hidden], logits [B, V], is_sampled [B], the step's prompt-logprob rows)."""
+        """Apply the record to the batch, run the model and the LM head on each request's last row
+        (and on every draft position of a speculating request); -> (hidden [T, hidden], logits
+        [B or R, V], is_sampled [B], the step's prompt-logprob rows, the `SpecRows` or None)."""
         batch = self.batch
         batch.update(step)  # the step's requests are now rows 0..B-1
         num_reqs = len(step.req_ids)
+        num_drafts = self._write_drafts(step)  # [B] or None
         computed = np.array(step.num_computed_tokens, np.int64)  # [B]
         query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
         input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens)
-        is_sampled = computed + query_lens == batch.num_tokens[:num_reqs]  # [B] reaches the end
+        ends = batch.num_tokens[:num_reqs] if num_drafts is None else batch.num_tokens[:num_reqs] + num_drafts
+        is_sampled = computed + query_lens == ends  # [B] reaches the end (of the drafts too)
         prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
                                                                               query_lens, cu)
         # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
@@ -195,9 +227,28 @@ class ModelRunner:
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)  # [T, hidden]
+        if num_drafts is not None:
+            spec = spec_rows(cu, num_drafts)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(spec.hidden_rows).to(self.device)])
+            return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, spec
         # each request's last row (no gather when every request has one row)
         logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
-        return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners
+        return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, None
+
+    def _write_drafts(self, step: StepRecord) -> np.ndarray | None:
+        """Put each speculating request's drafts after its tokens (not counted in num_tokens until
+        accepted) so the inputs gather them; -> drafts per request [B], or None when nobody speculates."""
+        if not step.spec_token_ids:
+            return None
+        batch = self.batch
+        num_drafts = np.zeros(len(step.req_ids), np.int64)
+        for i, req_id in enumerate(step.req_ids):
+            drafts = step.spec_token_ids.get(req_id)
+            if drafts:
+                n = batch.num_tokens[i]
+                batch.token_ids[i, n:n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+        return num_drafts
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -237,7 +288,8 @@ class ModelRunner:
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
-                          out) -> dict[str, TokenLogprobs]:
+                          out, rows: np.ndarray | None = None) -> dict[str, TokenLogprobs]:
+        """`rows[i]`: request i's row of the sampler's outputs (None: row i)."""
         num_logprobs = self.batch.num_logprobs[:len(req_ids)]  # -1 = none
         wanted = np.flatnonzero((num_logprobs >= 0) & is_sampled).tolist()
         if not wanted:
@@ -248,10 +300,10 @@ class ModelRunner:
         top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
         result = {}
         for i in wanted:
-            k = int(num_logprobs[i])
-            ids_i = top_ids[i][:k] if top_ids and k else []
-            lps_i = top_lps[i][:k] if top_lps and k else []
-            result[req_ids[i]] = (int(token_ids[i]), lps[i], ranks[i], ids_i, lps_i)
+            k, r = int(num_logprobs[i]), i if rows is None else int(rows[i])
+            ids_i = top_ids[r][:k] if top_ids and k else []
+            lps_i = top_lps[r][:k] if top_lps and k else []
+            result[req_ids[i]] = (int(token_ids[r]), lps[r], ranks[r], ids_i, lps_i)
         return result
 
     def _prompt_logprob_rows(self, req_ids: tuple[str, ...], computed: np.ndarray, query_lens: np.ndarray,

@@ -147,6 +147,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
+    speculative: bool = True  # False: this request never speculates (engine/spec_decode.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -173,6 +174,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids accepts at most {MAX_NUM_STOP_TOKEN_IDS} ids, "
                              f"got {len(self.stop_token_ids)}")
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.speculative = _bool("speculative", self.speculative)
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
         if self.logprobs is not None:

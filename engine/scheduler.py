@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.kv_cache import BlockManager
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.spec_decode import Proposer
 from kvserve.engine.step_record import NewRequestData, StepRecord
 
 
@@ -34,12 +35,14 @@ class ScheduledRequest:
 
     request: Request
     start_pos: int  # == num_computed_tokens before this step
-    num_new_tokens: int  # tokens to compute this step; 1 for a decode
+    num_new_tokens: int  # tokens to compute this step; 1 for a decode (plus its drafts when speculating)
     is_sampled: bool  # this step reaches the end of the sequence: sample the next token
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens verified this step (engine/spec_decode.py)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start_pos:self.start_pos + num_known] + list(self.spec_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +67,18 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
+        self.proposer = proposer  # speculative decoding's drafts; None: off
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
         # what the runner must drop, kept until a non-empty step carries it there
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
@@ -114,13 +121,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            drafts = self._drafts(request, num_new, budget)
+            if drafts:  # only if the blocks are free: speculation never preempts anyone
+                block_ids = self.block_manager.allocate(request.request_id,
+                                                        request.num_computed_tokens + 1 + len(drafts))
+                if block_ids is None:
+                    drafts = []
+            if not drafts:
+                block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if block_ids is None:
                 break  # `request` itself was preempted; everything after it too
             if block_ids:
                 new_block_ids[request.request_id] = tuple(block_ids)
-            scheduled.append(self._plan(request, num_new))
-            budget -= num_new
+            scheduled.append(self._plan(request, num_new, tuple(drafts)))
+            budget -= num_new + len(drafts)
             i += 1
 
         new_requests: list[NewRequestData] = []
@@ -129,6 +143,12 @@ class Scheduler:
         self._preempted_req_ids += preempted
         record = self._make_record(scheduled, new_requests, new_block_ids)
         return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, record, preempted)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request (one new token), [] when it does not speculate."""
+        if self.proposer is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        return self.proposer.propose_for(request, len(self.running), budget)
 
     def _make_record(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                      new_block_ids: dict[str, tuple[int, ...]]) -> StepRecord:
@@ -145,6 +165,7 @@ class Scheduler:
             num_computed_tokens=tuple([it.start_pos for it in scheduled]),
             num_scheduled_tokens=tuple([it.num_new_tokens for it in scheduled]),
             new_block_ids=new_block_ids,
+            spec_token_ids={it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids},
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
@@ -189,20 +210,25 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request=request,
             start_pos=start,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(drafts),
             is_sampled=start + num_new == request.num_tokens,
+            spec_token_ids=drafts,
         )
 
     # ---- after the model ran -------------------------------------------------
-    def update(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[FinishedRequest]:
+    def update(self, plan: StepPlan, sampled_token_ids: list[int | None],
+               accepted: dict[str, tuple[int, ...]] | None = None) -> list[FinishedRequest]:
         """Advance each scheduled request; append sampled tokens; finish those that stop.
 
-        `sampled_token_ids` is aligned with `plan.scheduled` (None where nothing was sampled).
+        `sampled_token_ids` is aligned with `plan.scheduled` (None where nothing was sampled);
+        `accepted` holds a speculating request's accepted drafts, which come before its sampled
+        token. Rejected drafts are rolled back: their positions count as not computed, their K/V
+        is overwritten later, and no prefix-cache entry covers them.
         Stop strings are checked later by the detokenizer, which calls `finish`.
         """
         finished = []
@@ -210,14 +236,26 @@ class Scheduler:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
+            drafts = accepted.get(request.request_id, ()) if item.spec_token_ids and accepted else ()
+            request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            status = None
+            for draft in drafts:  # each accepted draft's K/V is valid: it counts as computed
+                request.append_output_token(draft)
+                request.num_computed_tokens += 1
+                status = self._check_stop(request, draft)
+                if status is not None:
+                    token_id = draft
+                    break
+            self.num_draft_tokens += len(item.spec_token_ids)
+            self.num_accepted_tokens += len(drafts)
             # register full blocks before a finish frees them: a follow-up turn can reuse them
             self.block_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            if status is None:
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
             if status is not None:
                 self.finish(request.request_id, status)
                 finished.append(FinishedRequest(request, token_id))

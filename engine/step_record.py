@@ -18,7 +18,7 @@ a chunked prefill only advances `num_computed_tokens` over tokens it already has
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ class StepRecord:
     num_computed_tokens: tuple[int, ...]  # [B] tokens with K/V in the cache before this step
     num_scheduled_tokens: tuple[int, ...]  # [B] tokens to compute this step
     new_block_ids: dict[str, tuple[int, ...]]  # held requests that got blocks: ids to append
+    # speculative decoding: a request's draft tokens, scheduled after its last token (the runner
+    # verifies them and reports the accepted ones); they are not the request's tokens until accepted
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,0 +1,127 @@
+"""Speculative decoding: propose a few tokens per decoding request, verify them all in one step.
+
+At batch 1 a decode step reads every weight once to make one token; a step that also scores K
+proposed tokens reads the same weights. So the scheduler asks a proposer for up to K draft
+tokens per eligible request (`propose_for`), schedules the request's last token plus the drafts
+as one chunk, and the runner samples the target model at every one of those positions. The
+drafts are accepted while each equals the token sampled at its position; the first sampled token
+that differs (or the one after the last draft) is kept too. Since every position is sampled from
+the target model's own distribution given the accepted tokens before it, the output is exactly
+what decoding one token at a time would give: the same tokens for greedy and seeded requests, the
+same distribution otherwise. (For a proposer that puts all its probability on one token, this
+sample-and-compare is the rejection sampling of Leviathan et al.: accept with probability p(d),
+else draw from p without d.)
+
+Configured as vLLM's users write it: `speculative_config={"method": "ngram",
+"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}` (a dict offline, JSON
+for `--speculative-config` / `KVSERVE_SPECULATIVE_CONFIG`). Plain Python: the scheduler runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+# Speculation pays where a step is bound by reading the weights; with many sequences in the batch
+# the extra rows cost compute. Above this many running sequences no drafts are proposed.
+DEFAULT_MAX_BATCH = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    max_batch_size: int = DEFAULT_MAX_BATCH  # speculate only while at most this many sequences run
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported (supported: "
+                             f"{', '.join(METHODS)}; a draft model is not implemented yet)")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) is below "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A config from a dict or its JSON text (None or an empty value: no speculation);
+        ValueError naming what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)} (known: "
+                             f"{', '.join(cls.__dataclass_fields__)})")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (supported: ngram)")
+        return cls(**value)
+
+
+def ngram_proposal(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the up to `k` tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, trying n from `n_max` down to `n_min`; [] when nothing matches."""
+    length = len(token_ids)
+    if k < 1 or length < n_min + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        pattern = tokens[length - n:]
+        # windows starting at 0 .. length - n - 1: every earlier occurrence, overlapping ones included
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n  # the latest occurrence: what followed it most recently
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class Proposer:
+    """Drafts for the scheduler: which requests speculate this step and what they propose."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose_for(self, request: Request, num_running: int, budget: int) -> list[int]:
+        """Draft tokens for a request about to decode one token; [] when it should not speculate."""
+        c = self.config
+        if num_running > c.max_batch_size or not eligible(request):
+            return []
+        # never past max_tokens or the context: the step adds the accepted drafts plus one token
+        room = min(c.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return ngram_proposal(request.all_token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
+
+
+def eligible(request: Request) -> bool:
+    """Whether a request may speculate at all. Not yet: penalties and min_tokens (their logits
+    depend on each earlier draft), logprobs, structured outputs, and requests that opt out."""
+    p = request.params
+    return (p.speculative and request.structured is None and p.logprobs is None
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and request.num_output_tokens >= p.min_tokens)
