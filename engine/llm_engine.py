@@ -293,4 +293,7 @@ class LLMEngine:
             prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             prompt_tokens_computed_total=self.prompt_tokens_computed_total,
             num_grammars_compiling=self.structured.num_jobs,
+            spec_verifications_total=self.scheduler.num_verifications,
+            spec_draft_tokens_total=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens_total=self.scheduler.num_accepted_tokens,
         )

@@ -84,6 +84,10 @@ class EngineStats:
     prompt_tokens_computed_total: int = 0  # run through the model, recomputation after preemption included
     # distinct grammars queued or compiling, including those whose requests left (still using the CPU)
     num_grammars_compiling: int = 0
+    # speculative decoding: request-steps that verified drafts, the drafts, and those accepted
+    spec_verifications_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
 
 # ---- what the engine core emits each step: deltas only, plain data ----

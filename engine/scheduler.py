@@ -77,7 +77,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        # speculative decoding: request-steps that verified drafts, the drafts, those accepted
+        self.num_verifications = 0
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         # what the runner must drop, kept until a non-empty step carries it there
         self._finished_req_ids: list[str] = []
@@ -246,8 +248,10 @@ class Scheduler:
                 if status is not None:
                     token_id = draft
                     break
-            self.num_draft_tokens += len(item.spec_token_ids)
-            self.num_accepted_tokens += len(drafts)
+            if item.spec_token_ids:
+                self.num_verifications += 1
+                self.num_draft_tokens += len(item.spec_token_ids)
+                self.num_accepted_tokens += len(drafts)
             # register full blocks before a finish frees them: a follow-up turn can reuse them
             self.block_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)

@@ -118,6 +118,12 @@ class _EngineCollector(Collector):
                     "for any more.", getattr(stats, "num_grammars_compiling", 0))
         yield counter("structured_output_requests", "Requests with an output constraint (response_format, guided_*).",
                       stats.structured_requests_total)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
+                      getattr(stats, "spec_verifications_total", 0))
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      getattr(stats, "spec_draft_tokens_total", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted (each one a "
+                      "token generated without a step of its own).", getattr(stats, "spec_accepted_tokens_total", 0))
         info = self.metrics.engine.model_config
         weights = GaugeMetricFamily("kvserve:model_weight_bytes", "Resident bytes of the model's weights (this "
                                     "process's share under tensor parallelism), by format: none (the model dtype), "
@@ -185,9 +191,15 @@ class ServerMetrics:
 
     def stats_line(self, stats: Any) -> str:
         prompt_rate, generation_rate, hit_rate = self.throughput.rates()
-        return (f"prompt throughput: {prompt_rate:.1f} tokens/s, generation throughput: {generation_rate:.1f} "
+        line = (f"prompt throughput: {prompt_rate:.1f} tokens/s, generation throughput: {generation_rate:.1f} "
                 f"tokens/s, running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, prefix cache hit rate: {100 * hit_rate:.1f}%")
+        drafts = getattr(stats, "spec_draft_tokens_total", 0)
+        if drafts:  # since start: speculative decoding is on and has proposed something
+            accepted, verifications = stats.spec_accepted_tokens_total, stats.spec_verifications_total
+            line += (f", draft acceptance since start: {100 * accepted / drafts:.1f}% "
+                     f"({accepted / verifications:.2f} accepted per verification)")
+        return line
 
 
 class RequestTracker:

@@ -183,6 +183,8 @@ class SamplingFields(_Request):
     ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool | None = True
+    speculative: StrictBool | None = Field(
+        None, description="false: this request never uses the server's speculative decoding (docs/speculative.md).")
     cache_salt: Annotated[Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)] = Field(
         None, description="Only requests with the same salt share cached prompt KV (and its faster first token); "
         "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).")

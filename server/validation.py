@@ -33,7 +33,7 @@ from kvserve.server.tool_parsers import TOOL_PARSERS, ToolPlan, plan_tools
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "seed", "logprobs", "prompt_logprobs", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "skip_special_tokens", "logit_bias")
+                    "presence_penalty", "frequency_penalty", "skip_special_tokens", "logit_bias", "speculative")
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}   # vLLM's extras -> StructuredOutputs fields
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
@@ -222,7 +222,8 @@ def _check_length(num_prompt_tokens: int, max_tokens: int, limits: ModelLimits, 
 def _sampling_params(req: SamplingFields, param_names: dict[str, str], **kwargs: Any) -> SamplingParams:
     """Build SamplingParams from the request's set fields; its ValueError becomes a 400 naming the field."""
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"):
+                 "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "speculative"):
         value = getattr(req, name)
         if value is not None and kwargs.get(name) is None:   # a caller's value wins over the default
             kwargs[name] = value
