@@ -327,5 +327,6 @@ def test_log_line_reports_acceptance_once_drafts_exist():
     stats = EngineStats(1, 0, 0.1, 100, 90, 10, 20, 0, 0, 0)
     metrics = ServerMetrics(None, "m")
     assert "draft" not in metrics.stats_line(stats)
-    stats.spec_verifications_total, stats.spec_draft_tokens_total, stats.spec_accepted_tokens_total = 10, 40, 30
+    stats = EngineStats(1, 0, 0.1, 100, 90, 10, 20, 0, 0, 0, spec_verifications_total=10,
+                        spec_draft_tokens_total=40, spec_accepted_tokens_total=30)
     assert "draft acceptance since start: 75.0% (3.00 accepted per verification)" in metrics.stats_line(stats)
