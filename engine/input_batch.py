@@ -193,6 +193,13 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def count_outputs(self, pairs: list[tuple[int, int]]) -> None:
+        """Add (row, token id) outputs to the penalty counts: a speculating row's accepted drafts."""
+        if pairs and self.output_counts is not None:
+            index = torch.tensor(pairs, dtype=torch.int64, device=self.device).T
+            self.output_counts.index_put_((index[0], index[1]), torch.ones(len(pairs), device=self.device),
+                                          accumulate=True)
+
     # ---- sampling tensors --------------------------------------------------------
     def sampling_tensors(self, num_rows: int) -> SamplingTensors:
         """For rows [0, num_rows): cached per batch composition; only the seeded-stream

@@ -110,10 +110,11 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
+            step_logprobs = None  # one entry per new token: accepted drafts' (when speculating), the sampled one's
             if child.pending_logprobs is not None and req.request_id in out.logprobs:
-                self._add_logprobs(child, out.logprobs[req.request_id])
+                step_logprobs = [*out.draft_logprobs.get(req.request_id, ()), out.logprobs[req.request_id]]
             is_done = req.request_id in finished_ids
-            if self._detokenize(child, req, is_done):
+            if self._detokenize(child, req, is_done, step_logprobs):
                 stopped_by_string.append(req.request_id)
             parent.touched.add(req.sample_index)
             touched[parent.request_id] = parent
@@ -125,13 +126,14 @@ class OutputProcessor:
             deltas.append(self._emit(parent))
         return deltas, stopped_by_string
 
-    @staticmethod
-    def _detokenize(child: _ChildState, req: Request, is_done: bool) -> bool:
+    def _detokenize(self, child: _ChildState, req: Request, is_done: bool, step_logprobs: list | None) -> bool:
         """Feed the step's new tokens (one, or a speculating request's accepted drafts and its sampled
-        token) to the detokenizer one at a time; True when a stop string ended the request. Tokens
-        after the one that completed a stop string are dropped from the request's output."""
+        token) to the detokenizer one at a time, with their logprobs; True when a stop string ended the
+        request. Tokens after the one that completed a stop string are dropped from the request's output."""
         new = req.output_token_ids[child.num_tokens_seen:]
         for k, token_id in enumerate(new):
+            if step_logprobs is not None:
+                self._add_logprobs(child, step_logprobs[k])
             last = is_done and k == len(new) - 1
             # like a stop string, the EOS / stop token that ended the request adds no text
             hide = last and req.status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output

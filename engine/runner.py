@@ -47,8 +47,10 @@ class RunnerOutput:
     sampled_token_ids: list[int | None]  # aligned with plan.scheduled
     logprobs: dict[str, TokenLogprobs]  # request id -> the sampled token's logprobs
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # request id -> new prompt positions
-    # speculative decoding: request id -> its accepted drafts, which come before its sampled token
+    # speculative decoding: request id -> its accepted drafts, which come before its sampled token,
+    # and their logprobs (for requests that asked for logprobs)
     accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -160,9 +162,9 @@ class ModelRunner:
         logprobs = {}
         if spec is not None:
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
-            sampled, accepted, logprobs = self._verify(step, logits, grammar, is_sampled, spec)
+            sampled, accepted, logprobs, draft_logprobs = self._verify(step, logits, grammar, is_sampled, spec)
             prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
-            return RunnerOutput(sampled, logprobs, prompt_lps, accepted)
+            return RunnerOutput(sampled, logprobs, prompt_lps, accepted, draft_logprobs)
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             logits = self.logits_processors(logits, grammar, num_reqs)  # no-op when unused
@@ -188,19 +190,28 @@ class ModelRunner:
         logprobs of the others: speculating requests ask for none)."""
         batch, num_reqs = self.batch, len(step.req_ids)
         logits = self.logits_processors(logits, grammar, num_reqs, spec)
-        tensors = expand_sampling(batch.sampling_tensors(num_reqs), spec, batch.is_seeded[:num_reqs], self.device)
+        drafts = [step.spec_token_ids.get(r, ()) for r in step.req_ids]
+        tensors = expand_sampling(batch.sampling_tensors(num_reqs), spec, batch.is_seeded[:num_reqs], drafts,
+                                  self.device)
         out = self.sampler(logits, tensors)
         token_ids = out.sampled_token_ids.cpu().numpy()  # [R] the one device->host sync
-        drafts = [step.spec_token_ids.get(r, ()) for r in step.req_ids]
         new_tokens, num_accepted = accept(token_ids, spec, drafts)
+        if tensors.output_counts is not None:  # the accepted drafts are outputs too
+            batch.count_outputs([(i, d) for i, (ds, j) in enumerate(zip(drafts, num_accepted)) for d in ds[:j]])
         rows = np.flatnonzero(is_sampled)
         batch.num_tokens[:num_reqs] += np.array(num_accepted)  # the accepted drafts are in token_ids already
-        last = torch.from_numpy(spec.last_row).to(self.device)
-        batch.append_sampled(rows, np.array(new_tokens)[rows], out.sampled_token_ids.index_select(0, last),
+        new_rows = spec.first_row + np.array(num_accepted)  # where each request's new token was drawn
+        batch.append_sampled(rows, np.array(new_tokens)[rows],
+                             out.sampled_token_ids.index_select(0, torch.from_numpy(new_rows).to(self.device)),
                              self._to_device(is_sampled.astype(np.float32)))
         sampled = [t if s else None for t, s in zip(new_tokens, is_sampled.tolist())]
         accepted = {r: d[:j] for r, d, j in zip(step.req_ids, drafts, num_accepted) if d}
-        return sampled, accepted, self._collect_logprobs(step.req_ids, is_sampled, token_ids, out, spec.last_row)
+        # logprobs of each request's new tokens: its accepted drafts' rows, then its sampled token's
+        first = spec.first_row.tolist()
+        draft_rows = {i: np.arange(first[i], first[i] + j) for i, j in enumerate(num_accepted) if j}
+        logprobs, draft_logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out, new_rows,
+                                                          draft_rows)
+        return sampled, accepted, logprobs, draft_logprobs
 
     def _forward(self, step: StepRecord):
         """Apply the record to the batch, run the model and the LM head on each request's last row
@@ -288,23 +299,30 @@ class ModelRunner:
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
-                          out, rows: np.ndarray | None = None) -> dict[str, TokenLogprobs]:
-        """`rows[i]`: request i's row of the sampler's outputs (None: row i)."""
+                          out, rows: np.ndarray | None = None,
+                          spec_rows: dict[int, np.ndarray] | None = None):
+        """The logprobs of each sampled request that asked for them: {request id: TokenLogprobs} of its
+        row of the sampler's outputs (`rows[i]`; None: row i), and with `spec_rows` ({request index:
+        its accepted drafts' rows}) also {request id: [TokenLogprobs]} of those rows."""
         num_logprobs = self.batch.num_logprobs[:len(req_ids)]  # -1 = none
         wanted = np.flatnonzero((num_logprobs >= 0) & is_sampled).tolist()
         if not wanted:
-            return {}
+            return {} if spec_rows is None else ({}, {})
         lps = out.sampled_logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
         top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
         top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-        result = {}
-        for i in wanted:
-            k, r = int(num_logprobs[i]), i if rows is None else int(rows[i])
-            ids_i = top_ids[r][:k] if top_ids and k else []
-            lps_i = top_lps[r][:k] if top_lps and k else []
-            result[req_ids[i]] = (int(token_ids[r]), lps[r], ranks[r], ids_i, lps_i)
-        return result
+
+        def entry(r: int, k: int) -> TokenLogprobs:
+            return (int(token_ids[r]), lps[r], ranks[r], top_ids[r][:k] if top_ids and k else [],
+                    top_lps[r][:k] if top_lps and k else [])
+
+        result = {req_ids[i]: entry(i if rows is None else int(rows[i]), int(num_logprobs[i])) for i in wanted}
+        if spec_rows is None:
+            return result
+        drafts = {req_ids[i]: [entry(int(r), int(num_logprobs[i])) for r in spec_rows[i]]
+                  for i in wanted if len(spec_rows.get(i, ()))}
+        return result, drafts
 
     def _prompt_logprob_rows(self, req_ids: tuple[str, ...], computed: np.ndarray, query_lens: np.ndarray,
                              cu: np.ndarray):

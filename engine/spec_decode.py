@@ -119,9 +119,7 @@ class Proposer:
 
 
 def eligible(request: Request) -> bool:
-    """Whether a request may speculate at all. Not yet: penalties and min_tokens (their logits
-    depend on each earlier draft), logprobs, structured outputs, and requests that opt out."""
+    """Whether a request may speculate now: not one that opted out, not under structured outputs
+    (not yet), and not before min_tokens (EOS is banned until then; a draft row past it would differ)."""
     p = request.params
-    return (p.speculative and request.structured is None and p.logprobs is None
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and request.num_output_tokens >= p.min_tokens)
+    return p.speculative and request.structured is None and request.num_output_tokens >= p.min_tokens

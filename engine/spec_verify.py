@@ -43,9 +43,10 @@ def spec_rows(cu_seqlens: np.ndarray, num_drafts: np.ndarray) -> SpecRows:
     return SpecRows(num_drafts, row_req, first_row, offsets, hidden_rows)
 
 
-def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray,
+def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray, drafts: list[tuple[int, ...]],
                     device: torch.device) -> SamplingTensors:
-    """Sampling tensors of rows 0..B-1 repeated for the R logits rows (host flags unchanged)."""
+    """Sampling tensors of rows 0..B-1 repeated for the R logits rows (host flags unchanged). A draft
+    row's penalty counts include the drafts before it: its logits are those after them."""
     idx = torch.from_numpy(rows.row_req).to(device)
 
     def pick(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,7 +60,17 @@ def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray,
         seeded_rows=torch.from_numpy(seeded).to(device) if len(seeded) else None,
         steps=pick(t.steps) + torch.from_numpy(rows.offsets).to(device),
         suppressed_token_ids=pick(t.suppressed_token_ids), prompt_mask=pick(t.prompt_mask),
-        output_counts=pick(t.output_counts))
+        output_counts=None if t.output_counts is None else add_drafts(pick(t.output_counts), rows, drafts))
+
+
+def add_drafts(counts: torch.Tensor, rows: SpecRows, drafts: list[tuple[int, ...]]) -> torch.Tensor:
+    """counts [R, V] + one for each draft before each row (row first + m sees drafts 1..m)."""
+    pairs = [(first + m, draft) for first, ds in zip(rows.first_row.tolist(), drafts)
+             for i, draft in enumerate(ds) for m in range(i + 1, len(ds) + 1)]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.int64, device=counts.device).T
+        counts.index_put_((index[0], index[1]), torch.ones(len(pairs), device=counts.device), accumulate=True)
+    return counts
 
 
 def accept(token_ids: np.ndarray, rows: SpecRows, drafts: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:

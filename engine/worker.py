@@ -66,7 +66,7 @@ class WorkerRunner(ModelRunner):
         if rows:
             token_ids = np.array([prev_sampled[i] for i in rows], np.int64)
             self.batch.append_sampled(np.array(rows, np.int64), token_ids, None, None)  # no penalty state here
-        hidden, _, _, prompt_rows, _, owners = self._forward(step)
+        hidden, _, _, prompt_rows, _, owners, _ = self._forward(step)  # (no speculation with tensor parallelism)
         if owners:  # rank 0 scores prompt logprobs in chunks: one LM-head gather each
             chunk = self.max_num_seqs
             for i in range(0, len(prompt_rows), chunk):

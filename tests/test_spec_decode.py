@@ -265,21 +265,49 @@ def test_unseeded_sampling_keeps_the_target_distribution(llama_dir, forced):
 
 
 def test_who_speculates(llama_dir, forced):
-    """Requests that cannot (yet) speculate do not; a request can opt out; large batches do not."""
+    """A request that opts out does not speculate, nor one short of min_tokens (EOS is banned there),
+    nor any request while more sequences run than max_batch_size."""
     llm = make_llm(llama_dir, {**NGRAM, "max_batch_size": 2})
     prompts = prompts_for(llm.engine.info.vocab_size)
     forced["truth"] = {tuple(p): list(range(10, 40)) for p in prompts}
     sched = llm.engine.scheduler
-    for params in (SamplingParams(max_tokens=8, repetition_penalty=1.2),
-                   SamplingParams(max_tokens=8, logprobs=1),
-                   SamplingParams(max_tokens=8, min_tokens=8),
-                   SamplingParams(max_tokens=8, speculative=False)):
+    for params in (SamplingParams(max_tokens=8, min_tokens=8), SamplingParams(max_tokens=8, speculative=False)):
         llm.generate(prompts[:1], params, use_tqdm=False)
         assert sched.num_draft_tokens == 0, params
     llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)  # 5 running > max_batch_size 2
     assert sched.num_draft_tokens == 0
-    llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, min_tokens=4), use_tqdm=False)
     assert sched.num_draft_tokens > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5),
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.7),
+    SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5, frequency_penalty=1.5),
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
+    SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=9, logprobs=0, presence_penalty=0.5),
+])
+def test_penalties_and_logprobs_with_speculation(llama_dir, forced, params):
+    """Each draft row is penalized for the drafts before it, accepted drafts count as outputs for
+    later steps, and a speculating request's logprobs are the target's at each of its positions."""
+    base = make_llm(llama_dir, None)
+    prompts = prompts_for(base.engine.info.vocab_size)
+    want = base.generate(prompts, params, use_tqdm=False)
+    forced["truth"] = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
+    forced["corrupt"] = 4
+    llm = make_llm(llama_dir, NGRAM)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.scheduler.num_accepted_tokens > 10
+    if params.logprobs is not None:
+        for g, w in zip(got, want):
+            assert len(g.outputs[0].logprobs) == len(w.outputs[0].logprobs) == 16
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) and a[t].rank == b[t].rank
+            assert g.outputs[0].cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob, abs=1e-3)
     assert_no_leaks(llm)
 
 
