@@ -314,7 +314,7 @@ def test_penalties_and_logprobs_with_speculation(llama_dir, forced, params):
 # ---- served ------------------------------------------------------------------------------------------------
 
 
-def test_served_with_speculation(server_checkpoint, server):
+def test_served_with_speculation(server_checkpoint, server):  # noqa: F811
     """`--speculative-config` (from the environment here): greedy completions equal the plain
     server's, the counters move in /metrics, and `"speculative": false` opts a request out."""
     import httpx
