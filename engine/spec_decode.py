@@ -83,8 +83,10 @@ class SpeculativeConfig:
 
 
 def ngram_proposal(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: the up to `k` tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, trying n from `n_max` down to `n_min`; [] when nothing matches."""
+    """Prompt lookup: the up to `k` tokens that followed an earlier occurrence of the sequence's last
+    n tokens, trying n from `n_max` down to `n_min`; [] when nothing matches. The occurrence is the
+    latest one that k tokens follow, else the earliest (in a repeating run the latest occurrences
+    overlap the end and leave fewer tokens to propose)."""
     length = len(token_ids)
     if k < 1 or length < n_min + 1:
         return []
@@ -95,7 +97,8 @@ def ngram_proposal(token_ids: list[int], k: int, n_min: int, n_max: int) -> list
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n  # the latest occurrence: what followed it most recently
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
 

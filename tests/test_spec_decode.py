@@ -54,12 +54,14 @@ def outputs(outs) -> list[tuple]:
     ([1, 2, 3, 4], 3, 1, 3, []),  # nothing repeats
     ([1, 2, 3, 1, 2], 3, 1, 3, [3, 1, 2]),  # "1 2" seen before: what followed it
     ([1, 2, 3, 1, 2], 1, 1, 3, [3]),  # k caps the draft
-    ([5, 5, 5, 5], 2, 1, 3, [5]),  # overlapping: the latest earlier match (at 0, "5 5 5"), one token left
+    ([5, 5, 5, 5], 2, 1, 3, [5]),  # overlapping: the only earlier "5 5 5" (at 0) leaves one token
+    ([5] * 9, 4, 2, 2, [5, 5, 5, 5]),  # a run: the latest occurrence with k tokens after it
     ([1, 2, 9, 2, 7, 1, 2], 2, 1, 3, [9, 2]),  # longest n first: "1 2" (n=2) beats the later "2" (n=1)
     ([7, 2, 8, 2], 2, 1, 3, [8, 2]),  # n=1 fallback
     ([7, 2, 8, 2], 2, 2, 3, []),  # ... unless n_min forbids it
     ([3], 2, 1, 3, []),  # too short
-    ([4, 1, 4, 2, 4], 3, 1, 1, [2, 4]),  # the latest occurrence wins, drafts stop at the end
+    ([4, 1, 4, 2, 4], 3, 1, 1, [1, 4, 2]),  # the latest occurrence with 3 tokens after it (at 0)
+    ([4, 1, 4, 2, 4], 1, 1, 1, [2]),  # ... with 1 token after it: the latest (at 2)
 ])
 def test_ngram_proposal(tokens, k, n_min, n_max, want):
     assert ngram_proposal(tokens, k, n_min, n_max) == want
