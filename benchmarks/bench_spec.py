@@ -12,6 +12,8 @@ What the acceptance means depends on the model: the default checkpoint has rando
 greedy continuations fall into repeating loops (prompt lookup then finds them: acceptance near 1),
 while sampling at temperature 1 from its near-uniform distribution repeats nothing (acceptance
 near 0, and drafts are rarely even proposed). Those are the two ends the policy must handle.
+`--adversarial` replaces the drafts with tokens that are (almost) never right, proposed at every
+chance: the cost of rejected drafts, with the back-off that limits it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import numpy as np
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine import spec_decode
 
 
 def run_once(model: str, spec: dict | None, prompts: list[list[int]], params: SamplingParams,
@@ -66,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="the policy's max_batch_size (default: the config's own)")
+    p.add_argument("--adversarial", action="store_true", help="drafts that are never accepted")
     p.add_argument("--quantization", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON file for every run")
     args = p.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
+    if args.adversarial:  # the previous token + 1, k times: a random model's greedy run never continues so
+        spec_decode.Proposer.draft = lambda self, request, k: [(request.all_token_ids[-1] + 1) % 20000] * k
     rng = np.random.default_rng(args.seed)
     results = []
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,

@@ -38,7 +38,7 @@ class Request:
         "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "structured", "prefix_root",
+        "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff",
     )
 
     def __init__(
@@ -77,6 +77,10 @@ class Request:
         self.structured = None
         # the parent digest of its first KV block (`kv_cache.prefix_root`: the cache salt and the like)
         self.prefix_root = prefix_root
+        # speculative decoding's back-off (engine/spec_decode.py): steps left without drafts, and the
+        # next pause after another verification that accepts nothing
+        self.spec_skip = 0
+        self.spec_backoff = 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -249,6 +249,7 @@ class Scheduler:
                     token_id = draft
                     break
             if item.spec_token_ids:
+                self.proposer.record(request, len(drafts))
                 self.num_verifications += 1
                 self.num_draft_tokens += len(item.spec_token_ids)
                 self.num_accepted_tokens += len(drafts)

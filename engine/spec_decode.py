@@ -33,6 +33,9 @@ MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays where a step is bound by reading the weights; with many sequences in the batch
 # the extra rows cost compute. Above this many running sequences no drafts are proposed.
 DEFAULT_MAX_BATCH = 4
+# A verification that accepts nothing pauses the request's drafts for 1, 2, 4, ... up to this many
+# steps (reset by one that accepts): rejected drafts cost little each, but need not cost often.
+MAX_BACKOFF_STEPS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +118,27 @@ class Proposer:
         c = self.config
         if num_running > c.max_batch_size or not eligible(request):
             return []
+        if request.spec_skip:
+            request.spec_skip -= 1
+            return []
         # never past max_tokens or the context: the step adds the accepted drafts plus one token
         room = min(c.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
-        return ngram_proposal(request.all_token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
+        return self.draft(request, room) if room > 0 else []
+
+    def draft(self, request: Request, k: int) -> list[int]:
+        """Up to k draft tokens to follow the request's tokens (the method's own part)."""
+        c = self.config
+        return ngram_proposal(request.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    @staticmethod
+    def record(request: Request, num_accepted: int) -> None:
+        """After a verification: a request whose drafts were all rejected pauses them (back-off)."""
+        if num_accepted:
+            request.spec_backoff = 1
+        else:
+            request.spec_skip = request.spec_backoff
+            request.spec_backoff = min(2 * request.spec_backoff, MAX_BACKOFF_STEPS)
 
 
 def eligible(request: Request) -> bool:

@@ -116,24 +116,20 @@ def test_greedy_is_unchanged(checkpoint_dirs, family):
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Make the proposer draft `truth[request's next tokens]`, corrupted at every `corrupt`-th draft."""
+    """Make the proposer draft `truth[request's next tokens]`, corrupted at every `corrupt`-th draft
+    (the policy around it, batch size, eligibility and back-off, stays the real one)."""
     state = {"truth": {}, "corrupt": 0, "count": 0}
 
-    def propose_for(self, request, num_running, budget):
-        if num_running > self.config.max_batch_size or not spec_decode.eligible(request):
-            return []
-        truth = state["truth"].get(tuple(request.prompt_token_ids), [])
+    def draft(self, request, k):
         done = request.num_output_tokens
-        room = min(self.config.num_speculative_tokens, budget - 1, request.max_tokens - done - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        drafts = list(truth[done:done + max(room, 0)])
+        drafts = list(state["truth"].get(tuple(request.prompt_token_ids), [])[done:done + k])
         for i in range(len(drafts)):
             state["count"] += 1
             if state["corrupt"] and state["count"] % state["corrupt"] == 0:
                 drafts[i] = (drafts[i] + 1) % 384
         return drafts
 
-    monkeypatch.setattr(spec_decode.Proposer, "propose_for", propose_for)
+    monkeypatch.setattr(spec_decode.Proposer, "draft", draft)
     return state
 
 
@@ -280,6 +276,24 @@ def test_who_speculates(llama_dir, forced):
     assert sched.num_draft_tokens == 0
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, min_tokens=4), use_tqdm=False)
     assert sched.num_draft_tokens > 0
+    assert_no_leaks(llm)
+
+
+def test_rejected_drafts_back_off(llama_dir, forced):
+    """A request whose drafts keep failing verifies after 1, 2, 4, ... steps without drafts (and
+    goes back to every step once one is accepted)."""
+    llm = make_llm(llama_dir, NGRAM)
+    prompt = prompts_for(llm.engine.info.vocab_size)[3]
+    truth = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    forced["truth"], forced["corrupt"] = {tuple(prompt): list(truth)}, 1
+    sched = llm.engine.scheduler
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == truth
+    assert sched.num_accepted_tokens == 0 and sched.num_verifications == 6  # decode steps 1, 3, 6, 11, 20, 37
+    forced["corrupt"] = 0
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert sched.num_verifications > 6 and sched.num_accepted_tokens > 20
     assert_no_leaks(llm)
 
 
