@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,7 +79,7 @@ def llama_server_command(args: argparse.Namespace, port: int, parallel: int) -> 
     return [str(args.llama_bin / "llama-server"), "-m", str(args.gguf), "--alias", args.name,
             "-t", str(args.threads), "-tb", str(args.threads), "-ngl", "0", "--parallel", str(parallel),
             "-c", str(parallel * per_slot), "--no-cache-prompt", "--cache-ram", "0", "--no-webui",
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.llama_args)]
 
 
 def kvserve_model(args: argparse.Namespace) -> str:
@@ -88,7 +89,8 @@ def kvserve_model(args: argparse.Namespace) -> str:
 
 
 def kvserve_command(args: argparse.Namespace, port: int) -> list[str]:
-    return serve_command(kvserve_model(args), port, ["--dtype", args.dtype, "--served-model-name", args.name])
+    return serve_command(kvserve_model(args), port, ["--dtype", args.dtype, "--served-model-name", args.name,
+                                                     *shlex.split(args.kvserve_args)])
 
 
 def run_client(args: argparse.Namespace, base_url: str, concurrency: int, out: Path) -> dict:
@@ -208,6 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kvserve-gguf", action="store_true",
                    help="kvserve serves the --gguf file too (e.g. a Q8_0 file, held as int8), not --model")
     p.add_argument("--name", default="model", help="model name both servers serve")
+    p.add_argument("--llama-args", default="", help="more llama-server flags (e.g. speculative decoding's)")
+    p.add_argument("--kvserve-args", default="", help="more kvserve serve flags")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_GGUF_TYPES))
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t/-tb (kvserve uses torch's default)")
     p.add_argument("--input-len", type=int, default=128)

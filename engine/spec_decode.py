@@ -143,6 +143,8 @@ class Proposer:
 
 def eligible(request: Request) -> bool:
     """Whether a request may speculate now: not one that opted out, not under structured outputs
-    (not yet), and not before min_tokens (EOS is banned until then; a draft row past it would differ)."""
+    (not yet), and not while min_tokens bans its stop ids or EOS (the ban holds for some draft rows
+    and not for others)."""
     p = request.params
-    return p.speculative and request.structured is None and request.num_output_tokens >= p.min_tokens
+    bans = bool(p.stop_token_ids) or (not p.ignore_eos and bool(request.eos_token_ids))
+    return p.speculative and request.structured is None and not (bans and request.num_output_tokens < p.min_tokens)

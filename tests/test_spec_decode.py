@@ -274,8 +274,11 @@ def test_who_speculates(llama_dir, forced):
         assert sched.num_draft_tokens == 0, params
     llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)  # 5 running > max_batch_size 2
     assert sched.num_draft_tokens == 0
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, min_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert sched.num_draft_tokens > 0  # min_tokens bans nothing when EOS is ignored anyway
+    drafts = sched.num_draft_tokens
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, min_tokens=4), use_tqdm=False)
-    assert sched.num_draft_tokens > 0
+    assert sched.num_draft_tokens > drafts
     assert_no_leaks(llm)
 
 
