@@ -245,7 +245,8 @@ class LLMEngine:
         try:
             # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
             result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))
-            self.structured.accept_tokens(plan, result.sampled_token_ids)  # before update: it checks is_terminated
+            # before update: it checks is_terminated
+            self.structured.accept_tokens(plan, result.sampled_token_ids, result.accepted)
             num_before = sum(item.request.num_output_tokens for item in plan.scheduled)
             finished = self.scheduler.update(plan, result.sampled_token_ids, result.accepted)
             self.generation_tokens_total += sum(item.request.num_output_tokens for item in plan.scheduled) - num_before

@@ -51,8 +51,10 @@ class LogitsProcessors:
             values = torch.tensor([b for _, pairs in biased for _, b in pairs], device=self.device)
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
         if grammar is not None:
-            rows = tuple(int(spec.last_row[i]) for i in grammar.rows)
-            apply_bitmask(logits, GrammarBitmask(rows, grammar.bitmask[spec.row_req]), self.device)
+            if not grammar.expanded:  # (a record made without the step's drafts: one row per request)
+                rows = tuple(int(spec.last_row[i]) for i in grammar.rows)
+                grammar = GrammarBitmask(rows, grammar.bitmask[spec.row_req])
+            apply_bitmask(logits, grammar, self.device)
         return logits
 
     def _bias_tensors(self, num_rows: int):

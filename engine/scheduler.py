@@ -244,7 +244,7 @@ class Scheduler:
             for draft in drafts:  # each accepted draft's K/V is valid: it counts as computed
                 request.append_output_token(draft)
                 request.num_computed_tokens += 1
-                status = self._check_stop(request, draft)
+                status = self._check_stop(request, draft, is_draft=True)
                 if status is not None:
                     token_id = draft
                     break
@@ -266,9 +266,11 @@ class Scheduler:
                 finished.append(FinishedRequest(request, token_id))
         return finished
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _check_stop(self, request: Request, token_id: int, is_draft: bool = False) -> RequestStatus | None:
         params = request.params
-        if request.structured is not None and request.structured.is_terminated:
+        # (a draft never completes a grammar: `SequenceGrammar.valid_drafts`; the matcher has
+        # already taken the step's last token too)
+        if not is_draft and request.structured is not None and request.structured.is_terminated:
             return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:

@@ -124,7 +124,10 @@ class Proposer:
         # never past max_tokens or the context: the step adds the accepted drafts plus one token
         room = min(c.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
-        return self.draft(request, room) if room > 0 else []
+        drafts = self.draft(request, room) if room > 0 else []
+        if drafts and request.structured is not None:  # only what the grammar allows, short of its end
+            drafts = drafts[:request.structured.valid_drafts(drafts)]
+        return drafts
 
     def draft(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens to follow the request's tokens (the method's own part)."""
@@ -142,9 +145,8 @@ class Proposer:
 
 
 def eligible(request: Request) -> bool:
-    """Whether a request may speculate now: not one that opted out, not under structured outputs
-    (not yet), and not while min_tokens bans its stop ids or EOS (the ban holds for some draft rows
-    and not for others)."""
+    """Whether a request may speculate now: not one that opted out, and not while min_tokens bans
+    its stop ids or EOS (the ban holds for some draft rows and not for others)."""
     p = request.params
     bans = bool(p.stop_token_ids) or (not p.ignore_eos and bool(request.eos_token_ids))
-    return p.speculative and request.structured is None and not (bans and request.num_output_tokens < p.min_tokens)
+    return p.speculative and not (bans and request.num_output_tokens < p.min_tokens)

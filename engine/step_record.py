@@ -81,8 +81,10 @@ class GrammarBitmask:
     """The allowed tokens of this step's constrained rows, filled by engine/structured_output.py
     while the step runs (rank 0 only: it samples); rows not listed are left unfilled and never read."""
 
-    rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids
+    rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids (expanded: into the step's logits rows)
     bitmask: np.ndarray  # [B, ceil(V/32)] int32: bit j of word w allows token 32 * w + j
+    # a speculative step's: one row per logits row (1 + its drafts per request), not per request
+    expanded: bool = False
 
 
 @dataclass(frozen=True, slots=True)

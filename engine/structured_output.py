@@ -65,6 +65,21 @@ class SequenceGrammar:
         # JSON kinds: whether raw \t \n \r may appear (any_whitespace); None for other kinds
         self.json_whitespace = json_whitespace
 
+    def valid_drafts(self, tokens: list[int]) -> int:
+        """How many leading draft tokens the grammar allows without completing (state unchanged):
+        a draft that would end the grammar is left for the step's own sampled token."""
+        accepted = valid = 0
+        for token_id in tokens:
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+            valid += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return valid
+
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
             # cannot happen when the bitmask was applied; end the sequence rather than go on unconstrained
@@ -257,27 +272,53 @@ class StructuredOutputManager:
 
     # ---- per step ----------------------------------------------------------------
     def step_bitmask(self, plan: StepPlan) -> GrammarBitmask | None:
-        """The allowed tokens of this step's constrained, sampling rows; None when there are none."""
+        """The allowed tokens of this step's constrained, sampling rows; None when there are none.
+        In a speculative step the rows are logits rows (1 + its drafts per request, in order), and
+        a speculating sequence's row m is filled after its first m drafts (then rolled back)."""
         from kvserve.engine.step_record import GrammarBitmask
 
-        rows, matchers, json_rows = [], [], {False: [], True: []}
-        for i, item in enumerate(plan.scheduled):
-            grammar = item.request.structured
+        expanded = any(item.spec_token_ids for item in plan.scheduled)
+        rows, matchers, json_rows, first = [], [], {False: [], True: []}, 0
+        drafted: list[tuple[int, SequenceGrammar, tuple[int, ...]]] = []
+        for item in plan.scheduled:
+            grammar, num_rows = item.request.structured, 1 + len(item.spec_token_ids)
             if grammar is not None and item.is_sampled:
-                rows.append(i)
-                matchers.append(grammar.matcher)
+                if item.spec_token_ids:
+                    drafted.append((first, grammar, item.spec_token_ids))
+                else:
+                    rows.append(first)
+                    matchers.append(grammar.matcher)
                 if grammar.json_whitespace is not None:
-                    json_rows[grammar.json_whitespace].append(i)
-        if not rows:
+                    json_rows[grammar.json_whitespace].extend(range(first, first + num_rows))
+            first += num_rows if expanded else 1
+        if not rows and not drafted:
             return None
-        bitmask = np.empty((len(plan.scheduled), -(-self.vocab_size // 32)), np.int32)  # [B, ceil(V/32)]
-        if self._batch_matcher is None:
-            self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.fill_threads)
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        bitmask = np.empty((first, -(-self.vocab_size // 32)), np.int32)  # [B or R, ceil(V/32)]
+        if rows:
+            if self._batch_matcher is None:
+                self._batch_matcher = import_xgrammar().BatchGrammarMatcher(self.fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        for start, grammar, drafts in drafted:
+            rows.extend(self._fill_draft_rows(grammar, drafts, bitmask, start))
         for whitespace, json_row_ids in json_rows.items():
             if json_row_ids:
                 bitmask[json_row_ids] &= self._no_control_mask(whitespace)
-        return GrammarBitmask(tuple(rows), bitmask)
+        return GrammarBitmask(tuple(rows), bitmask, expanded)
+
+    @staticmethod
+    def _fill_draft_rows(grammar: SequenceGrammar, drafts: tuple[int, ...], bitmask: np.ndarray,
+                         start: int) -> list[int]:
+        """Rows start .. start + len(drafts): the allowed tokens after 0, 1, ... of the drafts (which
+        `valid_drafts` checked when they were proposed)."""
+        import torch
+
+        view = torch.from_numpy(bitmask)
+        for m, token_id in enumerate((*drafts, None)):
+            grammar.matcher.fill_next_token_bitmask(view, start + m)
+            if token_id is not None:
+                grammar.matcher.accept_token(token_id)
+        grammar.matcher.rollback(len(drafts))
+        return list(range(start, start + len(drafts) + 1))
 
     def _no_control_mask(self, whitespace: bool) -> np.ndarray:
         """Clears the tokens holding raw control bytes (U+0000-U+001F; \t \n \r allowed when
@@ -297,11 +338,17 @@ class StructuredOutputManager:
         return mask
 
     @staticmethod
-    def accept_tokens(plan: StepPlan, sampled_token_ids: list[int | None]) -> None:
-        """Advance each constrained sequence's matcher with the token it sampled this step."""
+    def accept_tokens(plan: StepPlan, sampled_token_ids: list[int | None],
+                      accepted: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Advance each constrained sequence's matcher with its accepted drafts (when it speculated)
+        and the token it sampled this step."""
         for item, token_id in zip(plan.scheduled, sampled_token_ids):
             grammar = item.request.structured
-            if grammar is not None and token_id is not None and not grammar.is_terminated:
+            if grammar is None or token_id is None:
+                continue
+            for draft in (accepted or {}).get(item.request.request_id, ()):
+                grammar.accept(draft)
+            if not grammar.is_terminated:
                 grammar.accept(token_id)
 
 

@@ -330,6 +330,38 @@ def test_penalties_and_logprobs_with_speculation(llama_dir, forced, params):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("corrupt", [0, 3])
+def test_structured_outputs_with_speculation(llama_dir, forced, corrupt):
+    """Drafts are cut to what the grammar allows (short of its end), each draft row is masked with
+    the grammar's state after the drafts before it, and the matcher takes the accepted drafts:
+    seeded outputs equal those without speculation and always validate."""
+    pytest.importorskip("xgrammar")
+    import jsonschema
+
+    from kvserve.engine.sampling_params import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "bb"]},
+                                                        "maxItems": 3}},
+              "required": ["id", "tags"]}
+    specs = [StructuredOutputs(json=schema), StructuredOutputs(regex=r"[a-z]{2,6}@[a-z]{2,4}\\.(com|org)"),
+             StructuredOutputs(choice=["yes", "no", "maybe so"])]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=spec)
+              for spec in specs for s in range(4)]
+    base = LLM(llama_dir, dtype="float32", device="cpu")
+    prompts = [f"The quick brown fox {i}" for i in range(len(params))]
+    want = base.generate(prompts, params, use_tqdm=False)
+    forced["truth"] = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in want}
+    forced["corrupt"] = corrupt
+    llm = LLM(llama_dir, dtype="float32", device="cpu", speculative_config={**NGRAM, "max_batch_size": 64})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs(got) == outputs(want)
+    for out in got[:4]:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.scheduler.num_accepted_tokens > (20 if corrupt == 0 else 0)
+    assert_no_leaks(llm)
+
+
 # ---- served ------------------------------------------------------------------------------------------------
 
 
