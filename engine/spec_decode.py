@@ -49,7 +49,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported (supported: "
-                             f"{', '.join(METHODS)}; a draft model is not implemented yet)")
+                             f"{', '.join(METHODS)})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -76,6 +76,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        if value.get("method") == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' is not implemented yet (supported: ngram)")
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)} (known: "

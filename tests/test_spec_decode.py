@@ -69,7 +69,8 @@ def test_ngram_proposal(tokens, k, n_min, n_max, want):
 
 @pytest.mark.parametrize("value,match", [
     ({"method": "eagle"}, "method 'eagle' is not supported"),
-    ({"method": "draft_model", "model": "x"}, "unknown keys \\['model'\\]"),
+    ({"method": "draft_model", "model": "x"}, "'draft_model' is not implemented yet"),
+    ({"method": "ngram", "model": "x"}, "unknown keys \\['model'\\]"),
     ({"num_speculative_tokens": 4}, "needs a 'method'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "at most 16"),
