@@ -210,10 +210,7 @@ class EngineArgs:
         return ParallelConfig(self.tensor_parallel_size)
 
     def speculative(self) -> SpeculativeConfig | None:
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if spec is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
-        return spec
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
         limits = GrammarLimits(self.max_schema_properties, self.max_schema_depth, self.max_schema_enum_values,

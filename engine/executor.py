@@ -77,6 +77,7 @@ class TensorParallelExecutor:
         self.size, self.timeout_s = size, timeout_s
         self._dead: str | None = None
         self._prev_sampled: tuple[int | None, ...] = ()
+        self._prev_num_accepted: tuple[int, ...] = ()
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._conns = []
         devices = rank_devices(resolve_device(model_config.device), size)
@@ -144,7 +145,7 @@ class TensorParallelExecutor:
         if reason is not None:
             raise TensorParallelError(reason)
         try:
-            message = messages.encode(WorkerStep(step, self._prev_sampled))
+            message = messages.encode(WorkerStep(step, self._prev_sampled, self._prev_num_accepted))
             for conn in self._conns:
                 conn.send_bytes(message)
             out = self.driver.execute(step, grammar_bitmask)
@@ -152,6 +153,7 @@ class TensorParallelExecutor:
             reason = self._fail(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
             raise TensorParallelError(reason) from e
         self._prev_sampled = tuple(out.sampled_token_ids)
+        self._prev_num_accepted = tuple(len(out.accepted.get(r, ())) for r in step.req_ids) if out.accepted else ()
         return out
 
     @property

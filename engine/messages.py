@@ -156,6 +156,8 @@ class WorkerStep:
     kind: ClassVar = MessageKind.WORKER_STEP
     record: StepRecord
     prev_sampled_token_ids: tuple[int | None, ...]  # rank 0's samples of the step before (None: no sample)
+    # speculative decoding: how many of each request's drafts rank 0 accepted the step before
+    prev_num_accepted: tuple[int, ...] = ()
 
 
 @_message

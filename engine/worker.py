@@ -60,13 +60,18 @@ class WorkerRunner(ModelRunner):
     """The runner of a rank > 0: rank 0's batch bookkeeping and forward, without sampling."""
 
     @torch.inference_mode()
-    def execute_worker(self, step: StepRecord, prev_sampled: tuple[int | None, ...]) -> None:
-        """Append the tokens rank 0 sampled last step (rows are still that step's), then run this step."""
+    def execute_worker(self, step: StepRecord, prev_sampled: tuple[int | None, ...],
+                       prev_num_accepted: tuple[int, ...] = ()) -> None:
+        """Append the tokens rank 0 sampled last step (rows are still that step's): the drafts it
+        accepted (already in this batch's token ids, after the rows' tokens) and its sampled token;
+        then run this step."""
+        if prev_num_accepted:
+            self.batch.num_tokens[:len(prev_num_accepted)] += np.array(prev_num_accepted, np.int64)
         rows = [i for i, token in enumerate(prev_sampled) if token is not None]
         if rows:
             token_ids = np.array([prev_sampled[i] for i in rows], np.int64)
             self.batch.append_sampled(np.array(rows, np.int64), token_ids, None, None)  # no penalty state here
-        hidden, _, _, prompt_rows, _, owners, _ = self._forward(step)  # (no speculation with tensor parallelism)
+        hidden, _, _, prompt_rows, _, owners, _ = self._forward(step)  # (the LM head ran on rank 0's rows too)
         if owners:  # rank 0 scores prompt logprobs in chunks: one LM-head gather each
             chunk = self.max_num_seqs
             for i in range(0, len(prompt_rows), chunk):
@@ -117,7 +122,7 @@ def _serve(runner: WorkerRunner, conn: Connection, rank: int) -> int:
         if not isinstance(message, WorkerStep):  # Stop
             return 0
         try:
-            runner.execute_worker(message.record, message.prev_sampled_token_ids)
+            runner.execute_worker(message.record, message.prev_sampled_token_ids, message.prev_num_accepted)
         except Exception:  # a collective timed out, a peer vanished, or the step itself failed
             logger.exception("tensor-parallel worker %d: step failed; exiting", rank)
             return 1

@@ -89,8 +89,6 @@ def test_config_forms(llama_dir):
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
     args = EngineArgs(model=llama_dir, speculative_config={"method": "ngram"})
     assert args.speculative() == SpeculativeConfig()
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(model=llama_dir, speculative_config={"method": "ngram"}, tensor_parallel_size=2).validate()
     with pytest.raises(ValueError, match="speculative must be a bool"):
         SamplingParams(speculative="no")
 
@@ -361,6 +359,29 @@ def test_structured_outputs_with_speculation(llama_dir, forced, corrupt):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert llm.engine.scheduler.num_accepted_tokens > (20 if corrupt == 0 else 0)
     assert_no_leaks(llm)
+
+
+def test_tensor_parallel_with_speculation(llama_dir, forced):
+    """With 2 ranks the workers learn each step's accepted drafts (with rank 0's samples) and keep
+    their batches in step: outputs equal those of the same 2 ranks without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    base = LLM(llama_dir, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=4)
+    try:
+        prompts = prompts_for(base.engine.info.vocab_size)
+        want = base.generate(prompts, params, use_tqdm=False)
+    finally:
+        base.shutdown()
+    forced["truth"] = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
+    forced["corrupt"] = 3
+    llm = LLM(llama_dir, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=4,
+              speculative_config=NGRAM)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert llm.engine.scheduler.num_accepted_tokens > 10
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
 
 
 # ---- served ------------------------------------------------------------------------------------------------
