@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="the policy's max_batch_size (default: the config's own)")
     p.add_argument("--adversarial", action="store_true", help="drafts that are never accepted")
+    p.add_argument("--draft", default=None, help="a draft model's checkpoint (method draft_model) instead of n-grams")
     p.add_argument("--quantization", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON file for every run")
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for k in [0, *ks]:
                 spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k}
+                if spec is not None and args.draft:
+                    spec.update(method="draft_model", model=args.draft)
                 if spec is not None and args.max_batch_size is not None:
                     spec["max_batch_size"] = args.max_batch_size
                 r = run_once(args.model, spec, prompts, params, args.quantization)

@@ -96,9 +96,8 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        spec = args.speculative()
         self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len,
-                                   None if spec is None else Proposer(spec, files.max_model_len))
+                                   self._proposer(args, model_config, files))
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
         so_config = args.structured_outputs_config()
@@ -161,6 +160,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         self.add_processed(request_id, self.process_prompt(prompt, params))
+
+    def _proposer(self, args: EngineArgs, model_config, files) -> Proposer | None:
+        spec = args.speculative()
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            from kvserve.engine.spec_draft import DraftModelProposer
+
+            return DraftModelProposer(spec, files.max_model_len, model_config, files.hf_config.vocab_size,
+                                      args.block_size, args.max_num_seqs)
+        return Proposer(spec, files.max_model_len)
 
     @staticmethod
     def _child_seed(seed: int | None, index: int) -> int | None:

@@ -109,6 +109,8 @@ class Scheduler:
         (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = status
         self.block_manager.free(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
         self._finished_req_ids.append(request_id)
         return request
 
@@ -184,6 +186,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

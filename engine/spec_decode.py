@@ -28,7 +28,7 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays where a step is bound by reading the weights; with many sequences in the batch
 # the extra rows cost compute. Above this many running sequences no drafts are proposed.
@@ -41,6 +41,7 @@ MAX_BACKOFF_STEPS = 32
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
+    model: str | None = None  # draft_model: the draft checkpoint (the target's vocabulary)
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -57,6 +58,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config 'model' (the draft checkpoint) is required with method "
+                             "draft_model, and only there")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) is below "
                              f"prompt_lookup_min ({self.prompt_lookup_min})")
@@ -76,8 +80,6 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        if value.get("method") == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not implemented yet (supported: ngram)")
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)} (known: "
@@ -131,8 +133,12 @@ class Proposer:
             drafts = drafts[:request.structured.valid_drafts(drafts)]
         return drafts
 
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted (a draft model frees its draft K/V)."""
+
     def draft(self, request: Request, k: int) -> list[int]:
-        """Up to k draft tokens to follow the request's tokens (the method's own part)."""
+        """Up to k draft tokens to follow the request's tokens (the method's own part: n-gram lookup
+        here, a draft model in engine/spec_draft.py)."""
         c = self.config
         return ngram_proposal(request.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 

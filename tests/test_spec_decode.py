@@ -69,8 +69,9 @@ def test_ngram_proposal(tokens, k, n_min, n_max, want):
 
 @pytest.mark.parametrize("value,match", [
     ({"method": "eagle"}, "method 'eagle' is not supported"),
-    ({"method": "draft_model", "model": "x"}, "'draft_model' is not implemented yet"),
-    ({"method": "ngram", "model": "x"}, "unknown keys \\['model'\\]"),
+    ({"method": "draft_model"}, "'model' \\(the draft checkpoint\\) is required"),
+    ({"method": "ngram", "model": "x"}, "only there"),
+    ({"method": "ngram", "draft": "x"}, "unknown keys \\['draft'\\]"),
     ({"num_speculative_tokens": 4}, "needs a 'method'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "at most 16"),
@@ -382,6 +383,43 @@ def test_tensor_parallel_with_speculation(llama_dir, forced):
         assert_no_leaks(llm)
     finally:
         llm.shutdown()
+
+
+# ---- a draft model ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_draft_model(llama_dir, tmp_path, draft):
+    """The target as its own draft proposes its own greedy tokens (acceptance about 1); another
+    random model with the same vocabulary proposes mostly wrong ones. Outputs are unchanged either
+    way (greedy and seeded), and the draft's blocks are freed with each request."""
+    from checkpoints import make_checkpoint
+
+    draft_dir = llama_dir if draft == "itself" else make_checkpoint(tmp_path / "draft", "llama", seed=7,
+                                                                    num_hidden_layers=1)
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, stop=["e"])]
+    base = make_llm(llama_dir, None)
+    prompts = prompts_for(base.engine.info.vocab_size)[:3]
+    llm = make_llm(llama_dir, spec)
+    sched = llm.engine.scheduler
+    for p in params:
+        assert outputs(llm.generate(prompts, p, use_tqdm=False)) == outputs(base.generate(prompts, p, use_tqdm=False))
+        if p.temperature == 0:  # greedy drafts against greedy verification
+            acceptance = sched.num_accepted_tokens / sched.num_draft_tokens
+            assert acceptance > 0.9 if draft == "itself" else acceptance < 0.5, acceptance
+    proposer = sched.proposer
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks - 1 and not proposer.computed
+    assert_no_leaks(llm)
+
+
+def test_draft_model_with_another_vocabulary_is_refused(llama_dir, tmp_path):
+    from checkpoints import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "big-vocab", "llama", vocab_size=400)
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens, the target 384"):
+        make_llm(llama_dir, {"method": "draft_model", "model": other})
 
 
 # ---- served ------------------------------------------------------------------------------------------------
