@@ -80,7 +80,7 @@ class Request:
         # speculative decoding's back-off (engine/spec_decode.py): steps left without drafts, and the
         # next pause after another verification that accepts nothing
         self.spec_skip = 0
-        self.spec_backoff = 1
+        self.spec_backoff = 0  # 0: the first pause (spec_decode.FIRST_BACKOFF_STEPS)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,9 +33,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays where a step is bound by reading the weights; with many sequences in the batch
 # the extra rows cost compute. Above this many running sequences no drafts are proposed.
 DEFAULT_MAX_BATCH = 4
-# A verification that accepts nothing pauses the request's drafts for 1, 2, 4, ... up to this many
-# steps (reset by one that accepts): rejected drafts cost little each, but need not cost often.
-MAX_BACKOFF_STEPS = 32
+# A verification that accepts nothing pauses the request's drafts for 2, 4, 8, ... up to 64 steps
+# (reset by one that accepts): rejected drafts cost little each, but need not cost often.
+FIRST_BACKOFF_STEPS = 2
+MAX_BACKOFF_STEPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +147,10 @@ class Proposer:
     def record(request: Request, num_accepted: int) -> None:
         """After a verification: a request whose drafts were all rejected pauses them (back-off)."""
         if num_accepted:
-            request.spec_backoff = 1
+            request.spec_backoff = 0
         else:
-            request.spec_skip = request.spec_backoff
-            request.spec_backoff = min(2 * request.spec_backoff, MAX_BACKOFF_STEPS)
+            request.spec_skip = request.spec_backoff or FIRST_BACKOFF_STEPS
+            request.spec_backoff = min(2 * request.spec_skip, MAX_BACKOFF_STEPS)
 
 
 def eligible(request: Request) -> bool:
