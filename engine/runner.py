@@ -223,7 +223,7 @@ class ModelRunner:
         num_drafts = self._write_drafts(step)  # [B] or None
         computed = np.array(step.num_computed_tokens, np.int64)  # [B]
         query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
-        input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens)
+        input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens, num_drafts)
         ends = batch.num_tokens[:num_reqs] if num_drafts is None else batch.num_tokens[:num_reqs] + num_drafts
         is_sampled = computed + query_lens == ends  # [B] reaches the end (of the drafts too)
         prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
@@ -231,7 +231,7 @@ class ModelRunner:
         # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
         # sampling tensors then apply as they are); prompt-logprob rows come after sampling
 
-        if self.graphs is not None and self.graphs.can_run(meta, num_reqs):
+        if self.graphs is not None and num_drafts is None and self.graphs.can_run(meta, num_reqs):
             hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
         elif self.cpu_stack is not None:
             hidden = self.cpu_stack(input_ids, positions, meta)  # [T, hidden]
@@ -272,8 +272,13 @@ class ModelRunner:
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_t[:, None][:, :0])
         return [t.tolist() for t in (target_lp[:, 0], ranks, top_lp, top_ids)]
 
-    def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray):
-        """Flat step tensors for rows 0..B-1 of the batch, gathered with numpy (no per-token loop)."""
+    def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray, num_drafts: np.ndarray | None = None):
+        """Flat step tensors for rows 0..B-1 of the batch, gathered with numpy (no per-token loop).
+
+        A speculating request's chunk (its last token and its drafts) reaches attention as one
+        decode row per token, each with its own sequence length: the kernels then compute every
+        draft position exactly as decoding one token at a time would (a prefill kernel's sums
+        round differently in bf16, and a near-tie could flip a greedy token)."""
         batch, bs = self.batch, self.block_size
         num_reqs = len(query_lens)
         cu = np.zeros(num_reqs + 1, np.int64)  # cu_seqlens_q
@@ -286,14 +291,23 @@ class ModelRunner:
         block_table = batch.block_table[:num_reqs, :max_blocks].copy()  # [B, max_blocks], 0-padded
         slot_mapping = block_table[req_idx, positions // bs] * bs + positions % bs
         seq_lens = computed + query_lens
+        att_cu, att_query_lens = cu, query_lens
+        if num_drafts is not None:  # every token of a speculating chunk its own decode row
+            split = np.repeat(num_drafts > 0, query_lens)  # [T] the token belongs to a speculating chunk
+            starts = np.flatnonzero(np.r_[True, split[1:] | (req_idx[1:] != req_idx[:-1])])  # tokens starting a row
+            att_query_lens = np.diff(np.r_[starts, num_tokens])
+            seq_lens = positions[starts + att_query_lens - 1] + 1
+            block_table = block_table[req_idx[starts]]
+            att_cu = np.zeros(len(starts) + 1, np.int64)
+            np.cumsum(att_query_lens, out=att_cu[1:])
         index = self.index_dtype
         ids_dev, positions_dev, last_rows = self.staging.copy([input_ids, positions, cu[1:] - 1], np.int64)
-        slots_dev, cu_dev, seq_lens_dev, table_dev = self.staging.copy([slot_mapping, cu, seq_lens, block_table],
+        slots_dev, cu_dev, seq_lens_dev, table_dev = self.staging.copy([slot_mapping, att_cu, seq_lens, block_table],
                                                                        index, second=True)
         meta = AttentionMetadata(
             slot_mapping=slots_dev, positions=positions_dev, cu_seqlens_q=cu_dev, seq_lens=seq_lens_dev,
-            block_table=table_dev, query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            block_size=bs, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            block_table=table_dev, query_lens_cpu=att_query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            block_size=bs, max_query_len=int(att_query_lens.max()), max_seq_len=int(seq_lens.max()),
         )
         return ids_dev, positions_dev, last_rows, meta, cu
 

@@ -406,6 +406,37 @@ def test_abort_mid_speculation_frees_everything(llama_dir, forced, method):
         assert draft.blocks.num_free_blocks == draft.blocks.num_blocks - 1 and not draft.computed
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bf16_kernels_give_the_same_bits(tmp_path, forced, quantization):
+    """Each token of a speculating chunk reaches attention as its own decode row, so on the CPU's bf16
+    kernels (decoder stack, paged decode attention, int8 matmuls) every draft position is computed
+    exactly as decoding one token at a time: same tokens and the same logprobs, bit for bit."""
+    from checkpoints import make_checkpoint
+
+    from kvserve.models import cpu_ops
+
+    if not cpu_ops.load() or not cpu_ops.has_fast_bf16():
+        pytest.skip("needs the AVX512-BF16 kernels")
+    path = make_checkpoint(tmp_path / "hd32", "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=True, initializer_range=0.1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = {"dtype": "bfloat16", "device": "cpu", "quantization": quantization}
+    base = LLM(path, **kw)
+    assert base.engine.runner.cpu_stack is not None
+    prompts = prompts_for(base.engine.info.vocab_size)
+    want = base.generate(prompts, params, use_tqdm=False)
+    forced["truth"] = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
+    forced["corrupt"] = 3
+    llm = LLM(path, speculative_config=NGRAM, **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_accepted_tokens > 20
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in e.items()} for e in g.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in e.items()} for e in w.outputs[0].logprobs]
+    assert_no_leaks(llm)
+
+
 # ---- a draft model ------------------------------------------------------------------------------------------
 
 
