@@ -231,8 +231,9 @@ class ModelRunner:
         # a logits row for every request (a mid-prefill row's draw is discarded: the batch's
         # sampling tensors then apply as they are); prompt-logprob rows come after sampling
 
-        if self.graphs is not None and num_drafts is None and self.graphs.can_run(meta, num_reqs):
-            hidden = self.graphs.run(input_ids, positions, meta)  # [B, hidden]
+        # (a speculative step's rows are decode rows too: its graphs replay when all its rows decode)
+        if self.graphs is not None and self.graphs.can_run(meta, len(meta.query_lens_cpu)):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [rows, hidden]
         elif self.cpu_stack is not None:
             hidden = self.cpu_stack(input_ids, positions, meta)  # [T, hidden]
         else:

@@ -436,3 +436,23 @@ def test_quantized_model_on_cuda_matches_the_cpu(checkpoint_dirs, quantization):
             llm.shutdown()
     same = sum(a[:4] == b[:4] for a, b in zip(outs["cuda"], outs["cpu"]))
     assert same >= 2, (outs["cuda"], outs["cpu"])
+
+
+def test_speculative_decoding_on_cuda_matches_without(checkpoint_dirs):
+    """n-gram speculation on CUDA: a step whose rows all decode (drafts included, each its own decode
+    row) replays CUDA graphs; greedy tokens equal those without speculation and of enforce_eager
+    (fp32 and the tests' peaked tiny model: no near-ties for other GEMM shapes to flip)."""
+    prompts = [(list(range(5, 25)) * 3)[:50], list(range(40, 47)) * 4]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 8}
+    outs = []
+    for kw in ({}, {"speculative_config": spec}, {"speculative_config": spec, "enforce_eager": True}):
+        llm = LLM(checkpoint_dirs["llama"], device="cuda", dtype="float32", **kw)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+            if kw:
+                assert llm.engine.scheduler.num_accepted_tokens > 0
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1] == outs[2]
