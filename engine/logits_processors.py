@@ -42,7 +42,8 @@ class LogitsProcessors:
 
     def _expanded(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
                   spec: SpecRows) -> torch.Tensor:
-        """Bias on every row of a biased request; a grammar (never on a speculating request) on its one row."""
+        """Bias on every row of a biased request; the grammar bitmask, which `step_bitmask` already
+        made one row per logits row (`GrammarBitmask.expanded`)."""
         per_row = self.batch.logit_bias[:num_rows]
         biased = [(r, per_row[i]) for r, i in enumerate(spec.row_req.tolist()) if per_row[i]]
         if biased:
@@ -51,9 +52,6 @@ class LogitsProcessors:
             values = torch.tensor([b for _, pairs in biased for _, b in pairs], device=self.device)
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
         if grammar is not None:
-            if not grammar.expanded:  # (a record made without the step's drafts: one row per request)
-                rows = tuple(int(spec.last_row[i]) for i in grammar.rows)
-                grammar = GrammarBitmask(rows, grammar.bitmask[spec.row_req])
             apply_bitmask(logits, grammar, self.device)
         return logits
 

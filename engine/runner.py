@@ -186,8 +186,8 @@ class ModelRunner:
     def _verify(self, step: StepRecord, logits: torch.Tensor, grammar: GrammarBitmask | None,
                 is_sampled: np.ndarray, spec: SpecRows):
         """Sample every logits row of a speculative step [R, V], accept drafts, record the tokens;
-        -> (each request's sampled token, the accepted drafts of those that speculated, the
-        logprobs of the others: speculating requests ask for none)."""
+        -> (each request's sampled token, the accepted drafts of those that speculated, the sampled
+        tokens' logprobs, the accepted drafts' logprobs), logprobs for the requests asking for them."""
         batch, num_reqs = self.batch, len(step.req_ids)
         logits = self.logits_processors(logits, grammar, num_reqs, spec)
         drafts = [step.spec_token_ids.get(r, ()) for r in step.req_ids]
@@ -207,10 +207,13 @@ class ModelRunner:
         sampled = [t if s else None for t, s in zip(new_tokens, is_sampled.tolist())]
         accepted = {r: d[:j] for r, d, j in zip(step.req_ids, drafts, num_accepted) if d}
         # logprobs of each request's new tokens: its accepted drafts' rows, then its sampled token's
-        first = spec.first_row.tolist()
-        draft_rows = {i: np.arange(first[i], first[i] + j) for i, j in enumerate(num_accepted) if j}
-        logprobs, draft_logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out, new_rows,
-                                                          draft_rows)
+        logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out, new_rows)
+        wanted = [i for i, j in enumerate(num_accepted) if j and batch.num_logprobs[i] >= 0]
+        draft_logprobs = {}
+        if wanted:
+            entry, first = self._logprob_entry(out, token_ids), spec.first_row.tolist()
+            draft_logprobs = {step.req_ids[i]: [entry(r, int(batch.num_logprobs[i]))
+                                                for r in range(first[i], first[i] + num_accepted[i])] for i in wanted}
         return sampled, accepted, logprobs, draft_logprobs
 
     def _forward(self, step: StepRecord):
@@ -314,15 +317,19 @@ class ModelRunner:
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
-                          out, rows: np.ndarray | None = None,
-                          spec_rows: dict[int, np.ndarray] | None = None):
-        """The logprobs of each sampled request that asked for them: {request id: TokenLogprobs} of its
-        row of the sampler's outputs (`rows[i]`; None: row i), and with `spec_rows` ({request index:
-        its accepted drafts' rows}) also {request id: [TokenLogprobs]} of those rows."""
+                          out, rows: np.ndarray | None = None) -> dict[str, TokenLogprobs]:
+        """The sampled token's logprobs of each request that asked for them, from its row of the
+        sampler's outputs (`rows[i]`; None: row i)."""
         num_logprobs = self.batch.num_logprobs[:len(req_ids)]  # -1 = none
         wanted = np.flatnonzero((num_logprobs >= 0) & is_sampled).tolist()
         if not wanted:
-            return {} if spec_rows is None else ({}, {})
+            return {}
+        entry = self._logprob_entry(out, token_ids)
+        return {req_ids[i]: entry(i if rows is None else int(rows[i]), int(num_logprobs[i])) for i in wanted}
+
+    @staticmethod
+    def _logprob_entry(out, token_ids: np.ndarray) -> Callable[[int, int], TokenLogprobs]:
+        """(row, k) -> that row's token, its logprob and rank, and the top k (one host copy of each)."""
         lps = out.sampled_logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
         top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
@@ -332,12 +339,7 @@ class ModelRunner:
             return (int(token_ids[r]), lps[r], ranks[r], top_ids[r][:k] if top_ids and k else [],
                     top_lps[r][:k] if top_lps and k else [])
 
-        result = {req_ids[i]: entry(i if rows is None else int(rows[i]), int(num_logprobs[i])) for i in wanted}
-        if spec_rows is None:
-            return result
-        drafts = {req_ids[i]: [entry(int(r), int(num_logprobs[i])) for r in spec_rows[i]]
-                  for i in wanted if len(spec_rows.get(i, ()))}
-        return result, drafts
+        return entry
 
     def _prompt_logprob_rows(self, req_ids: tuple[str, ...], computed: np.ndarray, query_lens: np.ndarray,
                              cu: np.ndarray):

@@ -13,8 +13,10 @@ sample-and-compare is the rejection sampling of Leviathan et al.: accept with pr
 else draw from p without d.)
 
 Configured as vLLM's users write it: `speculative_config={"method": "ngram",
-"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}` (a dict offline, JSON
-for `--speculative-config` / `KVSERVE_SPECULATIVE_CONFIG`). Plain Python: the scheduler runs it.
+"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}` or `{"method":
+"draft_model", "model": DIR, ...}` (a dict offline, JSON for `--speculative-config` /
+`KVSERVE_SPECULATIVE_CONFIG`). Plain Python: the scheduler runs it (a draft model's forward lives
+behind `Proposer.draft`, in engine/spec_draft.py).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)} (known: "
                              f"{', '.join(cls.__dataclass_fields__)})")
         if "method" not in value:
-            raise ValueError("speculative_config needs a 'method' (supported: ngram)")
+            raise ValueError(f"speculative_config needs a 'method' (supported: {', '.join(METHODS)})")
         return cls(**value)
 
 
