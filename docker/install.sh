@@ -5,6 +5,7 @@
 #
 #   install.sh deps    VENV PROJECT_DIR   # slow, cached layer: Python deps only
 #   install.sh package VENV PROJECT_DIR   # kvserve itself, no dependencies
+#   install.sh kernels VENV OUT_DIR       # compile the CPU kernels into OUT_DIR
 #
 # `deps` reads only PROJECT_DIR/pyproject.toml and PROJECT_DIR/docker/constraints.txt,
 # so a Dockerfile can run it before copying the source and keep the layer
@@ -17,11 +18,14 @@
 #   TORCH_INDEX_URL  index that torch (and nothing else) comes from, e.g.
 #                    https://download.pytorch.org/whl/cpu or .../whl/cu130.
 #                    Empty: pip's own configuration decides (the tests use this).
+#   TORCH_FIND_LINKS a directory of wheels (or a page of links) to take torch
+#                    from instead of any index; relative paths are taken from
+#                    PROJECT_DIR. Wins over TORCH_INDEX_URL.
 #   PYTHON           interpreter that creates the venv (default: python3).
 set -eu
 
 usage() {
-    echo "usage: $0 deps|package VENV PROJECT_DIR" >&2
+    echo "usage: $0 deps|package VENV PROJECT_DIR, or $0 kernels VENV OUT_DIR" >&2
     exit 2
 }
 
@@ -40,7 +44,14 @@ deps)
     # torch first and alone: its index hosts torch builds for one device
     # (cpu, cu130, ...), and --no-deps keeps every other package on PyPI.
     torch_pin=$(grep -E '^torch==' "$constraints")
-    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    if [ -n "${TORCH_FIND_LINKS:-}" ]; then
+        links=$TORCH_FIND_LINKS
+        case "$links" in
+        /* | *://*) ;;
+        *) links="$project/$links" ;;
+        esac
+        $pip install --no-deps --no-index --find-links "$links" "$torch_pin"
+    elif [ -n "${TORCH_INDEX_URL:-}" ]; then
         $pip install --no-deps --index-url "$TORCH_INDEX_URL" "$torch_pin"
     else
         $pip install --no-deps "$torch_pin"
@@ -69,6 +80,26 @@ package)
     # No build isolation: the build backend is the pinned one installed by `deps`.
     $pip install --no-deps --no-build-isolation "$project"
     $pip check
+    ;;
+kernels)
+    # The installed package's models/csrc, built where kvserve will look for
+    # it (KVSERVE_CPU_OPS_DIR, in a folder named by the sources' digest).
+    # Fails loudly on x86-64: an image that silently fell back to the PyTorch
+    # path would be slower with nothing to say why. Elsewhere the kernels do
+    # not apply and the folder stays empty.
+    out=$3
+    mkdir -p "$out"
+    case "$(uname -m)" in
+    x86_64 | amd64) ;;
+    *)
+        echo "no CPU kernels on $(uname -m): kvserve runs its PyTorch path"
+        exit 0
+        ;;
+    esac
+    KVSERVE_CPU_OPS_DIR=$out "$venv/bin/python" -c \
+        "from kvserve.models import cpu_ops; import sys; sys.exit(0 if cpu_ops.load() else 1)"
+    # Only the library is loaded: drop the objects and ninja's files.
+    find "$out" -type f ! -name '*.so' -delete
     ;;
 *)
     usage

@@ -360,6 +360,7 @@ def test_server_env_names_are_flags() -> None:
     config = pytest.importorskip("kvserve.server.config", reason="kvserve.server.config not importable yet")
     fields = {f"KVSERVE_{name.upper()}" for name in config.ServerConfig.model_fields}
     fields.add("KVSERVE_CACHE_DIR")  # read by the default-model builder, not a flag
+    fields.add("KVSERVE_CPU_OPS_DIR")  # where models/cpu_ops.py looks for built kernels, not a flag
     names = {e.split("=")[0] for name in DOCKERFILES for e in SERVICES[name]["environment"]}
     for instructions in DF.values():
         names |= set(env_of(stage_of(instructions, None)))
@@ -376,19 +377,23 @@ def test_builder_installs_deps_before_source() -> None:
         builder = stage_of(instructions, "builder")
         order = [(i.cmd, i.args) for i in builder if i.cmd in ("COPY", "RUN")]
         runs = install_runs(builder)
-        assert [r[2] for r in runs] == ["deps", "package"], name
+        # the CPU image also compiles its kernels (models/csrc) in the builder
+        assert [r[2] for r in runs] == ["deps", "package"] + (["kernels"] if name == "kvserve-cpu" else []), name
         deps_at = next(k for k, (c, a) in enumerate(order) if c == "RUN" and " deps " in a)
         before = [src for srcs, _ in copies([i for i in builder if (i.cmd, i.args) in order[:deps_at]])
                   for src in srcs]
-        assert sorted(before) == ["docker/constraints.txt", "docker/install.sh", "pyproject.toml"], name
-        sources = {src.strip("/") for srcs, _ in copies(builder) for src in srcs} - set(before)
+        assert sorted(before) == ["docker/constraints.txt", "docker/install.sh", "docker/wheels/", "pyproject.toml"], \
+            name
+        before = {b.strip("/") for b in before}
+        sources = {src.strip("/") for srcs, _ in copies(builder) for src in srcs} - before - {"README.md"}
+        assert "README.md" in {src for srcs, _ in copies(builder) for src in srcs}, f"{name}: the package's readme"
         # the kvserve package is the repository root's __init__.py plus its subpackages' folders
         setuptools = PYPROJECT["tool"]["setuptools"]
         root = setuptools["package-dir"]["kvserve"]
         folders = {p.split(".")[1] for p in setuptools["packages"] if p.count(".") == 1}
         packages = folders | {str(pathlib.PurePosixPath(root) / "__init__.py")}
         assert sources == packages, f"{name}: COPY {sorted(sources)} but pyproject packages {sorted(packages)}"
-        builders[name] = ([c for c in copies(builder)], runs)
+        builders[name] = ([c for c in copies(builder)], runs[:2])
     assert builders["kvserve"] == builders["kvserve-cpu"], "GPU and CPU builders must install the same way"
 
 
@@ -399,7 +404,38 @@ def test_torch_index_matches_base_image() -> None:
     cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", gpu_args["TORCH_INDEX_URL"]).group(1)
     major, minor = gpu_args["CUDA_VERSION"].split(".")[:2]
     assert cuda == major + minor, f"torch cu{cuda} on a CUDA {gpu_args['CUDA_VERSION']} base image"
-    assert args_of(DF["kvserve"], "FROM")[0].startswith("nvidia/cuda:${CUDA_VERSION}-")
+    assert gpu_args["CUDA_BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-")
+    assert args_of(DF["kvserve"], "FROM")[0] == "${CUDA_BASE_IMAGE} AS base"
+    assert cpu_args["PYTHON_IMAGE"].startswith("python:3.11")
+    assert [f.split()[0] for f in args_of(DF["kvserve-cpu"], "FROM")] == ["${PYTHON_IMAGE}"] * 2
+
+
+def test_builders_people_have_accept_the_dockerfiles() -> None:
+    """Nothing Docker 20.10/24 or Debian 12's buildah 1.28 refuses: HEALTHCHECK --start-interval
+    (Docker 25+) and compose's start_interval; no `# syntax=` line (BuildKit would pull the
+    frontend image from Docker Hub: air-gapped builds fail, and the built-in one has RUN --mount)."""
+    for name, path in DOCKERFILES.items():
+        text = path.read_text()
+        assert not any("--start-interval" in a for a in args_of(DF[name], "HEALTHCHECK")), path
+        assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), path
+    assert not any("start_interval" in (s.get("healthcheck") or {}) for s in SERVICES.values())
+
+
+def test_package_metadata_current_form() -> None:
+    """PEP 639: `license` is an SPDX expression string (the TOML table form is deprecated)."""
+    assert isinstance(PYPROJECT["project"]["license"], str)
+    assert PYPROJECT["project"]["readme"] == "README.md"
+
+
+def test_cpu_image_ships_prebuilt_kernels_without_a_compiler() -> None:
+    """The kernels are compiled in the builder and copied to where the runtime looks for them
+    (KVSERVE_CPU_OPS_DIR); the runtime stage installs no compiler."""
+    final = stage_of(DF["kvserve-cpu"], None)
+    (kernels,) = [r for r in install_runs(stage_of(DF["kvserve-cpu"], "builder")) if r[2] == "kernels"]
+    ops_dir = env_of(final)["KVSERVE_CPU_OPS_DIR"]
+    assert kernels[-1] == ops_dir
+    assert any(f"--from=builder {ops_dir} {ops_dir}" in a for a in args_of(final, "COPY"))
+    assert not any(re.search(r"\b(g\+\+|gcc|build-essential)\b", a) for a in args_of(final, "RUN"))
 
 
 def test_constraints_pin_every_dependency() -> None:
