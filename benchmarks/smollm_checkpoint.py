@@ -11,10 +11,18 @@ with a 49152-row model, almost every id the random model samples decodes to
 1-3 printable characters (all but the 128 lone bytes >= 0x80, kept so that any
 text still encodes: 0.3% of ids), so servers stream one visible chunk per token
 and chunks rarely wait on half a UTF-8 character; that keeps TTFT/ITL clean.
+
+Other shapes, with the same kind of tokenizer (`--shape`, `--architecture`):
+
+    python -m benchmarks.smollm_checkpoint --out loadtest_out/models/smollm-135m-random
+    python -m benchmarks.smollm_checkpoint --shape qwen2.5-0.5b --out loadtest_out/models/qwen25-05b-shape-random
+    python -m benchmarks.smollm_checkpoint --shape qwen2.5-1.5b --architecture Qwen2ForCausalLM \\
+        --out loadtest_out/models/qwen25-15b-shape-random
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from pathlib import Path
@@ -24,6 +32,15 @@ from kvserve.models.checkpoint_writer import (SPECIAL_TOKENS, decoder_shape, ran
 
 SMOLLM_135M_SHAPE = decoder_shape(576, 1536, 30, 9, 3, vocab_size=49152, max_position_embeddings=2048,
                                   rms_norm_eps=1e-5, tie_word_embeddings=True)
+# Overrides of SMOLLM_135M_SHAPE for other real models' sizes (the 2048 positions and 1e-5 norm epsilon kept).
+SHAPES: dict[str, dict] = {
+    "smollm-135m": {},
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, head_dim=64),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, head_dim=128),
+}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
 def ascii_bpe_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -67,13 +84,31 @@ def save_tokenizer(path: Path, vocab_size: int):
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def build_smollm_like(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:
+def build_smollm_like(path: str | Path, seed: int = 0, dtype: str = "bfloat16",
+                      architecture: str = "LlamaForCausalLM", **overrides) -> Path:
     """Write the checkpoint to `path` unless a complete one is already there."""
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     shape = {**SMOLLM_135M_SHAPE, **overrides}
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, **shape}
+    config = {"architectures": [architecture], "model_type": MODEL_TYPES[architecture], "dtype": dtype, **shape}
     write_checkpoint(path, config, random_tensors(config, seed=seed, dtype=dtype), ascii_bpe_tokenizer(shape["vocab_size"]))
     (path / "loadtest_checkpoint.json").write_text(json.dumps({"seed": seed, "shape": shape}) + "\n")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.smollm_checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("loadtest_out/models/smollm-135m-random"))
+    p.add_argument("--shape", choices=SHAPES, default="smollm-135m")
+    p.add_argument("--architecture", choices=MODEL_TYPES, default="LlamaForCausalLM")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    print(build_smollm_like(args.out, seed=args.seed, dtype=args.dtype, architecture=args.architecture,
+                            **SHAPES[args.shape]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
