@@ -10,6 +10,9 @@ import importlib
 
 _EXPORTS = {
     "AsyncLLM": "kvserve.engine.async_llm",
+    "BeamSearchOutput": "kvserve.engine.beam_search",
+    "BeamSearchParams": "kvserve.engine.beam_search",
+    "BeamSearchSequence": "kvserve.engine.beam_search",
     "EngineDeadError": "kvserve.engine.errors",
     "EngineOverloadedError": "kvserve.engine.errors",
     "EngineShutDownError": "kvserve.engine.errors",

@@ -163,7 +163,8 @@ class EngineArgs:
         1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
     quantization: str | None = option(
         None, "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), or fp8 (e4m3, for "
-        "GPUs), quantized at load; none keeps the checkpoint's. Unset: a GGUF file's own type, else none. docs/quantization.md.",
+        "GPUs), quantized at load; none keeps the checkpoint's. Unset: a GGUF file's own type, else none. "
+        "docs/quantization.md.",
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(
         DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from kvserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
@@ -70,6 +71,33 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
+        scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first."""
+        prompts = _normalize_prompts(prompts)
+        # tokenize and check every prompt (its length + max_tokens within the context) up front
+        processed = [self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]
+        bar = tqdm(total=params.max_tokens, desc="beam search steps", disable=not use_tqdm)
+
+        def next_token_logprobs(owners: list[int], sequences: list[list[int]], k: int) -> list[dict[int, float]]:
+            # a beam shares cached blocks only under its prompt's cache salt (docs/security.md)
+            requests = [{"prompt_token_ids": seq, "cache_salt": processed[i].cache_salt} if processed[i].cache_salt
+                        else {"prompt_token_ids": seq} for i, seq in zip(owners, sequences)]
+            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            outputs = self.generate(requests, step, use_tqdm=False)
+            bar.update(1)
+            return [{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
+
+        try:
+            results = beam_search([item.prompt_token_ids for item in processed], params,
+                                  self.engine.info.eos_token_ids, next_token_logprobs)
+        finally:
+            bar.close()
+        for result in results:
+            for seq in result.sequences:
+                seq.text = self.tokenizer.decode(seq.generated_tokens, skip_special_tokens=True)
+        return results
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
 from kvserve.models import cpu_ops
 
 
