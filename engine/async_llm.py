@@ -42,6 +42,7 @@ from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, Req
 from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models import built_default_model
+from kvserve.models.heap import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class AsyncLLM:
             raise
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self._max_chars_per_token = max_chars_per_token(self.tokenizer)
+        release_free_memory()  # what loading the tokenizer freed (its parsed files) goes back to the OS
         self._reader = threading.Thread(target=self._read, name="kvserve-core-reader", daemon=True)
         self._reader.start()
         self._is_ready = True

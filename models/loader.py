@@ -6,8 +6,6 @@ naming it. Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling can run 
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
 from collections import defaultdict
@@ -24,6 +22,7 @@ from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 from kvserve.models.gguf_loader import gguf_quantization, iter_gguf_tensors
+from kvserve.models.heap import release_free_memory
 from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
@@ -226,19 +225,6 @@ def load_model(
     bind_ops(model, select_ops(device, dtype, backend.name))
     release_free_memory()
     return model.eval()
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim): loading frees staged float
-    matrices and a GGUF file's parsed metadata, and glibc keeps freed heap memory mapped, so the
-    process's resident memory would stay that much above its live data."""
-    gc.collect()
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
-        return
-    trim(0)
 
 
 def get_max_model_len(hf_config: PretrainedConfig) -> int:

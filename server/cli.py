@@ -13,13 +13,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.server import package_version
-from kvserve.server.config import ServerConfig
-from kvserve.server.flags import add_flags, parse_settings
 
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvserve.server.config import ServerConfig
+
+# ServerConfig and the flag builder are imported where they are used: the engine core is a
+# spawned process that imports this module again, and it has no use for pydantic-settings.
+
 def _add_serve_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.flags import add_flags
+
     add_flags(parser, ServerConfig)
 
 
@@ -35,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics, /tokenize, /detokenize, /version). Every flag can also be "
-                    f"set with the environment variable shown; flags win over the environment.",
+                    "set with the environment variable shown; flags win over the environment.",
     )
     _add_serve_flags(serve)
     sub.add_parser("ray", help="serve N replicas on Ray Serve (`kvserve ray --help`; needs kvserve[ray])",
@@ -46,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(args: argparse.Namespace) -> ServerConfig:
     """Merge flags over `KVSERVE_*` env vars over defaults; ValueError with a readable message."""
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.flags import parse_settings
+
     return parse_settings(ServerConfig, args)
 
 
@@ -77,7 +86,7 @@ def serve(config: ServerConfig) -> int:
     # the engine core starts loading now, while this process imports the web stack
     engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
                       max_consecutive_step_failures=config.max_consecutive_step_failures)
-    import uvicorn
+    import uvicorn  # noqa: F401  (the web stack's import overlaps the engine core's start)
 
     from kvserve.server.app import create_app
     from kvserve.server.drain import DrainingServer
