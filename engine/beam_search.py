@@ -28,6 +28,10 @@ from typing import Literal
 
 from kvserve.engine.sampling_params import MAX_NUM_LOGPROBS
 
+# |length_penalty| bound: length ** penalty stays a finite float for any context length
+# (transformers' useful range is about 0.5-2).
+MAX_LENGTH_PENALTY = 10.0
+
 # (prompt index of each beam, each beam's token ids so far: prompt + generated, k) -> for each
 # beam, {token id: logprob} of its next token, at least its top k (the caller's engine call).
 NextTokenScorer = Callable[[list[int], list[list[int]], int], list[dict[int, float]]]
@@ -54,8 +58,10 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_NUM_LOGPROBS // 2}], got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) or not (
+                -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY):
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
 

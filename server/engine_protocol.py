@@ -25,6 +25,7 @@ class ModelInfo(Protocol):
     block_size: int
     quantization: str  # none, int8, int4, fp8
     weight_bytes: int
+    eos_token_ids: tuple[int, ...]
 
 
 class ServingEngine(Protocol):

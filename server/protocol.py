@@ -29,7 +29,7 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
-from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 
 from kvserve.engine.input_processor import check_cache_salt
 from kvserve.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
@@ -185,6 +185,13 @@ class SamplingFields(_Request):
     skip_special_tokens: StrictBool | None = True
     speculative: StrictBool | None = Field(
         None, description="false: this request never uses the server's speculative decoding (docs/speculative.md).")
+    use_beam_search: StrictBool | None = Field(
+        False, description="Beam search with n beams; the n best hypotheses are the choices (docs/beam_search.md).")
+    length_penalty: StrictFloat | None = Field(
+        None, ge=-10.0, le=10.0,
+        description="Beam search: a hypothesis scores summed logprob / length ** length_penalty (default 1).")
+    early_stopping: StrictBool | Literal["never"] | None = Field(
+        None, description="Beam search: transformers' early_stopping (default false).")
     cache_salt: Annotated[Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)] = Field(
         None, description="Only requests with the same salt share cached prompt KV (and its faster first token); "
         "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).")

@@ -15,12 +15,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
 
 from kvserve.server.engine_protocol import ServingEngine
 from kvserve.server.errors import APIError, bad_request, internal_error, shutting_down
 from kvserve.server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
-from kvserve.server.metrics import ServerMetrics
+from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -124,6 +127,11 @@ class Serving:
 
     async def outputs(self, vreq: ValidatedRequest) -> AsyncIterator[tuple[int, Any]]:
         """`(prompt_idx, RequestOutput)` from every prompt's engine request, as they come."""
+        if vreq.beam is not None:
+            async with aclosing(self._beam_outputs(vreq)) as beams:
+                async for item in beams:
+                    yield item
+            return
         streams = [self._generate(vreq, i) for i in range(len(vreq.prompts))]
         if len(streams) == 1:
             async with aclosing(streams[0]) as stream:
@@ -159,16 +167,23 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate(self, vreq: ValidatedRequest, prompt_idx: int) -> AsyncIterator[Any]:
-        request_id = f"{vreq.request_id}-{prompt_idx}"
-        tracker = self.metrics.tracker()
+        stream = self._engine_stream(vreq, f"{vreq.request_id}-{prompt_idx}", vreq.prompts[prompt_idx].token_ids,
+                                     vreq.params, self.metrics.tracker())
+        async with aclosing(stream):
+            async for out in stream:
+                yield out
+
+    async def _engine_stream(self, vreq: ValidatedRequest, request_id: str, token_ids: list[int],
+                             params: SamplingParams, tracker: RequestTracker | None) -> AsyncIterator[Any]:
+        """One engine request's outputs, its errors turned into API errors; aborted if left early."""
         is_finished = False
-        token_ids = vreq.prompts[prompt_idx].token_ids
         prompt = (token_ids if vreq.cache_salt is None
                   else {"prompt_token_ids": token_ids, "cache_salt": vreq.cache_salt})
-        stream = self.engine.generate(prompt, vreq.params, request_id)
+        stream = self.engine.generate(prompt, params, request_id)
         try:
             async for out in stream:
-                tracker.observe(out)
+                if tracker is not None:
+                    tracker.observe(out)
                 is_finished = out.finished
                 yield out
         except ValueError as exc:   # the engine refused the request (or its grammar did not compile)
@@ -189,6 +204,45 @@ class Serving:
             await stream.aclose()
             if not is_finished:
                 await self._abort(request_id)
+
+    async def _beam_outputs(self, vreq: ValidatedRequest) -> AsyncIterator[tuple[int, Any]]:
+        """Beam search (engine/beam_search.py): each step runs one single-token engine request per
+        live beam of every prompt, all at once; at the end, one finished output per prompt whose
+        choices are its n best hypotheses. Step requests are not in the per-request metrics; the
+        search is, once, when it ends."""
+        started = time.monotonic()
+        search = BeamSearch([p.token_ids for p in vreq.prompts], vreq.beam, self.engine.model_config.eos_token_ids)
+        step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True)
+
+        async def next_token_logprobs(request_id: str, token_ids: list[int]) -> dict[int, float]:
+            final = None
+            async with aclosing(self._engine_stream(vreq, request_id, token_ids, step_params, None)) as stream:
+                async for final in stream:
+                    pass
+            return {token: lp.logprob for token, lp in final.outputs[0].logprobs[0].items()}
+
+        while beams := search.live_beams():
+            tasks = [asyncio.ensure_future(next_token_logprobs(f"{vreq.request_id}-beam{search.step}-{j}", tokens))
+                     for j, (_, tokens) in enumerate(beams)]
+            try:
+                search.advance(await asyncio.gather(*tasks))
+            finally:   # one failed or the client left: the others stop too (and abort their requests)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        timings = RequestMetrics(arrival_time=started, finished_time=time.monotonic())
+        for i, result in enumerate(search.outputs()):
+            choices = []
+            for k, seq in enumerate(result.sequences):
+                text = self.engine.tokenizer.decode(seq.generated_tokens,
+                                                    skip_special_tokens=vreq.params.skip_special_tokens)
+                choices.append(CompletionOutput(index=k, text=text, token_ids=seq.generated_tokens,
+                                                cumulative_logprob=seq.cum_logprob, finish_reason=seq.finish_reason,
+                                                delta_text=text, delta_token_ids=seq.generated_tokens))
+            out = RequestOutput(f"{vreq.request_id}-{i}", vreq.prompts[i].text, vreq.prompts[i].token_ids, choices,
+                                finished=True, metrics=timings)
+            self.metrics.tracker().observe(out)
+            yield i, out
 
     async def _abort(self, request_id: str) -> None:
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.engine import SamplingParams, StructuredOutputs
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.grammar_limits import GrammarLimits, check_limits
 from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
 from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
@@ -65,6 +66,7 @@ class ValidatedRequest:
     structured_outputs_param: str | None = None   # the field the output constraint came from
     tools: ToolPlan | None = None   # chat with tools: how to read tool calls from the output
     cache_salt: str | None = None   # only requests with the same salt share cached KV blocks
+    beam: BeamSearchParams | None = None   # use_beam_search: the search's settings (n beams)
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -219,6 +221,40 @@ def _check_length(num_prompt_tokens: int, max_tokens: int, limits: ModelLimits, 
         )
 
 
+# Fields that beam search does not honour; a request that sets one with use_beam_search gets a 400
+# naming it rather than a result that silently ignored it. (temperature: only 0 or unset.)
+_NOT_WITH_BEAMS = ("stream", "logprobs", "top_logprobs", "echo", "stop", "stop_token_ids", "min_tokens", "seed",
+                   "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structured_outputs", "tools")
+
+
+def beam_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams | None:
+    """The request's beam search settings (None without use_beam_search); 400 for a field beam
+    search cannot honour, or a beam setting without use_beam_search."""
+    if not req.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(req, name) is not None:
+                raise bad_request(f"{name} applies only with use_beam_search", param=name)
+        return None
+    for name in _NOT_WITH_BEAMS:
+        value = getattr(req, name, None)
+        if name in req.model_fields_set and value not in (None, False, [], {}) and not (
+                name == "response_format" and value.type == "text"):
+            raise bad_request(f"{name} is not supported with use_beam_search", param=name)
+    if req.temperature:
+        raise bad_request("use_beam_search ranks hypotheses by the model's own log-probabilities: temperature "
+                          "must be 0 or unset", param="temperature")
+    try:
+        return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
+                                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                                early_stopping=bool(req.early_stopping) if req.early_stopping != "never" else "never",
+                                ignore_eos=bool(req.ignore_eos))
+    except ValueError as exc:
+        message = str(exc).replace("beam_width", "n (the beam width)")
+        raise bad_request(message, param="n" if "beam_width" in str(exc) else param_for_message(message)) from None
+
+
 def _sampling_params(req: SamplingFields, param_names: dict[str, str], **kwargs: Any) -> SamplingParams:
     """Build SamplingParams from the request's set fields; its ValueError becomes a 400 naming the field."""
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -279,6 +315,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
         is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, cache_salt=req.cache_salt,
+        beam=beam_params(req, max_tokens),
     )
 
 
@@ -364,6 +401,7 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, tools=tool_plan, cache_salt=req.cache_salt,
+        beam=beam_params(req, max_tokens),
     )
 
 

@@ -14,6 +14,7 @@ import transformers
 from checkpoints import make_checkpoint
 from kvserve.engine import LLM
 from kvserve.engine.beam_search import BeamSearchParams, beam_search
+from server_fixtures import server, server_checkpoint, wait_idle  # noqa: F401  (pytest fixtures)
 
 PROMPTS = [[5, 17, 42, 99, 7], [120, 3, 64], [11, 250, 31, 8, 77, 200, 19, 54, 23]]
 MAX_TOKENS = 10
@@ -110,7 +111,8 @@ def test_the_search_alone_on_a_known_distribution():
 
 
 @pytest.mark.parametrize("field,value", [("beam_width", 0), ("beam_width", 11), ("max_tokens", 0),
-                                         ("early_stopping", "sometimes"), ("length_penalty", "x")])
+                                         ("early_stopping", "sometimes"), ("length_penalty", "x"),
+                                         ("length_penalty", 1e308)])
 def test_bad_params_name_the_field(field, value):
     kwargs = dict(beam_width=2, max_tokens=4)
     kwargs[field] = value
@@ -123,3 +125,51 @@ def test_prompt_too_long_for_the_context_is_refused(llm):
         llm.beam_search([{"prompt_token_ids": [5] * 500}], BeamSearchParams(beam_width=2, max_tokens=100))
     stats = llm.engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+# ---------------------------------------------------------------- over HTTP (use_beam_search)
+
+
+def test_served_completion_equals_the_offline_search(server, server_checkpoint):  # noqa: F811
+    import httpx
+
+    body = {"model": "tiny", "prompt": "The fox and the", "max_tokens": 8, "n": 3, "use_beam_search": True,
+            "length_penalty": 0.8, "early_stopping": "never"}
+    response = httpx.post(f"{server.base_url}/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    offline = LLM(server_checkpoint, dtype="float32", device="cpu")
+    (expected,) = offline.beam_search(["The fox and the"], BeamSearchParams(beam_width=3, max_tokens=8,
+                                                                            length_penalty=0.8,
+                                                                            early_stopping="never"))
+    assert [c["text"] for c in result["choices"]] == [s.text for s in expected.sequences]
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    assert [c["finish_reason"] for c in result["choices"]] == [s.finish_reason for s in expected.sequences]
+    assert result["usage"]["completion_tokens"] == sum(len(s.generated_tokens) for s in expected.sequences)
+    wait_idle(server.url)
+
+
+def test_served_chat_completion(server):  # noqa: F811
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "n": 2,
+            "use_beam_search": True}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 2
+    wait_idle(server.url)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"temperature": 0.7}, "temperature"),
+    ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+    ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+])
+def test_served_refuses_what_beam_search_cannot_honour(server, extra, param):  # noqa: F811
+    import httpx
+
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
+    response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    wait_idle(server.url)
