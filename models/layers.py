@@ -214,6 +214,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "relu": F.relu,
     "silu": F.silu,
+    "swish": F.silu,  # Marian's name for it
 }
 
 

@@ -125,6 +125,13 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
             f"(config and checkpoint disagree?): {unexpected[:10]}"
         )
     loaded |= {n for n, got in shards_loaded.items() if set(params[n].shard_ids) <= got}
+    # a weight a checkpoint may leave out because its writer tied it to another (`model.tied_fallbacks`:
+    # name -> the parameter it equals then), e.g. T5 v1.1's head as transformers >= 5 saves it
+    for name, source in getattr(model, "tied_fallbacks", {}).items():
+        if name in params and name not in loaded and source in loaded:
+            with torch.no_grad():
+                params[name].copy_(params[source])
+            loaded.add(name)
     missing = _describe_missing(params, loaded, shards_loaded, mapping)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} is missing {len(missing)} weights: {missing[:10]}")

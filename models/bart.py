@@ -1,0 +1,186 @@
+"""BART and Marian encoder-decoders with HF parameter names: the reference forward.
+
+An encoder reads the source with bidirectional self-attention; each decoder layer attends
+causally to the target so far and then to all encoder outputs (cross-attention). The two
+families differ in their embeddings only: BART adds learned positions (row p + 2 for position
+p) and a layer norm over the embeddings; Marian adds fixed sinusoidal positions and scales the
+token embeddings by sqrt(d_model); both add `final_logits_bias` to the logits. Layers are
+post-LN in both (the residual is added, then normalized).
+
+This file is the oracle the paged engine path is checked against: attention here is dense
+`scaled_dot_product_attention` over one request's tokens, with no KV cache (`decode` recomputes
+the whole target prefix). Shapes: S = source tokens, T = target tokens, d = d_model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvserve.models.layers import get_activation
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def sinusoidal_positions(num_positions: int, dim: int) -> Tensor:
+    """Marian's table: sin of even-indexed angles in the first half of the row, cos of the odd
+    ones in the second half (angle j of position p: p / 10000 ** (2 * (j // 2) / dim))."""
+    pos = torch.arange(num_positions, dtype=torch.float64)[:, None]
+    j = torch.arange(dim, dtype=torch.float64)[None, :]
+    angles = pos / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / dim)
+    half = (dim + 1) // 2
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    table[:, :half] = torch.sin(angles[:, 0::2])
+    table[:, half:] = torch.cos(angles[:, 1::2])
+    return table.float()
+
+
+class Seq2SeqAttention(nn.Module):
+    """Multi-head attention with q/k/v/out projections (biased), query scaled by head_dim ** -0.5."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, kv_source: Tensor, causal: bool) -> Tensor:  # [L, d], [M, d] -> [L, d]
+        def heads(t: Tensor) -> Tensor:
+            return t.view(t.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(kv_source)), heads(self.v_proj(kv_source))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.out_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.self_attn = Seq2SeqAttention(d, config.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
+        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, h: Tensor) -> Tensor:
+        h = self.self_attn_layer_norm(h + self.self_attn(h, h, causal=False))
+        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.self_attn = Seq2SeqAttention(d, config.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = Seq2SeqAttention(d, config.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
+        self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, h: Tensor, encoder_out: Tensor) -> Tensor:
+        h = self.self_attn_layer_norm(h + self.self_attn(h, h, causal=True))
+        h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_out, causal=False))
+        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+
+class Stack(nn.Module):
+    """An encoder or a decoder: embeddings (tokens, positions, optional layer norm) and layers."""
+
+    def __init__(self, config: PretrainedConfig, shared: nn.Embedding, layer_cls: type[nn.Module], num_layers: int,
+                 sinusoidal: bool) -> None:
+        super().__init__()
+        d = config.d_model
+        self.embed_tokens = shared
+        self.embed_scale = math.sqrt(d) if getattr(config, "scale_embedding", False) else 1.0
+        self.sinusoidal = sinusoidal
+        if sinusoidal:  # fixed, not loaded (see `map_weight_name`)
+            self.register_buffer("positions", sinusoidal_positions(config.max_position_embeddings, d),
+                                 persistent=False)
+        else:  # BART's learned table is offset by 2 rows
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d)
+        if not sinusoidal:
+            self.layernorm_embedding = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(layer_cls(config) for _ in range(num_layers))
+
+    def embed(self, input_ids: Tensor) -> Tensor:  # [L] -> [L, d], positions 0..L-1
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        h = self.embed_tokens(input_ids) * self.embed_scale
+        if self.sinusoidal:
+            return h + self.positions[positions].to(h.dtype)
+        return self.layernorm_embedding(h + self.embed_positions(positions + 2))
+
+
+class BartForConditionalGeneration(nn.Module):
+    """The model (`model.shared`, `model.encoder`, `model.decoder`), `lm_head` and `final_logits_bias`."""
+
+    sinusoidal_positions = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.shared = nn.Embedding(config.vocab_size, config.d_model)
+        decoder_embed = self.model.shared
+        if not getattr(config, "share_encoder_decoder_embeddings", True):  # Marian's separate vocabularies
+            decoder_embed = nn.Embedding(getattr(config, "decoder_vocab_size", None) or config.vocab_size,
+                                         config.d_model)
+        self.model.encoder = Stack(config, self.model.shared, EncoderLayer, config.encoder_layers,
+                                   self.sinusoidal_positions)
+        self.model.decoder = Stack(config, decoder_embed, DecoderLayer, config.decoder_layers,
+                                   self.sinusoidal_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.d_model, decoder_embed.num_embeddings, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(1, decoder_embed.num_embeddings))
+
+    def encode(self, input_ids: Tensor) -> Tensor:  # [S] -> [S, d]
+        h = self.model.encoder.embed(input_ids)
+        for layer in self.model.encoder.layers:
+            h = layer(h)
+        return h
+
+    def decode(self, decoder_ids: Tensor, encoder_out: Tensor) -> Tensor:  # [T], [S, d] -> [T, d]
+        h = self.model.decoder.embed(decoder_ids)
+        for layer in self.model.decoder.layers:
+            h = layer(h, encoder_out)
+        return h
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
+        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight) + self.final_logits_bias[0].to(hidden.dtype)
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name -> parameter name; None skips copies of tied tables and fixed positions."""
+        if name == "final_logits_bias":
+            return None  # a buffer; loaded by `load_buffers`
+        tied = {"model.encoder.embed_tokens.weight"}
+        if getattr(self.config, "share_encoder_decoder_embeddings", True):
+            tied.add("model.decoder.embed_tokens.weight")
+        if self.tie_word_embeddings:
+            tied.add("lm_head.weight")
+        if name in tied or (self.sinusoidal_positions and ".embed_positions." in name):
+            return None
+        return name
+
+    def load_buffers(self, tensors: dict[str, Tensor]) -> None:
+        """Buffers a checkpoint may carry (`final_logits_bias`); absent ones stay zero."""
+        if "final_logits_bias" in tensors:
+            self.final_logits_bias.copy_(tensors["final_logits_bias"])
+
+
+class MarianMTModel(BartForConditionalGeneration):
+    """Marian: BART's layers with sinusoidal positions and scaled embeddings, no embedding norm."""
+
+    sinusoidal_positions = True
