@@ -21,7 +21,13 @@ import httpx
 from kvserve.loadtest.arrivals import arrival_offsets_for_duration
 from kvserve.loadtest.bench import RunConfig, RunResult, auth_headers, fetch_model_name, probe, run_benchmark
 from kvserve.loadtest.client import OK
-from kvserve.loadtest.datasets import BenchRequest, prefix_repetition_requests, random_requests, sharegpt_requests
+from kvserve.loadtest.datasets import (
+    BenchRequest,
+    prefix_repetition_requests,
+    random_requests,
+    sharegpt_requests,
+    translation_requests,
+)
 from kvserve.loadtest.report import dump_json, format_table, markdown_table, parse_goodput, summarize, write_result
 from kvserve.loadtest.token_source import TokenSource, resolve_token_source
 
@@ -45,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", help="model name to request (default: first of GET /v1/models)")
-    p.add_argument("--dataset", default="random", help="random | sharegpt:PATH | prefix-repetition")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (prefix-repetition: suffix)")
+    p.add_argument("--dataset", default="random",
+                   help="random | sharegpt:PATH | prefix-repetition | translation")
+    p.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (prefix-repetition: suffix; translation: source)")
+    p.add_argument("--target-ratio", type=float, default=1.2,
+                   help="translation: output tokens per source token (each request's own length)")
     p.add_argument("--output-len", type=int, help=f"output tokens (default {DEFAULT_OUTPUT_LEN}; "
                    "ShareGPT: the reply's length)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1±r)")
@@ -114,11 +124,16 @@ def build_requests(args: argparse.Namespace, source: TokenSource, seed: int) -> 
     if name == "random":
         return random_requests(source, n, args.input_len, output_len, args.range_ratio,
                                args.prefix_len or 0, seed, as_text)
+    if name == "translation":
+        if args.output_len is not None:
+            raise ValueError("--dataset translation sets each output length from its source: "
+                             "use --target-ratio instead of --output-len")
+        return translation_requests(source, n, args.input_len, args.target_ratio, args.range_ratio, seed, as_text)
     if name == "prefix-repetition":
         prefix_len = args.prefix_len or DEFAULT_PREFIX_LEN
         return prefix_repetition_requests(source, n, prefix_len, args.input_len, output_len,
                                           args.num_prefix_groups, args.range_ratio, seed, as_text)
-    raise ValueError(f"unknown --dataset {args.dataset!r}: random | sharegpt:PATH | prefix-repetition")
+    raise ValueError(f"unknown --dataset {args.dataset!r}: random | sharegpt:PATH | prefix-repetition | translation")
 
 
 def point_label(rate: float, concurrency: int | None) -> str:
@@ -147,6 +162,7 @@ async def run_points(args: argparse.Namespace, model: str, source: TokenSource, 
         requests = await asyncio.to_thread(build_requests, args, source, seed)
         extra = {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
                  "range_ratio": args.range_ratio, "prefix_len": args.prefix_len, "token_source": source.name,
+                 "target_ratio": args.target_ratio if args.dataset == "translation" else None,
                  "num_requests_in_pool": len(requests), "base_seed": args.seed}
         cfg = RunConfig(
             base_url=args.base_url, model=model, endpoint=args.endpoint, request_rate=rate,

@@ -96,6 +96,28 @@ def random_requests(
     return requests
 
 
+def translation_requests(
+    source: TokenSource,
+    num_requests: int,
+    source_len: int,
+    target_ratio: float,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    as_text: bool = False,
+) -> list[BenchRequest]:
+    """Translation-shaped requests: random source texts of about `source_len` tokens, each
+    answered by round(target_ratio * its own length) tokens (a target follows its source's length,
+    as a translation does)."""
+    if not 0 < target_ratio <= 16:
+        raise ValueError(f"target ratio must be in (0, 16], got {target_ratio}")
+    rng = np.random.default_rng(seed)
+    requests = []
+    for length in sample_lengths(rng, source_len, range_ratio, num_requests):
+        prompt, n = _make_prompt(rng, source, [], _random_ids(rng, source, length), as_text)
+        requests.append(BenchRequest(prompt, n, max(1, round(target_ratio * length))))
+    return requests
+
+
 def prefix_repetition_requests(
     source: TokenSource,
     num_requests: int,

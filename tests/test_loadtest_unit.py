@@ -30,6 +30,7 @@ from kvserve.loadtest.client import (
 from kvserve.loadtest.datasets import (
     BenchRequest,
     prefix_repetition_requests,
+    translation_requests,
     random_requests,
     sample_lengths,
     sharegpt_requests,
@@ -478,3 +479,25 @@ def test_cli_reports_an_unreachable_server():
     from benchmarks.procs import free_port
 
     assert main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 2
+
+
+def test_translation_targets_follow_their_sources():
+    reqs = translation_requests(CharTokens(), 50, source_len=40, target_ratio=1.2, range_ratio=0.5, seed=3)
+    assert len({r.prompt_len for r in reqs}) > 10  # lengths vary (uniform in 20..60)
+    for r in reqs:
+        assert 20 <= r.prompt_len <= 60 and r.output_len == max(1, round(1.2 * r.prompt_len))
+    assert translation_requests(CharTokens(), 50, 40, 1.2, 0.5, seed=3) == reqs  # seeded
+    with pytest.raises(ValueError, match="target ratio"):
+        translation_requests(CharTokens(), 1, 40, 0.0)
+
+
+def test_translation_dataset_refuses_an_output_len():
+    from kvserve.loadtest.cli import build_parser, build_requests
+
+    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--dataset", "translation",
+                                      "--output-len", "8", "--num-prompts", "2"])
+    with pytest.raises(ValueError, match="target-ratio"):
+        build_requests(args, CharTokens(), 0)
+    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--dataset", "translation",
+                                      "--input-len", "10", "--target-ratio", "2", "--num-prompts", "3"])
+    assert [r.output_len for r in build_requests(args, CharTokens(), 0)] == [20, 20, 20]
