@@ -72,14 +72,23 @@ stand_in() {
     local tarball="$cache/$suite${python:+-$python}.tar"
     if [ ! -s "$tarball" ]; then
         command -v debootstrap >/dev/null || skip "cannot pull the base image and debootstrap is not installed"
-        local rootfs="$work/rootfs-$suite" script=""
-        # Debian 12's debootstrap predates Ubuntu 24.04; every Ubuntu suite uses the same script
-        [ -e "/usr/share/debootstrap/scripts/$suite" ] || script=/usr/share/debootstrap/scripts/gutsy
+        local rootfs="$work/rootfs-$suite" script="" components=main
+        if [ ! -e "/usr/share/debootstrap/scripts/$suite" ]; then
+            # Ubuntu: Debian 12's debootstrap predates 24.04 (every Ubuntu suite uses one script),
+            # and its images, the CUDA ones included, have universe (python3-venv) enabled
+            script=/usr/share/debootstrap/scripts/gutsy
+            components=main,restricted,universe,multiverse
+        fi
         local t0
         t0=$(date +%s)
         # shellcheck disable=SC2086 # $script: one path or nothing
-        debootstrap --variant=minbase --include=ca-certificates "$suite" "$rootfs" "$mirror" $script \
+        debootstrap --variant=minbase --components="$components" --include=ca-certificates \
+            "$suite" "$rootfs" "$mirror" $script \
             >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; say "debootstrap failed"; exit 1; }
+        if [ -n "$script" ]; then # the updates and security pockets, as in Ubuntu's images
+            printf 'deb %s %s %s\n' "$mirror" "$suite-updates" "${components//,/ }" \
+                "$mirror" "$suite-security" "${components//,/ }" >>"$rootfs/etc/apt/sources.list"
+        fi
         if [ -n "$python" ]; then # with apt, which resolves what debootstrap's --include does not
             chroot "$rootfs" sh -c "apt-get update -q && DEBIAN_FRONTEND=noninteractive \
                 apt-get install -y -q --no-install-recommends $python $python-venv" >>"$work/debootstrap.log" 2>&1 ||
@@ -127,8 +136,8 @@ pip_setup() {
     local conf="$work/pip.conf"
     python3 "$repo/docker/check_image.py" pip-config "$conf" >"$work/pip-mounts"
     mounts+=(--volume "$conf:/etc/pip.conf:ro")
-    while read -r path; do
-        mounts+=(--volume "$path:$path:ro")
+    while read -r host inside; do
+        mounts+=(--volume "$host:$inside:ro")
     done <"$work/pip-mounts"
     # a torch wheel of the pinned version in pip's wheel folders: build from it
     local pin wheel

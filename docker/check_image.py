@@ -65,9 +65,15 @@ def need(condition: bool, what: str) -> None:
 _PATH_KEYS = ("cert", "client-cert", "find-links", "constraint", "index-url", "extra-index-url")
 
 
+# Where the host's files that pip's configuration names appear inside the build's RUN steps: under
+# a prefix of their own, so that no file the image installs (its CA bundle, say) is a mount point.
+MOUNT_PREFIX = "/run/kvserve-check"
+
+
 def pip_config_cmd(out: Path) -> None:
     """Write pip's effective configuration on this machine (files and PIP_* variables) as one
-    pip.conf, and print every local path it names, for the build to mount."""
+    pip.conf whose paths point under MOUNT_PREFIX, and print "HOST_PATH CONTAINER_PATH" for each
+    local folder or file it names, for the build to mount."""
     result = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
     settings: dict[str, str] = {}
     for line in result.stdout.splitlines():
@@ -75,28 +81,38 @@ def pip_config_cmd(out: Path) -> None:
         name = key.split(".", 1)[-1]
         if name in ("default-timeout", "disable-pip-version-check", "timeout", "retries") or name in _PATH_KEYS:
             settings[name] = value.strip().strip("'\"")
-    paths = set()
+    mounts: dict[str, str] = {}
     for name in _PATH_KEYS:
+        items = []
         for item in settings.get(name, "").split():
-            path = item.removeprefix("file://") if item.startswith("file://") or item.startswith("/") else ""
-            if path and Path(path).exists():
-                # a local index's pages link to files beside its simple/ folder (../../files/...)
-                paths.add(str(Path(path).parent if Path(path).name == "simple" else Path(path)))
+            is_file_url = item.startswith("file://")
+            path = Path(item.removeprefix("file://")) if is_file_url or item.startswith("/") else None
+            if path is None or not path.exists():
+                items.append(item)
+                continue
+            # a local index's pages link to files beside its simple/ folder (../../files/...)
+            root = path.parent if path.name == "simple" else path
+            mounts[str(root)] = MOUNT_PREFIX + str(root)
+            inside = MOUNT_PREFIX + str(path)
+            items.append(f"file://{inside}" if is_file_url else inside)
+        if items:
+            settings[name] = " ".join(items)
     conf = configparser.ConfigParser()
     conf["global"] = settings
     with out.open("w") as f:
         conf.write(f)
-    for path in sorted(paths):
-        print(path)
+    for host, inside in sorted(mounts.items()):
+        print(host, inside)
 
 
 def find_wheel_cmd(prefix: str, conf_path: Path) -> None:
+    """The first wheel named PREFIX* in the folders of CONF's find-links, as a host path."""
     conf = configparser.ConfigParser()
     conf.read(conf_path)
     for folder in conf.get("global", "find-links", fallback="").split():
-        folder = folder.removeprefix("file://")
-        if Path(folder).is_dir():
-            for wheel in sorted(Path(folder).glob(f"{prefix}*.whl")):
+        folder = Path(folder.removeprefix("file://").removeprefix(MOUNT_PREFIX))
+        if folder.is_dir():
+            for wheel in sorted(folder.glob(f"{prefix}*.whl")):
                 print(wheel)
                 return
 
