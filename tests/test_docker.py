@@ -219,12 +219,20 @@ def rated_metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\b(?:rate|irate|increase)\(\s*([A-Za-z_:][\w:]*)", expr))
 
 
+def _load_check_image():
+    """docker/check_image.py (not a package: it runs on the host's bare python3) as a module."""
+    spec = importlib.util.spec_from_file_location("kvserve_check_image", DOCKER / "check_image.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECK_IMAGE = _load_check_image()
+
+
 def dashboard_queries() -> list[str]:
     """Every PromQL expression of the Grafana dashboard (docker/check_image.py's reading of it)."""
-    spec = importlib.util.spec_from_file_location("kvserve_check_image", DOCKER / "check_image.py")
-    check_image = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check_image)
-    return check_image.dashboard_queries(json.loads((DOCKER / "grafana" / "dashboards" / "kvserve.json").read_text()))
+    return CHECK_IMAGE.dashboard_queries(json.loads((DOCKER / "grafana" / "dashboards" / "kvserve.json").read_text()))
 
 
 def tool(name: str) -> str | None:

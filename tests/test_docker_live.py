@@ -19,12 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from test_docker import (
+    CHECK_IMAGE,
     DF,
     REPO,
     args_of,
@@ -47,14 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+http = CHECK_IMAGE.http  # (method, url, body=None, timeout=60) -> (status, body bytes)
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: Path, deadline_s: float) -> None:
@@ -95,8 +87,8 @@ def live_metrics(tmp_path_factory) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
     env.update(KVSERVE_CACHE_DIR=str(tmp / "cache"), HF_HUB_OFFLINE="1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model, "--host", "127.0.0.1",
-                                 "--port", str(port), "--device", "cpu"],
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model,
+                                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(proc, port, log, deadline_s=120)
