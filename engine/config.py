@@ -248,6 +248,12 @@ class RuntimeInfo:
     tensor_parallel_size: int = 1
     quantization: str = "none"  # what the weights are held as: none, int8, int4, fp8
     weight_bytes: int = 0  # resident bytes of the weights (this rank's under tensor parallelism)
+    # encoder-decoder models: the decoder's first token (the prompt is the encoder's input); None otherwise
+    decoder_start_token_id: int | None = None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.decoder_start_token_id is not None
 
     @property
     def kv_capacity_tokens(self) -> int:

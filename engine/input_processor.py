@@ -60,6 +60,8 @@ class ProcessedPrompt:
     max_tokens: int
     # requests share cached KV blocks only with requests of the same salt (docs/security.md)
     cache_salt: str | None = None
+    # encoder-decoder models: `prompt_token_ids` are the encoder's input, these the decoder's first tokens
+    decoder_prompt_token_ids: list[int] | None = None
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""
@@ -115,6 +117,8 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
             raise ValueError(f"prompt token ids must be ints in [0, {info.vocab_size}), got {bad[:5]}")
     if not token_ids:
         raise ValueError("prompt must not be empty")
+    if info.is_encoder_decoder:
+        return _encoder_decoder_prompt(text, token_ids, params, cache_salt, info)
     num_prompt, limit = len(token_ids), info.max_model_len
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
     if num_prompt + max_tokens > limit:
@@ -128,6 +132,28 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
     return ProcessedPrompt(text, token_ids, params, max_tokens, cache_salt)
+
+
+def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: SamplingParams,
+                            cache_salt: str | None, info: RuntimeInfo) -> ProcessedPrompt:
+    """The prompt is the encoder's input (the source); the decoder starts from its start token.
+    Both are bounded by the context length; together they must fit in the KV cache."""
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not supported for encoder-decoder models (the prompt is "
+                         "the encoder's input, which is not scored)")
+    decoder_prompt = [info.decoder_start_token_id]
+    num_source, limit = len(token_ids), info.max_model_len
+    if num_source > limit:
+        raise ValueError(f"the source ({num_source} tokens) exceeds the encoder's limit of {limit} tokens")
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(decoder_prompt)
+    if len(decoder_prompt) + max_tokens > limit:
+        raise ValueError(f"max_tokens ({max_tokens}) exceeds the decoder's context length {limit} "
+                         f"(less its {len(decoder_prompt)} start token)")
+    capacity = info.kv_capacity_tokens
+    if num_source + len(decoder_prompt) + max_tokens > capacity:
+        raise ValueError(f"source ({num_source} tokens) + max_tokens ({max_tokens}) can never fit in the KV "
+                         f"cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
+    return ProcessedPrompt(text, token_ids, params, max_tokens, cache_salt, decoder_prompt)
 
 
 def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,

@@ -36,16 +36,19 @@ def _field(tag: bytes, value: bytes) -> bytes:
     return tag + len(value).to_bytes(8, "little") + value
 
 
-def prefix_root(cache_salt: str | None = None) -> bytes:
+def prefix_root(cache_salt: str | None = None, encoder_token_ids: Sequence[int] = ()) -> bytes:
     """The parent digest of a request's first block.
 
     Every input besides the token ids that changes a block's K/V must be mixed in here, so
-    that requests differing in it never share a block: today the cache salt; a LoRA adapter
-    or an encoder input adds its own tagged field. Unsalted requests share one root.
+    that requests differing in it never share a block: the cache salt, and an encoder-decoder
+    request's encoder input (the same decoder tokens under another source have other K/V).
+    Unsalted decoder-only requests share one root.
     """
     material = _KEY_VERSION
     if cache_salt is not None:
         material += _field(b"salt", cache_salt.encode("utf-8", "surrogatepass"))
+    if encoder_token_ids:
+        material += _field(b"encoder", pack_token_ids(encoder_token_ids))
     return hashlib.sha256(material).digest()
 
 
@@ -138,6 +141,7 @@ class BlockManager:
         self._req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}  # chained keys of the request's full blocks
         self._req_roots: dict[str, bytes] = {}  # the parent digest of each request's first block
+        self._req_cross: dict[str, list[Block]] = {}  # encoder-decoder requests: their encoder output's blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -156,6 +160,18 @@ class BlockManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def cross_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_cross.get(request_id, ())]
+
+    def allocate_cross(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
+        """Blocks for an encoder-decoder request's encoder output (its cross-attention K/V in every
+        decoder layer), held until `free`; None, changing nothing, when the pool cannot supply them."""
+        num = self.num_blocks_for(num_encoder_tokens)
+        if request_id in self._req_cross or num > self.num_free_blocks:
+            return None if request_id not in self._req_cross else self.cross_block_ids(request_id)
+        self._req_cross[request_id] = [self._take_free_block() for _ in range(num)]
+        return self.cross_block_ids(request_id)
 
     # ---- prefix cache ------------------------------------------------------
     def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
@@ -253,7 +269,7 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Drop the request's references; tail blocks go first into the free list,
         so they are evicted before the shared prefix blocks."""
-        for block in reversed(self._req_blocks.pop(request_id, [])):
+        for block in reversed(self._req_blocks.pop(request_id, []) + self._req_cross.pop(request_id, [])):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free.append(block)

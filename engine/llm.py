@@ -75,6 +75,8 @@ class LLM:
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
         scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first."""
+        if self.engine.info.is_encoder_decoder:
+            raise ValueError("beam search is not supported for encoder-decoder models yet")
         prompts = _normalize_prompts(prompts)
         # tokenize and check every prompt (its length + max_tokens within the context) up front
         processed = [self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]

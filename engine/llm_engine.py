@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from kvserve.engine.config import EngineArgs, RuntimeInfo
+from kvserve.engine.device import resolve_device
 from kvserve.engine.errors import StepFailed
 from kvserve.engine.grammar_limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
@@ -49,6 +50,19 @@ def compile_threads_for(host_cores: int) -> int:
     return max(1, min(2, host_cores // 2))
 
 
+def _check_encoder_decoder(args: EngineArgs, tp_size: int) -> None:
+    """What encoder-decoder models (models/seq2seq.py) do not run with yet: a clear error at start."""
+    unsupported = [name for name, used in (
+        ("tensor_parallel_size > 1", tp_size > 1),
+        ("speculative_config", args.speculative() is not None),
+        ("quantization", args.quantization not in (None, "none")),
+        ("a CUDA device", resolve_device(args.model_config().device).type == "cuda"),
+    ) if used]
+    if unsupported:
+        raise ValueError(f"encoder-decoder models do not support {', '.join(unsupported)} yet "
+                         "(docs/architecture.md, encoder-decoder models)")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         before = process_uptime()  # the interpreter, imports and whatever ran before the engine
@@ -67,6 +81,8 @@ class LLMEngine:
         cache_config = args.cache_config()
         scheduler_config = args.scheduler_config()
         tp_size = args.parallel_config().tensor_parallel_size
+        if files.decoder_start_token_id is not None:
+            _check_encoder_decoder(args, tp_size)
         if tp_size == 1:
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
                                       files.hf_config, files.max_model_len)
@@ -93,6 +109,7 @@ class LLMEngine:
             tensor_parallel_size=tp_size,
             quantization=self.runner.model.weights_report.method,
             weight_bytes=self.runner.model.weights_report.weight_bytes,
+            decoder_start_token_id=files.decoder_start_token_id,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
@@ -139,13 +156,16 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        root = prefix_root(processed.cache_salt)
+        # an encoder-decoder request: its source goes to the encoder, its decoder starts afresh
+        encoder_ids = tuple(processed.prompt_token_ids) if processed.decoder_prompt_token_ids is not None else ()
+        decoder_prompt = processed.decoder_prompt_token_ids or processed.prompt_token_ids
+        root = prefix_root(processed.cache_salt, encoder_ids)
         children = [
             Request(
-                request_id=f"{request_id}#{i}", prompt_token_ids=processed.prompt_token_ids,
+                request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival, prefix_root=root)
+                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:
@@ -242,16 +262,19 @@ class LLMEngine:
         if plan.is_empty:
             return []
         now = time.monotonic()
+        # encoder-decoder requests new to the runner: their sources run through the encoder this step
+        encoded = {r.req_id: len(r.encoder_token_ids) for r in plan.record.new_requests if r.encoder_token_ids}
         for item in plan.scheduled:
             req = item.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self.output_processor.mark_scheduled(req, now)
                 if req.sample_index == 0:
-                    self.prompt_tokens_total += req.num_prompt_tokens
+                    self.prompt_tokens_total += req.num_prompt_tokens + len(req.encoder_token_ids)
                     self.prompt_tokens_cached_total += item.start_pos   # what the prefix cache held
             self.prompt_tokens_computed_total += max(0, min(item.start_pos + item.num_new_tokens,
                                                             req.num_prompt_tokens) - item.start_pos)
+            self.prompt_tokens_computed_total += encoded.get(req.request_id, 0)
         try:
             # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
             result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))

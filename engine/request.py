@@ -38,7 +38,7 @@ class Request:
         "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff",
+        "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
     )
 
     def __init__(
@@ -53,6 +53,7 @@ class Request:
         seed: int | None = None,
         arrival_time: float | None = None,
         prefix_root: bytes = ROOT_DIGEST,
+        encoder_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -81,6 +82,8 @@ class Request:
         # next pause after another verification that accepts nothing
         self.spec_skip = 0
         self.spec_backoff = 0  # 0: the first pause (spec_decode.FIRST_BACKOFF_STEPS)
+        # encoder-decoder models: the encoder's input; `prompt_token_ids` are then the decoder's
+        self.encoder_token_ids = encoder_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -99,7 +99,11 @@ class ModelRunner:
                                 self.vocab_size, self.device)
         self.logits_processors = LogitsProcessors(self.batch, self.device)  # logit_bias, grammar bitmasks
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager and self.parallel is None:
+        # encoder-decoder models (models/seq2seq.py): each held request's cross blocks and encoder length
+        self.is_encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
+        self.cross: dict[str, tuple[tuple[int, ...], int]] = {}
+        if (self.device.type == "cuda" and not model_config.enforce_eager and self.parallel is None
+                and not self.is_encoder_decoder):
             if self.attn_backend.supports_cuda_graphs:
                 with phase("CUDA graphs"):
                     self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-max_model_len // self.block_size),
@@ -110,7 +114,8 @@ class ModelRunner:
                 logger.warning("attention backend %r cannot be captured: CUDA graphs off", self.attn_backend.name)
         # the CPU's counterpart of CUDA graphs: the decoder layers as one C++ call per step
         self.cpu_stack: CpuDecoderStack | None = None
-        if self.device.type == "cpu" and not model_config.enforce_eager and self.parallel is None:
+        if (self.device.type == "cpu" and not model_config.enforce_eager and self.parallel is None
+                and not self.is_encoder_decoder):
             self.cpu_stack = cpu_stack.build(self.model)
 
     # ---- warm-up -----------------------------------------------------------
@@ -122,7 +127,7 @@ class ModelRunner:
         batch and the global RNG are left as they were. The blocks written are free and hold no
         cached prefix (a request writes a block's slots before it reads them)."""
         num_tokens = min(self.block_size + 1, self.max_model_len, self.max_num_batched_tokens - 1)
-        if num_tokens < 2:
+        if num_tokens < 2 or self.is_encoder_decoder:  # (its requests need an encoder input)
             return
         num_usable = self.num_kv_blocks - 1  # block 0 is the null block: never written
         blocks_per_row = -(-num_tokens // self.block_size)
@@ -227,6 +232,8 @@ class ModelRunner:
         computed = np.array(step.num_computed_tokens, np.int64)  # [B]
         query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
         input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens, num_drafts)
+        if self.is_encoder_decoder:
+            self._encode(step, meta)
         ends = batch.num_tokens[:num_reqs] if num_drafts is None else batch.num_tokens[:num_reqs] + num_drafts
         is_sampled = computed + query_lens == ends  # [B] reaches the end (of the drafts too)
         prompt_rows, prompt_targets, prompt_owners = self._prompt_logprob_rows(step.req_ids, computed,
@@ -249,6 +256,29 @@ class ModelRunner:
         # each request's last row (no gather when every request has one row)
         logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
         return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, None
+
+    def _encode(self, step: StepRecord, meta: AttentionMetadata) -> None:
+        """Encoder-decoder models: run the encoder of the step's new requests into their cross blocks,
+        and give the step's metadata every scheduled request's cross blocks and encoder length."""
+        for req_id in step.finished_req_ids + step.preempted_req_ids:
+            self.cross.pop(req_id, None)
+        new = [r for r in step.new_requests if r.encoder_token_ids]
+        if new:
+            bs = self.block_size
+            cu = np.cumsum([0] + [len(r.encoder_token_ids) for r in new]).tolist()
+            ids = np.concatenate([np.array(r.encoder_token_ids, np.int64) for r in new])
+            positions = np.concatenate([np.arange(len(r.encoder_token_ids)) for r in new])
+            blocks = np.concatenate([np.array(r.cross_block_ids, np.int64)[np.arange(len(r.encoder_token_ids)) // bs]
+                                     for r in new])
+            self.model.encode_into_cache(self._to_device(ids), cu, self._to_device(blocks * bs + positions % bs))
+            for r in new:
+                self.cross[r.req_id] = (r.cross_block_ids, len(r.encoder_token_ids))
+        rows = [self.cross[req_id] for req_id in step.req_ids]
+        table = np.zeros((len(rows), max(len(b) for b, _ in rows)), np.int64)
+        for i, (block_ids, _) in enumerate(rows):
+            table[i, :len(block_ids)] = block_ids
+        meta.cross_block_table = self._to_device(table)
+        meta.cross_lens_cpu = [n for _, n in rows]
 
     def _write_drafts(self, step: StepRecord) -> np.ndarray | None:
         """Put each speculating request's drafts after its tokens (not counted in num_tokens until

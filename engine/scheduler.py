@@ -203,8 +203,13 @@ class Scheduler:
             cached_ids = [] if request.wants_prompt_logprobs else bm.find_cached_prefix(
                 request.request_id, request.all_token_ids, request.prefix_root)
             num_computed = len(cached_ids) * bm.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_encoder = len(request.encoder_token_ids)
+            if num_encoder:  # the encoder runs in this step's budget (alone, if it is larger)
+                if num_encoder >= budget and scheduled or bm.allocate_cross(request.request_id, num_encoder) is None:
+                    break
+            num_new = min(request.num_tokens - num_computed, max(budget - num_encoder, 1))
             if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
+                bm.free(request.request_id)  # its cross blocks, if it took some
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
@@ -212,8 +217,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._plan(request, num_new))
             # new to the runner (a resumed request too: its old row was dropped with its blocks)
-            new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id)))
-            budget -= num_new
+            new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id),
+                                                            bm.cross_block_ids(request.request_id)))
+            budget -= num_new + num_encoder
         return budget
 
     def _plan(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.config import ModelConfig
 from kvserve.engine.input_processor import load_tokenizer
-from kvserve.models import ensure_default_model, get_eos_token_ids, get_max_model_len, resolve_model_path
+from kvserve.models import (
+    ensure_default_model,
+    get_decoder_start_token_id,
+    get_eos_token_ids,
+    get_max_model_len,
+    resolve_model_path,
+)
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.timing import phase
 
@@ -25,6 +31,7 @@ class ModelFiles:
     tokenizer: transformers.PreTrainedTokenizerBase
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    decoder_start_token_id: int | None = None  # encoder-decoder models only
 
 
 def load_model_files(config: ModelConfig) -> ModelFiles:
@@ -45,5 +52,6 @@ def load_model_files(config: ModelConfig) -> ModelFiles:
     eos = list(get_eos_token_ids(model_path, hf_config))
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    return ModelFiles(model_path, hf_config, tokenizer, max_model_len, tuple(eos))
+    return ModelFiles(model_path, hf_config, tokenizer, max_model_len, tuple(eos),
+                      get_decoder_start_token_id(model_path, hf_config))
 

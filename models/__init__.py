@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "SUPPORTED_ARCHITECTURES": "kvserve.models.registry",
     "get_model_class": "kvserve.models.registry",
+    "get_decoder_start_token_id": "kvserve.models.loader",
     "get_eos_token_ids": "kvserve.models.loader",
     "get_max_model_len": "kvserve.models.loader",
     "load_model": "kvserve.models.loader",

@@ -7,9 +7,10 @@ p) and a layer norm over the embeddings; Marian adds fixed sinusoidal positions 
 token embeddings by sqrt(d_model); both add `final_logits_bias` to the logits. Layers are
 post-LN in both (the residual is added, then normalized).
 
-This file is the oracle the paged engine path is checked against: attention here is dense
-`scaled_dot_product_attention` over one request's tokens, with no KV cache (`decode` recomputes
-the whole target prefix). Shapes: S = source tokens, T = target tokens, d = d_model.
+Two forwards: `encode` / `decode` are the dense oracle (one request, no KV cache: `decode`
+recomputes the whole target prefix); `encode_into_cache` + `forward` are what the engine runs
+(a flat batch of requests over the paged cache, models/seq2seq.py), checked against the oracle
+and transformers. Shapes: S = source tokens, T = target tokens, d = d_model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import get_activation
+from kvserve.models.seq2seq import attend, gather_kv, kv_holder, request_rows, segments, write_kv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -46,16 +49,18 @@ class Seq2SeqAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.scale = self.head_dim ** -0.5
         self.q_proj = nn.Linear(dim, dim)
         self.k_proj = nn.Linear(dim, dim)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: Tensor, kv_source: Tensor, causal: bool) -> Tensor:  # [L, d], [M, d] -> [L, d]
-        def heads(t: Tensor) -> Tensor:
-            return t.view(t.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+    def heads(self, t: Tensor) -> Tensor:  # [L, d] -> [L, H, D]
+        return t.view(t.shape[0], self.num_heads, self.head_dim)
 
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(kv_source)), heads(self.v_proj(kv_source))
+    def forward(self, x: Tensor, kv_source: Tensor, causal: bool) -> Tensor:  # [L, d], [M, d] -> [L, d]
+        q, k, v = (self.heads(t).transpose(0, 1)
+                   for t in (self.q_proj(x), self.k_proj(kv_source), self.v_proj(kv_source)))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.out_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
@@ -88,10 +93,25 @@ class DecoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = get_activation(config.activation_function)
+        self.cache = kv_holder(config.decoder_attention_heads, d // config.decoder_attention_heads)
 
     def forward(self, h: Tensor, encoder_out: Tensor) -> Tensor:
         h = self.self_attn_layer_norm(h + self.self_attn(h, h, causal=True))
         h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_out, causal=False))
+        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+    def paged(self, h: Tensor, rows: list, masks: list[Tensor], slots: Tensor) -> Tensor:
+        """The flat batch's rows [T, d] through this layer over the paged cache."""
+        sa, ca = self.self_attn, self.encoder_attn
+        q = sa.heads(sa.q_proj(h))
+        write_kv(self.cache, sa.heads(sa.k_proj(h)), sa.heads(sa.v_proj(h)), slots)
+        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.block_ids, r.seq_len), mask, sa.scale)
+                         for r, mask in zip(rows, masks)])
+        h = self.self_attn_layer_norm(h + sa.out_proj(out))
+        q = ca.heads(ca.q_proj(h))
+        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.cross_block_ids, r.cross_len), None, ca.scale)
+                         for r in rows])
+        h = self.encoder_attn_layer_norm(h + ca.out_proj(out))
         return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
 
 
@@ -110,12 +130,19 @@ class Stack(nn.Module):
                                  persistent=False)
         else:  # BART's learned table is offset by 2 rows
             self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d)
+        self.dim, self.num_positions = d, config.max_position_embeddings
         if not sinusoidal:
             self.layernorm_embedding = nn.LayerNorm(d)
         self.layers = nn.ModuleList(layer_cls(config) for _ in range(num_layers))
 
-    def embed(self, input_ids: Tensor) -> Tensor:  # [L] -> [L, d], positions 0..L-1
-        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+    def reset_buffers(self) -> None:
+        """After the loader made the buffers on the device (uninitialized): the fixed table again."""
+        if self.sinusoidal:
+            self.positions.copy_(sinusoidal_positions(self.num_positions, self.dim))
+
+    def embed(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:  # [L] -> [L, d]
+        if positions is None:
+            positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         h = self.embed_tokens(input_ids) * self.embed_scale
         if self.sinusoidal:
             return h + self.positions[positions].to(h.dtype)
@@ -126,6 +153,7 @@ class BartForConditionalGeneration(nn.Module):
     """The model (`model.shared`, `model.encoder`, `model.decoder`), `lm_head` and `final_logits_bias`."""
 
     sinusoidal_positions = False
+    is_encoder_decoder = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -157,14 +185,34 @@ class BartForConditionalGeneration(nn.Module):
             h = layer(h, encoder_out)
         return h
 
+    def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
+        """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
+        layer's cross-attention K/V of them into the cache at `cross_slots` [S]."""
+        encoded = torch.cat([self.encode(input_ids[rows]) for rows in segments(cu_seqlens)])
+        for layer in self.model.decoder.layers:
+            ca = layer.encoder_attn
+            write_kv(layer.cache, ca.heads(ca.k_proj(encoded)), ca.heads(ca.v_proj(encoded)), cross_slots)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, d]
+        """The decoder over the step's flat batch and the paged cache (inside `forward_context`)."""
+        meta = current_context().meta
+        rows = list(request_rows(meta))
+        masks = [r.causal_mask(input_ids.device) for r in rows]
+        h = self.model.decoder.embed(input_ids, positions)
+        for layer in self.model.decoder.layers:
+            h = layer.paged(h, rows, masks, meta.slot_mapping)
+        return h
+
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
         weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight) + self.final_logits_bias[0].to(hidden.dtype)
 
+    def reset_buffers(self) -> None:
+        """After the loader made the buffers (uninitialized): zero, unless the checkpoint has one."""
+        self.final_logits_bias.zero_()
+
     def map_weight_name(self, name: str) -> str | None:
-        """Checkpoint name -> parameter name; None skips copies of tied tables and fixed positions."""
-        if name == "final_logits_bias":
-            return None  # a buffer; loaded by `load_buffers`
+        """Checkpoint name -> parameter or buffer name; None skips copies of tied tables and fixed positions."""
         tied = {"model.encoder.embed_tokens.weight"}
         if getattr(self.config, "share_encoder_decoder_embeddings", True):
             tied.add("model.decoder.embed_tokens.weight")
@@ -173,11 +221,6 @@ class BartForConditionalGeneration(nn.Module):
         if name in tied or (self.sinusoidal_positions and ".embed_positions." in name):
             return None
         return name
-
-    def load_buffers(self, tensors: dict[str, Tensor]) -> None:
-        """Buffers a checkpoint may carry (`final_logits_bias`); absent ones stay zero."""
-        if "final_logits_bias" in tensors:
-            self.final_logits_bias.copy_(tensors["final_logits_bias"])
 
 
 class MarianMTModel(BartForConditionalGeneration):

@@ -87,6 +87,7 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
     (the quantizer: each matrix is quantized as soon as it is whole).
     """
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())  # a checkpoint may carry some (BART's final_logits_bias)
     mapping: dict = getattr(model, "packed_modules_mapping", {})
     map_name = getattr(model, "map_weight_name", lambda name: name)
     loaded: set[str] = set()
@@ -102,6 +103,10 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
                 name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
                 break
         param = params.get(name)
+        if param is None and name in buffers:
+            with torch.no_grad():
+                buffers[name].copy_(tensor.read())
+            continue
         if param is None:
             unexpected.append(ckpt_name)
             continue
@@ -240,7 +245,33 @@ def get_max_model_len(hf_config: PretrainedConfig) -> int:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
+    if getattr(hf_config, "relative_attention_num_buckets", None):  # T5: relative positions, no table
+        return RELATIVE_POSITION_MAX_LEN
     raise ValueError("cannot tell the model's maximum length: config has no max_position_embeddings")
+
+
+# T5 has no position table to bound its length; it was trained on 512-token inputs and targets
+# (`--max-model-len` raises it for a model trained longer).
+RELATIVE_POSITION_MAX_LEN = 512
+
+
+def get_decoder_start_token_id(model_dir: str, hf_config: PretrainedConfig) -> int | None:
+    """The first decoder token of an encoder-decoder model (its config's, else generation_config.json's,
+    else its pad id, as transformers falls back); None for a decoder-only model."""
+    if not getattr(hf_config, "is_encoder_decoder", False):
+        return None
+    for source in (hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}, _generation_config(model_dir)):
+        if source.get("decoder_start_token_id") is not None:
+            return int(source["decoder_start_token_id"])
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pad is None:
+        raise ValueError("the encoder-decoder config names no decoder_start_token_id and no pad_token_id")
+    return int(pad)
+
+
+def _generation_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _as_id_list(value) -> list[int]:

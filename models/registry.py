@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -19,6 +21,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "MarianMTModel": MarianMTModel,
+    "T5ForConditionalGeneration": T5ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -9,7 +9,8 @@ per stack, in its first block, shared by all its layers. Scores are not scaled b
 `wi_0`, `wi_1`). v1.0 ties the LM head to the embeddings and scales the decoder output by
 d_model ** -0.5 first; v1.1 has its own head and no scaling.
 
-Like models/bart.py this is the oracle: dense attention over one request, no KV cache.
+Like models/bart.py: `encode` / `decode` are the dense oracle (one request, no KV cache), and
+`encode_into_cache` + `forward` what the engine runs over the paged cache (models/seq2seq.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import get_activation
+from kvserve.models.seq2seq import attend, gather_kv, kv_holder, request_rows, segments, write_kv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -73,16 +76,19 @@ class T5Attention(nn.Module):
         if has_relative_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
 
-    def position_bias(self, query_len: int, key_len: int, device: torch.device) -> Tensor:  # -> [H, Lq, Lk]
-        relative = (torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None])
+    def position_bias(self, query_len: int, key_len: int, device: torch.device,
+                      query_start: int = 0) -> Tensor:  # -> [H, Lq, Lk]
+        """The bias of queries at positions query_start.. over keys at 0..key_len-1."""
+        query_pos = torch.arange(query_start, query_start + query_len, device=device)
+        relative = torch.arange(key_len, device=device)[None, :] - query_pos[:, None]
         buckets = relative_position_bucket(relative, not self.is_decoder, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).permute(2, 0, 1)
 
-    def forward(self, x: Tensor, kv_source: Tensor, bias: Tensor | None) -> Tensor:  # [L, d], [M, d] -> [L, d]
-        def heads(t: Tensor) -> Tensor:
-            return t.view(t.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+    def heads(self, t: Tensor) -> Tensor:  # [L, H * D] -> [L, H, D]
+        return t.view(t.shape[0], self.num_heads, self.head_dim)
 
-        q, k, v = heads(self.q(x)), heads(self.k(kv_source)), heads(self.v(kv_source))
+    def forward(self, x: Tensor, kv_source: Tensor, bias: Tensor | None) -> Tensor:  # [L, d], [M, d] -> [L, d]
+        q, k, v = (self.heads(t).transpose(0, 1) for t in (self.q(x), self.k(kv_source), self.v(kv_source)))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         return self.o(out.transpose(0, 1).reshape(x.shape[0], -1))
 
@@ -130,6 +136,8 @@ class T5Block(nn.Module):
             layers.append(_SubLayer(config, "EncDecAttention", T5Attention(config, True, False)))
         layers.append(_SubLayer(config, "DenseReluDense", T5DenseActDense(config)))
         self.layer = nn.ModuleList(layers)
+        if is_decoder:
+            self.cache = kv_holder(config.num_heads, config.d_kv)
 
     def forward(self, h: Tensor, self_bias: Tensor, encoder_out: Tensor | None) -> Tensor:
         self_attn, *rest = self.layer
@@ -140,6 +148,22 @@ class T5Block(nn.Module):
             h = h + cross.body(cross.layer_norm(h), encoder_out, None)
         else:
             (ff,) = rest
+        return h + ff.body(ff.layer_norm(h))
+
+    def paged(self, h: Tensor, rows: list, biases: list[Tensor], slots: Tensor) -> Tensor:
+        """A decoder block over the flat batch's rows [T, d] and the paged cache."""
+        self_layer, cross_layer, ff = self.layer
+        sa, ca = self_layer.body, cross_layer.body
+        normed = self_layer.layer_norm(h)
+        q = sa.heads(sa.q(normed))
+        write_kv(self.cache, sa.heads(sa.k(normed)), sa.heads(sa.v(normed)), slots)
+        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.block_ids, r.seq_len), bias, 1.0)
+                         for r, bias in zip(rows, biases)])
+        h = h + sa.o(out)
+        q = ca.heads(ca.q(cross_layer.layer_norm(h)))
+        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.cross_block_ids, r.cross_len), None, 1.0)
+                         for r in rows])
+        h = h + ca.o(out)
         return h + ff.body(ff.layer_norm(h))
 
 
@@ -166,6 +190,8 @@ class T5Stack(nn.Module):
 class T5ForConditionalGeneration(nn.Module):
     """`shared`, `encoder`, `decoder`, and `lm_head` when the head is not tied (v1.1)."""
 
+    is_encoder_decoder = True
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
@@ -185,6 +211,28 @@ class T5ForConditionalGeneration(nn.Module):
 
     def decode(self, decoder_ids: Tensor, encoder_out: Tensor) -> Tensor:  # [T], [S, d] -> [T, d]
         return self.decoder(decoder_ids, encoder_out)
+
+    def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
+        """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
+        block's cross-attention K/V of them into the cache at `cross_slots` [S]."""
+        encoded = torch.cat([self.encoder(input_ids[rows]) for rows in segments(cu_seqlens)])
+        for block in self.decoder.block:
+            ca = block.layer[1].body
+            write_kv(block.cache, ca.heads(ca.k(encoded)), ca.heads(ca.v(encoded)), cross_slots)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, d]
+        """The decoder over the step's flat batch and the paged cache (inside `forward_context`):
+        each request's relative bias (rows at its new positions, the future masked) is shared
+        by every block, as in the dense stack."""
+        meta = current_context().meta
+        rows = list(request_rows(meta))
+        table = self.decoder.block[0].layer[0].body
+        h = self.shared(input_ids)
+        biases = [(table.position_bias(r.query_len, r.seq_len, h.device, r.seq_len - r.query_len)
+                   + r.causal_mask(h.device)).to(h.dtype) for r in rows]
+        for block in self.decoder.block:
+            h = block.paged(h, rows, biases, meta.slot_mapping)
+        return self.decoder.final_layer_norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
         if self.scale_decoder_outputs:

@@ -26,6 +26,7 @@ class ModelInfo(Protocol):
     quantization: str  # none, int8, int4, fp8
     weight_bytes: int
     eos_token_ids: tuple[int, ...]
+    decoder_start_token_id: int | None  # encoder-decoder models only
 
 
 class ServingEngine(Protocol):

@@ -210,6 +210,9 @@ class Serving:
         live beam of every prompt, all at once; at the end, one finished output per prompt whose
         choices are its n best hypotheses. Step requests are not in the per-request metrics; the
         search is, once, when it ends."""
+        if self.engine.model_config.decoder_start_token_id is not None:
+            raise bad_request("use_beam_search is not supported for encoder-decoder models yet",
+                              param="use_beam_search")
         started = time.monotonic()
         search = BeamSearch([p.token_ids for p in vreq.prompts], vreq.beam, self.engine.model_config.eos_token_ids)
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, sinusoidal_positions
-from kvserve.models.loader import checkpoint_files, load_weights
+from kvserve.models.loader import load_weights
 from kvserve.models.t5 import T5ForConditionalGeneration, relative_position_bucket
 
 VOCAB = 96
@@ -57,9 +56,7 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     ours = ours_cls(transformers.AutoConfig.from_pretrained(path))
-    load_weights(ours, path)
-    if hasattr(ours, "load_buffers"):
-        ours.load_buffers({k: v for f in checkpoint_files(path) for k, v in load_file(f).items()})
+    load_weights(ours, path)  # (final_logits_bias, a buffer, included)
     return request.param, hf, ours.eval()
 
 

@@ -32,6 +32,10 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int  # an upper bound of seq_lens (CUDA graphs capture with max_model_len)
+    # encoder-decoder models (models/seq2seq.py): each request's cross blocks (its encoder output's
+    # K/V) and its encoder length; None for decoder-only models
+    cross_block_table: Tensor | None = None  # [B, max_cross_blocks]
+    cross_lens_cpu: list[int] | None = None  # [B]
 
     @property
     def is_all_decode(self) -> bool:

@@ -1,0 +1,144 @@
+"""Encoder-decoder models served by the engine (paged cache, continuous batching): greedy tokens
+and logprobs equal transformers' `generate()` for BART, Marian and T5 (v1.0 and v1.1), with
+ragged sources batched together, a pool tight enough to preempt, n > 1, and the same decoder
+tokens under different sources; every KV block (cross blocks included) back in the pool after."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from checkpoints import save_tokenizer
+from kvserve.engine import LLM, SamplingParams
+from test_seq2seq_models import CONFIGS
+
+VOCAB = 384  # the test tokenizer's
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(family, transformers model, checkpoint dir with a tokenizer)."""
+    config_cls, kwargs, ours_cls = CONFIGS[request.param]
+    kwargs = {**kwargs, "vocab_size": VOCAB}
+    if "pad_token_id" in kwargs and kwargs["pad_token_id"] == 95:  # Marian's pad/start: the last id
+        kwargs.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
+    config = config_cls(**kwargs)
+    config.architectures = [ours_cls.__name__]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    scale = 2.0 if request.param.startswith("t5") else 4.0
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() == 2 and "embed_positions" not in name:
+                param.mul_(scale)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    save_tokenizer(path)
+    return request.param, hf, str(path)
+
+
+def hf_greedy(hf, source: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    out = hf.generate(torch.tensor([source]), max_new_tokens=max_new, do_sample=False, num_beams=1,
+                      use_cache=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, 1:].tolist()
+    logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens)]
+    eos = hf.generation_config.eos_token_id
+    if eos in tokens:
+        end = tokens.index(eos) + 1
+        tokens, logprobs = tokens[:end], logprobs[:end]
+    return tokens, logprobs
+
+
+SOURCES = [[5, 17, 42, 99, 7, 250, 31], [120, 3], [11, 250, 31, 8, 77, 200, 19, 54, 23, 300, 64, 90, 12, 5, 6],
+           [64, 64, 64, 9]]
+
+
+def check_against_hf(llm: LLM, hf, sources, max_new: int = 12) -> None:
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in sources], params, use_tqdm=False)
+    for source, out in zip(sources, outputs):
+        expected, expected_lps = hf_greedy(hf, source, max_new)
+        choice = out.outputs[0]
+        assert choice.token_ids == expected, (source, choice.token_ids, expected)
+        got_lps = [entry[t].logprob for entry, t in zip(choice.logprobs, choice.token_ids)]
+        assert got_lps == pytest.approx(expected_lps, abs=1e-4)
+        assert out.prompt_token_ids == source
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_greedy_equals_transformers(checkpoint):
+    _, hf, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    check_against_hf(llm, hf, SOURCES)
+    check_against_hf(llm, hf, SOURCES[::-1])  # again: decoder prefixes cached under other sources
+
+
+def test_preemption_and_chunking(checkpoint):
+    """A pool for about two requests and a budget that splits steps: requests are preempted
+    (their decoder and cross blocks freed, the encoder run again when they resume)."""
+    _, hf, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_num_batched_tokens=24)
+    check_against_hf(llm, hf, SOURCES)
+    assert llm.engine.stats().num_preemptions_total > 0
+
+
+def test_n_samples_share_one_source(checkpoint):
+    _, hf, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    (out,) = llm.generate([{"prompt_token_ids": SOURCES[0]}], SamplingParams(max_tokens=8, temperature=0.0, n=3),
+                          use_tqdm=False)
+    expected, _ = hf_greedy(hf, SOURCES[0], 8)
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+
+
+def test_bad_sources_are_refused(checkpoint):
+    _, _, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="source"):
+        llm.generate([{"prompt_token_ids": [5] * 5000}], SamplingParams(max_tokens=4), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_served_completion(checkpoint):
+    """`kvserve serve` on the checkpoint: the source text as the prompt gives the offline engine's
+    text; a chat request without a chat template, beam search and prompt logprobs are 400s."""
+    import httpx
+    from server_fixtures import ServerProcess, wait_idle
+
+    family, _, path = checkpoint
+    if family != "bart":
+        pytest.skip("one family over HTTP is enough: the engine tests cover the rest")
+    tokenizer_config = Path(path) / "tokenizer_config.json"  # translation checkpoints have no chat template
+    config = json.loads(tokenizer_config.read_text())
+    config.pop("chat_template", None)
+    tokenizer_config.write_text(json.dumps(config))
+    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)
+    offline = LLM(path, dtype="float32", device="cpu")
+    (expected,) = offline.generate(["the fox and the crow"], SamplingParams(max_tokens=8, temperature=0.0),
+                                   use_tqdm=False)
+    srv = ServerProcess(path).wait_ready()
+    try:
+        body = {"prompt": "the fox and the crow", "max_tokens": 8, "temperature": 0}
+        response = httpx.post(f"{srv.base_url}/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        assert result["choices"][0]["text"] == expected.outputs[0].text
+        assert result["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+        chat = httpx.post(f"{srv.base_url}/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
+        assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+        for extra, param in [({"n": 2, "use_beam_search": True}, "use_beam_search"), ({"echo": True, "logprobs": 1},
+                                                                                      None)]:
+            refused = httpx.post(f"{srv.base_url}/completions", json={**body, **extra}, timeout=60)
+            assert refused.status_code == 400, refused.text
+        wait_idle(srv.url)
+    finally:
+        srv.stop()
