@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from checkpoints import save_tokenizer
 from kvserve.engine import LLM, SamplingParams
-from test_seq2seq_models import CONFIGS
+from test_seq2seq_models import CONFIGS, random_checkpoint
 
 VOCAB = 384  # the test tokenizer's
 
@@ -22,21 +21,11 @@ VOCAB = 384  # the test tokenizer's
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     """(family, transformers model, checkpoint dir with a tokenizer)."""
-    config_cls, kwargs, ours_cls = CONFIGS[request.param]
-    kwargs = {**kwargs, "vocab_size": VOCAB}
-    if "pad_token_id" in kwargs and kwargs["pad_token_id"] == 95:  # Marian's pad/start: the last id
-        kwargs.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
-    config = config_cls(**kwargs)
-    config.architectures = [ours_cls.__name__]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
-    scale = 2.0 if request.param.startswith("t5") else 4.0
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if param.dim() == 2 and "embed_positions" not in name:
-                param.mul_(scale)
+    overrides = {"vocab_size": VOCAB}
+    if request.param == "marian":  # its pad / decoder start: the last id
+        overrides.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
     path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf = random_checkpoint(request.param, path, **overrides)
     save_tokenizer(path)
     return request.param, hf, str(path)
 

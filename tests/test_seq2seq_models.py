@@ -34,17 +34,16 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def pair(request, tmp_path_factory):
-    """(transformers model, kvserve model) of one family with the same random weights."""
-    config_cls, kwargs, ours_cls = CONFIGS[request.param]
-    config = config_cls(**kwargs)
+def random_checkpoint(family: str, path, **overrides):
+    """A transformers model of `family` with random weights, saved to `path`; returns it."""
+    config_cls, kwargs, ours_cls = CONFIGS[family]
+    config = config_cls(**{**kwargs, **overrides})
     config.architectures = [ours_cls.__name__]
     torch.manual_seed(0)
     hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
     # peaked distributions, so that greedy decoding is not decided by noise (less for T5, whose
     # attention scores are not scaled: float32 rounding grows with their size)
-    scale = 2.0 if request.param.startswith("t5") else 4.0
+    scale = 2.0 if family.startswith("t5") else 4.0
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if param.dim() == 2 and "embed_positions" not in name:  # (Marian's are a fixed table)
@@ -53,9 +52,16 @@ def pair(request, tmp_path_factory):
                 param.normal_(0.0, 0.2)
         if hasattr(hf, "final_logits_bias"):
             hf.final_logits_bias.normal_(0.0, 1.0)
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    ours = ours_cls(transformers.AutoConfig.from_pretrained(path))
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, kvserve model) of one family with the same random weights."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = random_checkpoint(request.param, path)
+    ours = CONFIGS[request.param][2](transformers.AutoConfig.from_pretrained(path))
     load_weights(ours, path)  # (final_logits_bias, a buffer, included)
     return request.param, hf, ours.eval()
 
