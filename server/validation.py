@@ -89,6 +89,8 @@ class ModelLimits:
     tool_call_parser: str | None = None   # --tool-call-parser (None: tool_choice "auto" gives plain text)
     max_tools: int = 128   # --max-tools
     grammar_limits: GrammarLimits = GrammarLimits()   # --max-schema-properties etc.
+    # an encoder-decoder model: the prompt is the source, bounded on its own (the engine checks the rest)
+    is_encoder_decoder: bool = False
 
 
 def new_request_id(prefix: str) -> str:
@@ -298,9 +300,11 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     is_scoring_only = max_tokens == 0
     engine_max_tokens = 1 if is_scoring_only and not limits.max_tokens_zero_ok else max_tokens
 
-    prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, engine_max_tokens)
+    # (an encoder-decoder's source and output each have the whole context: the source is checked alone)
+    output_tokens = 0 if limits.is_encoder_decoder else engine_max_tokens
+    prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, output_tokens)
     for prompt in prompts:
-        _check_length(len(prompt.token_ids), engine_max_tokens, limits, "prompt")
+        _check_length(len(prompt.token_ids), output_tokens, limits, "prompt")
     constraint, constraint_param = structured_outputs(req, limits)
     params = _sampling_params(
         req, {"prompt_logprobs": "logprobs"},

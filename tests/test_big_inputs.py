@@ -171,7 +171,8 @@ class FakeEngine:
         self.chat_template = tokenizer.chat_template
         self.model_config = SimpleNamespace(model_path="/fake", dtype="float32", device="cpu",
                                             max_model_len=max_model_len, vocab_size=len(tokenizer), block_size=16,
-                                            quantization="none", weight_bytes=0)
+                                            quantization="none", weight_bytes=0, eos_token_ids=(),
+                                            decoder_start_token_id=None)
         self.is_healthy = True
         self.num_generated = 0
 

@@ -256,7 +256,8 @@ class ScriptedEngine:
         self.chat_template = None
         self.model_config = SimpleNamespace(model_path="/scripted", dtype="float32", device="cpu", max_model_len=4096,
                                             vocab_size=len(tokenizer), block_size=16,
-                                            quantization="none", weight_bytes=0)
+                                            quantization="none", weight_bytes=0, eos_token_ids=(),
+                                            decoder_start_token_id=None)
         self.is_healthy = True
         self.params: list[SamplingParams] = []
 
