@@ -142,6 +142,10 @@ class BlockManager:
         self._req_hashes: dict[str, list[bytes]] = {}  # chained keys of the request's full blocks
         self._req_roots: dict[str, bytes] = {}  # the parent digest of each request's first block
         self._req_cross: dict[str, list[Block]] = {}  # encoder-decoder requests: their encoder output's blocks
+        # a source's cross blocks while some request holds them, by the requests' prefix root (which
+        # covers the source and the cache salt): another request with that root shares them
+        self._cross_sets: dict[bytes, list[Block]] = {}
+        self._req_cross_key: dict[str, bytes] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -164,14 +168,25 @@ class BlockManager:
     def cross_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_cross.get(request_id, ())]
 
-    def allocate_cross(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
+    def allocate_cross(self, request_id: str, num_encoder_tokens: int, key: bytes) -> bool | None:
         """Blocks for an encoder-decoder request's encoder output (its cross-attention K/V in every
-        decoder layer), held until `free`; None, changing nothing, when the pool cannot supply them."""
-        num = self.num_blocks_for(num_encoder_tokens)
-        if request_id in self._req_cross or num > self.num_free_blocks:
-            return None if request_id not in self._req_cross else self.cross_block_ids(request_id)
-        self._req_cross[request_id] = [self._take_free_block() for _ in range(num)]
-        return self.cross_block_ids(request_id)
+        decoder layer), held until `free`. `key` is the request's prefix root: while another request
+        with the same key holds its blocks, they are shared. -> True when the request must run its
+        encoder into new blocks, False when it shares written ones, None (nothing changed) when the
+        pool cannot supply them."""
+        shared = self._cross_sets.get(key)
+        if shared is None:
+            num = self.num_blocks_for(num_encoder_tokens)
+            if num > self.num_free_blocks:
+                return None
+            shared = self._cross_sets[key] = [self._take_free_block() for _ in range(num)]
+            is_new = True
+        else:
+            for block in shared:
+                block.ref_cnt += 1
+            is_new = False
+        self._req_cross[request_id], self._req_cross_key[request_id] = list(shared), key
+        return is_new
 
     # ---- prefix cache ------------------------------------------------------
     def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
@@ -269,9 +284,13 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Drop the request's references; tail blocks go first into the free list,
         so they are evicted before the shared prefix blocks."""
-        for block in reversed(self._req_blocks.pop(request_id, []) + self._req_cross.pop(request_id, [])):
+        cross = self._req_cross.pop(request_id, [])
+        for block in reversed(self._req_blocks.pop(request_id, []) + cross):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free.append(block)
+        key = self._req_cross_key.pop(request_id, None)
+        if cross and cross[0].ref_cnt == 0:  # its last holder: the written K/V go with the blocks
+            del self._cross_sets[key]
         self._req_hashes.pop(request_id, None)
         self._req_roots.pop(request_id, None)

@@ -271,8 +271,8 @@ class ModelRunner:
             blocks = np.concatenate([np.array(r.cross_block_ids, np.int64)[np.arange(len(r.encoder_token_ids)) // bs]
                                      for r in new])
             self.model.encode_into_cache(self._to_device(ids), cu, self._to_device(blocks * bs + positions % bs))
-            for r in new:
-                self.cross[r.req_id] = (r.cross_block_ids, len(r.encoder_token_ids))
+        for r in step.new_requests:  # (those sharing another request's encoder output too)
+            self.cross[r.req_id] = (r.cross_block_ids, r.cross_len)
         rows = [self.cross[req_id] for req_id in step.req_ids]
         table = np.zeros((len(rows), max(len(b) for b, _ in rows)), np.int64)
         for i, (block_ids, _) in enumerate(rows):

@@ -205,8 +205,13 @@ class Scheduler:
             num_computed = len(cached_ids) * bm.block_size
             num_encoder = len(request.encoder_token_ids)
             if num_encoder:  # the encoder runs in this step's budget (alone, if it is larger)
-                if num_encoder >= budget and scheduled or bm.allocate_cross(request.request_id, num_encoder) is None:
+                if num_encoder >= budget and scheduled:
                     break
+                must_encode = bm.allocate_cross(request.request_id, num_encoder, request.prefix_root)
+                if must_encode is None:
+                    break
+                if not must_encode:  # another request with this source holds its encoder output
+                    num_encoder = 0
             num_new = min(request.num_tokens - num_computed, max(budget - num_encoder, 1))
             if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
                 bm.free(request.request_id)  # its cross blocks, if it took some
@@ -218,7 +223,8 @@ class Scheduler:
             scheduled.append(self._plan(request, num_new))
             # new to the runner (a resumed request too: its old row was dropped with its blocks)
             new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id),
-                                                            bm.cross_block_ids(request.request_id)))
+                                                            bm.cross_block_ids(request.request_id),
+                                                            encode=num_encoder > 0))
             budget -= num_new + num_encoder
         return budget
 

@@ -69,16 +69,18 @@ class NewRequestData:
     output_token_ids: tuple[int, ...]  # generated before a preemption; () on the first schedule
     block_ids: tuple[int, ...]  # the whole block table (a cached prefix included)
     sampling: SamplingInputs
-    # encoder-decoder models: the encoder input, run this step into the cross blocks
-    encoder_token_ids: tuple[int, ...] = ()
+    # encoder-decoder models: the cross blocks holding the encoder output of `cross_len` source tokens,
+    # and the source itself when this step must encode it (else another request's encoding is there)
     cross_block_ids: tuple[int, ...] = ()
+    cross_len: int = 0
+    encoder_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int],
-                     cross_block_ids: list[int] = ()) -> NewRequestData:
+    def from_request(cls, request: Request, block_ids: list[int], cross_block_ids: list[int] = (),
+                     encode: bool = False) -> NewRequestData:
         return cls(request.request_id, tuple(request.prompt_token_ids), tuple(request.output_token_ids),
-                   tuple(block_ids), SamplingInputs.from_request(request), tuple(request.encoder_token_ids),
-                   tuple(cross_block_ids))
+                   tuple(block_ids), SamplingInputs.from_request(request), tuple(cross_block_ids),
+                   len(request.encoder_token_ids), tuple(request.encoder_token_ids) if encode else ())
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,13 +76,29 @@ def test_preemption_and_chunking(checkpoint):
     assert llm.engine.stats().num_preemptions_total > 0
 
 
-def test_n_samples_share_one_source(checkpoint):
+def test_one_encoder_run_per_source(checkpoint):
+    """The n samples of a request, and requests with the same source running together, share one
+    encoder output (its cross blocks): the source is encoded once."""
     _, hf, path = checkpoint
     llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    expected, _ = hf_greedy(hf, SOURCES[0], 8)
+    before = llm.engine.prompt_tokens_computed_total
     (out,) = llm.generate([{"prompt_token_ids": SOURCES[0]}], SamplingParams(max_tokens=8, temperature=0.0, n=3),
                           use_tqdm=False)
-    expected, _ = hf_greedy(hf, SOURCES[0], 8)
     assert [c.token_ids for c in out.outputs] == [expected] * 3
+    outs = llm.generate([{"prompt_token_ids": SOURCES[0]}] * 2 + [{"prompt_token_ids": SOURCES[1]}],
+                        SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [expected] * 2
+    # each source once, plus one decoder start token per sequence
+    assert llm.engine.prompt_tokens_computed_total - before == 2 * len(SOURCES[0]) + len(SOURCES[1]) + 6
+    before = llm.engine.prompt_tokens_computed_total
+    llm.generate([{"prompt_token_ids": SOURCES[0], "cache_salt": "a"},
+                  {"prompt_token_ids": SOURCES[0], "cache_salt": "b"}],
+                 SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    # tenants with other cache salts never share an encoder output: each encodes its own
+    assert llm.engine.prompt_tokens_computed_total - before == 2 * len(SOURCES[0]) + 2
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
 
 
 def test_bad_sources_are_refused(checkpoint):
