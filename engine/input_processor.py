@@ -82,10 +82,11 @@ def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
     if not isinstance(prompt, dict):
         return prompt, None
     given = _PROMPT_KEYS & prompt.keys()
-    unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt"}
+    unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt", "decoder_prompt_token_ids"}
     if len(given) != 1 or unknown:
         raise ValueError(f"a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', and optionally "
-                         f"'cache_salt'; got {sorted(map(str, prompt))}")
+                         f"'cache_salt' (and, for an encoder-decoder model, 'decoder_prompt_token_ids'); "
+                         f"got {sorted(map(str, prompt))}")
     (key,) = given
     value = prompt[key]
     if key == "prompt" and not isinstance(value, str):
@@ -99,6 +100,7 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
                    max_chars_per_token: int | None = None) -> ProcessedPrompt:
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
     (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing."""
+    decoder_prompt = prompt.get("decoder_prompt_token_ids") if isinstance(prompt, dict) else None
     prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -118,7 +120,9 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
     if not token_ids:
         raise ValueError("prompt must not be empty")
     if info.is_encoder_decoder:
-        return _encoder_decoder_prompt(text, token_ids, params, cache_salt, info)
+        return _encoder_decoder_prompt(text, token_ids, params, cache_salt, info, decoder_prompt)
+    if decoder_prompt is not None:
+        raise ValueError("decoder_prompt_token_ids applies only to encoder-decoder models")
     num_prompt, limit = len(token_ids), info.max_model_len
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
     if num_prompt + max_tokens > limit:
@@ -135,13 +139,23 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
 
 
 def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: SamplingParams,
-                            cache_salt: str | None, info: RuntimeInfo) -> ProcessedPrompt:
-    """The prompt is the encoder's input (the source); the decoder starts from its start token.
+                            cache_salt: str | None, info: RuntimeInfo,
+                            decoder_prompt: Sequence[int] | None = None) -> ProcessedPrompt:
+    """The prompt is the encoder's input (the source); the decoder starts from its start token, or
+    from `decoder_prompt` (a prefix the output continues; it must begin with the start token).
     Both are bounded by the context length; together they must fit in the KV cache."""
     if params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs is not supported for encoder-decoder models (the prompt is "
                          "the encoder's input, which is not scored)")
-    decoder_prompt = [info.decoder_start_token_id]
+    if decoder_prompt is None:
+        decoder_prompt = [info.decoder_start_token_id]
+    else:
+        decoder_prompt = list(decoder_prompt)
+        bad = [t for t in decoder_prompt if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < info.vocab_size]
+        if bad or not decoder_prompt or decoder_prompt[0] != info.decoder_start_token_id:
+            raise ValueError(f"decoder_prompt_token_ids must be token ids in [0, {info.vocab_size}) starting "
+                             f"with the decoder start token {info.decoder_start_token_id}, got {decoder_prompt[:8]}")
     num_source, limit = len(token_ids), info.max_model_len
     if num_source > limit:
         raise ValueError(f"the source ({num_source} tokens) exceeds the encoder's limit of {limit} tokens")

@@ -75,25 +75,30 @@ class LLM:
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
         scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first."""
-        if self.engine.info.is_encoder_decoder:
-            raise ValueError("beam search is not supported for encoder-decoder models yet")
         prompts = _normalize_prompts(prompts)
         # tokenize and check every prompt (its length + max_tokens within the context) up front
         processed = [self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]
+        # an encoder-decoder model's beams are decoder sequences over the prompt's fixed source
+        seq2seq = self.engine.info.is_encoder_decoder
         bar = tqdm(total=params.max_tokens, desc="beam search steps", disable=not use_tqdm)
 
+        def request(item, beam: list[int]) -> dict:
+            req = ({"prompt_token_ids": item.prompt_token_ids, "decoder_prompt_token_ids": beam} if seq2seq
+                   else {"prompt_token_ids": beam})
+            if item.cache_salt:  # a beam shares cached blocks only under its prompt's salt (docs/security.md)
+                req["cache_salt"] = item.cache_salt
+            return req
+
         def next_token_logprobs(owners: list[int], sequences: list[list[int]], k: int) -> list[dict[int, float]]:
-            # a beam shares cached blocks only under its prompt's cache salt (docs/security.md)
-            requests = [{"prompt_token_ids": seq, "cache_salt": processed[i].cache_salt} if processed[i].cache_salt
-                        else {"prompt_token_ids": seq} for i, seq in zip(owners, sequences)]
+            requests = [request(processed[i], seq) for i, seq in zip(owners, sequences)]
             step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
             outputs = self.generate(requests, step, use_tqdm=False)
             bar.update(1)
             return [{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
 
         try:
-            results = beam_search([item.prompt_token_ids for item in processed], params,
-                                  self.engine.info.eos_token_ids, next_token_logprobs)
+            starts = [item.decoder_prompt_token_ids if seq2seq else item.prompt_token_ids for item in processed]
+            results = beam_search(starts, params, self.engine.info.eos_token_ids, next_token_logprobs)
         finally:
             bar.close()
         for result in results:

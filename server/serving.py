@@ -174,11 +174,18 @@ class Serving:
                 yield out
 
     async def _engine_stream(self, vreq: ValidatedRequest, request_id: str, token_ids: list[int],
-                             params: SamplingParams, tracker: RequestTracker | None) -> AsyncIterator[Any]:
-        """One engine request's outputs, its errors turned into API errors; aborted if left early."""
+                             params: SamplingParams, tracker: RequestTracker | None,
+                             decoder_prompt: list[int] | None = None) -> AsyncIterator[Any]:
+        """One engine request's outputs, its errors turned into API errors; aborted if left early.
+        `decoder_prompt`: an encoder-decoder's decoder tokens so far (beam search), `token_ids` its source."""
         is_finished = False
-        prompt = (token_ids if vreq.cache_salt is None
-                  else {"prompt_token_ids": token_ids, "cache_salt": vreq.cache_salt})
+        prompt: Any = token_ids
+        if vreq.cache_salt is not None or decoder_prompt is not None:
+            prompt = {"prompt_token_ids": token_ids}
+            if vreq.cache_salt is not None:
+                prompt["cache_salt"] = vreq.cache_salt
+            if decoder_prompt is not None:
+                prompt["decoder_prompt_token_ids"] = decoder_prompt
         stream = self.engine.generate(prompt, params, request_id)
         try:
             async for out in stream:
@@ -210,23 +217,24 @@ class Serving:
         live beam of every prompt, all at once; at the end, one finished output per prompt whose
         choices are its n best hypotheses. Step requests are not in the per-request metrics; the
         search is, once, when it ends."""
-        if self.engine.model_config.decoder_start_token_id is not None:
-            raise bad_request("use_beam_search is not supported for encoder-decoder models yet",
-                              param="use_beam_search")
         started = time.monotonic()
-        search = BeamSearch([p.token_ids for p in vreq.prompts], vreq.beam, self.engine.model_config.eos_token_ids)
+        start_id = self.engine.model_config.decoder_start_token_id  # an encoder-decoder: beams are decoder tokens
+        beam_starts = [[start_id] if start_id is not None else p.token_ids for p in vreq.prompts]
+        search = BeamSearch(beam_starts, vreq.beam, self.engine.model_config.eos_token_ids)
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True)
 
-        async def next_token_logprobs(request_id: str, token_ids: list[int]) -> dict[int, float]:
+        async def next_token_logprobs(request_id: str, prompt_idx: int, token_ids: list[int]) -> dict[int, float]:
             final = None
-            async with aclosing(self._engine_stream(vreq, request_id, token_ids, step_params, None)) as stream:
+            source, decoder = ((vreq.prompts[prompt_idx].token_ids, token_ids) if start_id is not None
+                               else (token_ids, None))
+            async with aclosing(self._engine_stream(vreq, request_id, source, step_params, None, decoder)) as stream:
                 async for final in stream:
                     pass
             return {token: lp.logprob for token, lp in final.outputs[0].logprobs[0].items()}
 
         while beams := search.live_beams():
-            tasks = [asyncio.ensure_future(next_token_logprobs(f"{vreq.request_id}-beam{search.step}-{j}", tokens))
-                     for j, (_, tokens) in enumerate(beams)]
+            tasks = [asyncio.ensure_future(next_token_logprobs(f"{vreq.request_id}-beam{search.step}-{j}", i, tokens))
+                     for j, (i, tokens) in enumerate(beams)]
             try:
                 search.advance(await asyncio.gather(*tasks))
             finally:   # one failed or the client left: the others stop too (and abort their requests)

@@ -101,6 +101,46 @@ def test_one_encoder_run_per_source(checkpoint):
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
 
 
+@pytest.mark.parametrize("width,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.6, True)])
+def test_beam_search_equals_transformers(checkpoint, width, length_penalty, early_stopping):
+    """Beams are decoder sequences over one source (sharing its encoder output and their prefixes):
+    sequences and scores equal generate(num_beams=...)."""
+    from kvserve.engine import BeamSearchParams
+
+    _, hf, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    params = BeamSearchParams(beam_width=width, max_tokens=8, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+    outputs = llm.beam_search([{"prompt_token_ids": s} for s in SOURCES[:3]], params)
+    eos = hf.generation_config.eos_token_id
+    for source, output in zip(SOURCES[:3], outputs):
+        out = hf.generate(torch.tensor([source]), num_beams=width, num_return_sequences=width, max_new_tokens=8,
+                          length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False,
+                          use_cache=False, output_scores=True, return_dict_in_generate=True)
+        expected = []
+        for seq in out.sequences[:, 1:].tolist():
+            expected.append(seq[: seq.index(eos) + 1] if eos in seq else seq)
+        assert [s.generated_tokens for s in output.sequences] == expected
+        assert [s.score for s in output.sequences] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_decoder_prompt(checkpoint):
+    """A decoder prefix (starting with the start token) is continued; a bad one is refused by name."""
+    _, hf, path = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    expected, _ = hf_greedy(hf, SOURCES[0], 8)
+    start = hf.config.decoder_start_token_id
+    (out,) = llm.generate([{"prompt_token_ids": SOURCES[0], "decoder_prompt_token_ids": [start] + expected[:3]}],
+                          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[3:8]
+    for bad in ([], [start, VOCAB + 5], [start + 1 if start + 1 < VOCAB else 0]):
+        with pytest.raises(ValueError, match="decoder_prompt_token_ids"):
+            llm.generate([{"prompt_token_ids": SOURCES[0], "decoder_prompt_token_ids": bad}],
+                         SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def test_bad_sources_are_refused(checkpoint):
     _, _, path = checkpoint
     llm = LLM(path, dtype="float32", device="cpu", block_size=4)
@@ -114,7 +154,8 @@ def test_bad_sources_are_refused(checkpoint):
 
 def test_served_completion(checkpoint):
     """`kvserve serve` on the checkpoint: the source text as the prompt gives the offline engine's
-    text; a chat request without a chat template, beam search and prompt logprobs are 400s."""
+    text, beam search the offline search's; a chat request without a chat template and prompt
+    logprobs are 400s."""
     import httpx
     from server_fixtures import ServerProcess, wait_idle
 
@@ -140,10 +181,14 @@ def test_served_completion(checkpoint):
         chat = httpx.post(f"{srv.base_url}/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
-        for extra, param in [({"n": 2, "use_beam_search": True}, "use_beam_search"), ({"echo": True, "logprobs": 1},
-                                                                                      None)]:
-            refused = httpx.post(f"{srv.base_url}/completions", json={**body, **extra}, timeout=60)
-            assert refused.status_code == 400, refused.text
+        refused = httpx.post(f"{srv.base_url}/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        beams = httpx.post(f"{srv.base_url}/completions", json={**body, "n": 2, "use_beam_search": True}, timeout=60)
+        assert beams.status_code == 200, beams.text
+        from kvserve.engine import BeamSearchParams
+
+        (offline_beams,) = offline.beam_search(["the fox and the crow"], BeamSearchParams(beam_width=2, max_tokens=8))
+        assert [c["text"] for c in beams.json()["choices"]] == [s.text for s in offline_beams.sequences]
         wait_idle(srv.url)
     finally:
         srv.stop()
