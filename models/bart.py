@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import get_activation
-from kvserve.models.seq2seq import attend, gather_kv, kv_holder, request_rows, segments, write_kv
+from kvserve.models.seq2seq import StepPlan, kv_holder, paged_attention, segments, step_plan, write_kv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -100,17 +100,13 @@ class DecoderLayer(nn.Module):
         h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_out, causal=False))
         return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
 
-    def paged(self, h: Tensor, rows: list, masks: list[Tensor], slots: Tensor) -> Tensor:
+    def paged(self, h: Tensor, plan: StepPlan, masks: list[Tensor], slots: Tensor) -> Tensor:
         """The flat batch's rows [T, d] through this layer over the paged cache."""
         sa, ca = self.self_attn, self.encoder_attn
-        q = sa.heads(sa.q_proj(h))
         write_kv(self.cache, sa.heads(sa.k_proj(h)), sa.heads(sa.v_proj(h)), slots)
-        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.block_ids, r.seq_len), mask, sa.scale)
-                         for r, mask in zip(rows, masks)])
+        out = paged_attention(self.cache, sa.heads(sa.q_proj(h)), plan, sa.scale, False, masks)
         h = self.self_attn_layer_norm(h + sa.out_proj(out))
-        q = ca.heads(ca.q_proj(h))
-        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.cross_block_ids, r.cross_len), None, ca.scale)
-                         for r in rows])
+        out = paged_attention(self.cache, ca.heads(ca.q_proj(h)), plan, ca.scale, True, masks)
         h = self.encoder_attn_layer_norm(h + ca.out_proj(out))
         return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
 
@@ -196,11 +192,11 @@ class BartForConditionalGeneration(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, d]
         """The decoder over the step's flat batch and the paged cache (inside `forward_context`)."""
         meta = current_context().meta
-        rows = list(request_rows(meta))
-        masks = [r.causal_mask(input_ids.device) for r in rows]
+        plan = step_plan(meta, input_ids.device)
+        masks = [r.causal_mask(input_ids.device) for r in plan.prefill]
         h = self.model.decoder.embed(input_ids, positions)
         for layer in self.model.decoder.layers:
-            h = layer.paged(h, rows, masks, meta.slot_mapping)
+            h = layer.paged(h, plan, masks, meta.slot_mapping)
         return h
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import get_activation
-from kvserve.models.seq2seq import attend, gather_kv, kv_holder, request_rows, segments, write_kv
+from kvserve.models.seq2seq import StepPlan, kv_holder, paged_attention, segments, step_plan, write_kv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -150,19 +150,16 @@ class T5Block(nn.Module):
             (ff,) = rest
         return h + ff.body(ff.layer_norm(h))
 
-    def paged(self, h: Tensor, rows: list, biases: list[Tensor], slots: Tensor) -> Tensor:
+    def paged(self, h: Tensor, plan: StepPlan, biases: list[Tensor], decode_bias: Tensor | None,
+              slots: Tensor) -> Tensor:
         """A decoder block over the flat batch's rows [T, d] and the paged cache."""
         self_layer, cross_layer, ff = self.layer
         sa, ca = self_layer.body, cross_layer.body
         normed = self_layer.layer_norm(h)
-        q = sa.heads(sa.q(normed))
         write_kv(self.cache, sa.heads(sa.k(normed)), sa.heads(sa.v(normed)), slots)
-        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.block_ids, r.seq_len), bias, 1.0)
-                         for r, bias in zip(rows, biases)])
+        out = paged_attention(self.cache, sa.heads(sa.q(normed)), plan, 1.0, False, biases, decode_bias)
         h = h + sa.o(out)
-        q = ca.heads(ca.q(cross_layer.layer_norm(h)))
-        out = torch.cat([attend(q[r.rows], *gather_kv(self.cache, r.cross_block_ids, r.cross_len), None, 1.0)
-                         for r in rows])
+        out = paged_attention(self.cache, ca.heads(ca.q(cross_layer.layer_norm(h))), plan, 1.0, True, biases)
         h = h + ca.o(out)
         return h + ff.body(ff.layer_norm(h))
 
@@ -225,13 +222,20 @@ class T5ForConditionalGeneration(nn.Module):
         each request's relative bias (rows at its new positions, the future masked) is shared
         by every block, as in the dense stack."""
         meta = current_context().meta
-        rows = list(request_rows(meta))
+        plan = step_plan(meta, input_ids.device)
         table = self.decoder.block[0].layer[0].body
         h = self.shared(input_ids)
         biases = [(table.position_bias(r.query_len, r.seq_len, h.device, r.seq_len - r.query_len)
-                   + r.causal_mask(h.device)).to(h.dtype) for r in rows]
+                   + r.causal_mask(h.device)).to(h.dtype) for r in plan.prefill]
+        decode_bias = None
+        if plan.decode_index is not None:  # each decode row's bias over the padded keys, its mask added
+            keys = plan.self_mask.shape[-1]
+            relative = torch.arange(keys, device=h.device)[None, :] - (plan.self_lens - 1)[:, None]
+            buckets = relative_position_bucket(relative, False, table.num_buckets, table.max_distance)
+            decode_bias = (table.relative_attention_bias(buckets).permute(0, 2, 1)[:, :, None, :]
+                           + plan.self_mask).to(h.dtype)
         for block in self.decoder.block:
-            h = block.paged(h, rows, biases, meta.slot_mapping)
+            h = block.paged(h, plan, biases, decode_bias, meta.slot_mapping)
         return self.decoder.final_layer_norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
