@@ -1,11 +1,12 @@
-"""BART and Marian encoder-decoders with HF parameter names: the reference forward.
+"""BART, mBART and Marian encoder-decoders with HF parameter names.
 
 An encoder reads the source with bidirectional self-attention; each decoder layer attends
-causally to the target so far and then to all encoder outputs (cross-attention). The two
-families differ in their embeddings only: BART adds learned positions (row p + 2 for position
-p) and a layer norm over the embeddings; Marian adds fixed sinusoidal positions and scales the
-token embeddings by sqrt(d_model); both add `final_logits_bias` to the logits. Layers are
-post-LN in both (the residual is added, then normalized).
+causally to the target so far and then to all encoder outputs (cross-attention). The families
+differ in their embeddings and norms: BART adds learned positions (row p + 2 for position p) and
+a layer norm over the embeddings; Marian adds fixed sinusoidal positions and scales the token
+embeddings by sqrt(d_model); all add `final_logits_bias` to the logits. BART's and Marian's layers
+are post-LN (the residual is added, then normalized); mBART's are pre-LN, and each of its stacks
+ends with one more layer norm.
 
 Two forwards: `encode` / `decode` are the dense oracle (one request, no KV cache: `decode`
 recomputes the whole target prefix); `encode_into_cache` + `forward` are what the engine runs
@@ -65,9 +66,23 @@ class Seq2SeqAttention(nn.Module):
         return self.out_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
-class EncoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+class _Residual(nn.Module):
+    """A layer whose sub-layers add to the residual stream post-norm (BART, Marian: normalize the
+    sum) or pre-norm (mBART: normalize the sub-layer's input)."""
+
+    pre_norm = False
+
+    def sub(self, h: Tensor, norm: nn.Module, body) -> Tensor:
+        return h + body(norm(h)) if self.pre_norm else norm(h + body(h))
+
+    def ffn(self, h: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(h)))
+
+
+class EncoderLayer(_Residual):
+    def __init__(self, config: PretrainedConfig, pre_norm: bool = False) -> None:
         super().__init__()
+        self.pre_norm = pre_norm
         d = config.d_model
         self.self_attn = Seq2SeqAttention(d, config.encoder_attention_heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
@@ -77,13 +92,14 @@ class EncoderLayer(nn.Module):
         self.act = get_activation(config.activation_function)
 
     def forward(self, h: Tensor) -> Tensor:
-        h = self.self_attn_layer_norm(h + self.self_attn(h, h, causal=False))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        h = self.sub(h, self.self_attn_layer_norm, lambda x: self.self_attn(x, x, causal=False))
+        return self.sub(h, self.final_layer_norm, self.ffn)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+class DecoderLayer(_Residual):
+    def __init__(self, config: PretrainedConfig, pre_norm: bool = False) -> None:
         super().__init__()
+        self.pre_norm = pre_norm
         d = config.d_model
         self.self_attn = Seq2SeqAttention(d, config.decoder_attention_heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
@@ -96,26 +112,31 @@ class DecoderLayer(nn.Module):
         self.cache = kv_holder(config.decoder_attention_heads, d // config.decoder_attention_heads)
 
     def forward(self, h: Tensor, encoder_out: Tensor) -> Tensor:
-        h = self.self_attn_layer_norm(h + self.self_attn(h, h, causal=True))
-        h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_out, causal=False))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        h = self.sub(h, self.self_attn_layer_norm, lambda x: self.self_attn(x, x, causal=True))
+        h = self.sub(h, self.encoder_attn_layer_norm, lambda x: self.encoder_attn(x, encoder_out, causal=False))
+        return self.sub(h, self.final_layer_norm, self.ffn)
 
     def paged(self, h: Tensor, plan: StepPlan, masks: list[Tensor], slots: Tensor) -> Tensor:
         """The flat batch's rows [T, d] through this layer over the paged cache."""
         sa, ca = self.self_attn, self.encoder_attn
-        write_kv(self.cache, sa.heads(sa.k_proj(h)), sa.heads(sa.v_proj(h)), slots)
-        out = paged_attention(self.cache, sa.heads(sa.q_proj(h)), plan, sa.scale, False, masks)
-        h = self.self_attn_layer_norm(h + sa.out_proj(out))
-        out = paged_attention(self.cache, ca.heads(ca.q_proj(h)), plan, ca.scale, True, masks)
-        h = self.encoder_attn_layer_norm(h + ca.out_proj(out))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+        def self_attention(x: Tensor) -> Tensor:
+            write_kv(self.cache, sa.heads(sa.k_proj(x)), sa.heads(sa.v_proj(x)), slots)
+            return sa.out_proj(paged_attention(self.cache, sa.heads(sa.q_proj(x)), plan, sa.scale, False, masks))
+
+        def cross_attention(x: Tensor) -> Tensor:
+            return ca.out_proj(paged_attention(self.cache, ca.heads(ca.q_proj(x)), plan, ca.scale, True, masks))
+
+        h = self.sub(h, self.self_attn_layer_norm, self_attention)
+        h = self.sub(h, self.encoder_attn_layer_norm, cross_attention)
+        return self.sub(h, self.final_layer_norm, self.ffn)
 
 
 class Stack(nn.Module):
     """An encoder or a decoder: embeddings (tokens, positions, optional layer norm) and layers."""
 
     def __init__(self, config: PretrainedConfig, shared: nn.Embedding, layer_cls: type[nn.Module], num_layers: int,
-                 sinusoidal: bool) -> None:
+                 sinusoidal: bool, pre_norm: bool = False) -> None:
         super().__init__()
         d = config.d_model
         self.embed_tokens = shared
@@ -129,7 +150,12 @@ class Stack(nn.Module):
         self.dim, self.num_positions = d, config.max_position_embeddings
         if not sinusoidal:
             self.layernorm_embedding = nn.LayerNorm(d)
-        self.layers = nn.ModuleList(layer_cls(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(layer_cls(config, pre_norm) for _ in range(num_layers))
+        if pre_norm:  # mBART: the stack's output normalized once more
+            self.layer_norm = nn.LayerNorm(d)
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return self.layer_norm(h) if hasattr(self, "layer_norm") else h
 
     def reset_buffers(self) -> None:
         """After the loader made the buffers on the device (uninitialized): the fixed table again."""
@@ -149,6 +175,7 @@ class BartForConditionalGeneration(nn.Module):
     """The model (`model.shared`, `model.encoder`, `model.decoder`), `lm_head` and `final_logits_bias`."""
 
     sinusoidal_positions = False
+    pre_norm = False
     is_encoder_decoder = True
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -161,9 +188,9 @@ class BartForConditionalGeneration(nn.Module):
             decoder_embed = nn.Embedding(getattr(config, "decoder_vocab_size", None) or config.vocab_size,
                                          config.d_model)
         self.model.encoder = Stack(config, self.model.shared, EncoderLayer, config.encoder_layers,
-                                   self.sinusoidal_positions)
+                                   self.sinusoidal_positions, self.pre_norm)
         self.model.decoder = Stack(config, decoder_embed, DecoderLayer, config.decoder_layers,
-                                   self.sinusoidal_positions)
+                                   self.sinusoidal_positions, self.pre_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.d_model, decoder_embed.num_embeddings, bias=False)
@@ -173,13 +200,13 @@ class BartForConditionalGeneration(nn.Module):
         h = self.model.encoder.embed(input_ids)
         for layer in self.model.encoder.layers:
             h = layer(h)
-        return h
+        return self.model.encoder.final_norm(h)
 
     def decode(self, decoder_ids: Tensor, encoder_out: Tensor) -> Tensor:  # [T], [S, d] -> [T, d]
         h = self.model.decoder.embed(decoder_ids)
         for layer in self.model.decoder.layers:
             h = layer(h, encoder_out)
-        return h
+        return self.model.decoder.final_norm(h)
 
     def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
         """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
@@ -197,7 +224,7 @@ class BartForConditionalGeneration(nn.Module):
         h = self.model.decoder.embed(input_ids, positions)
         for layer in self.model.decoder.layers:
             h = layer.paged(h, plan, masks, meta.slot_mapping)
-        return h
+        return self.model.decoder.final_norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
         weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
@@ -223,3 +250,9 @@ class MarianMTModel(BartForConditionalGeneration):
     """Marian: BART's layers with sinusoidal positions and scaled embeddings, no embedding norm."""
 
     sinusoidal_positions = True
+
+
+class MBartForConditionalGeneration(BartForConditionalGeneration):
+    """mBART: BART's embeddings with pre-norm layers and a final layer norm on each stack."""
+
+    pre_norm = True

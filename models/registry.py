@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel
+from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -24,6 +24,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "MarianMTModel": MarianMTModel,
+    "MBartForConditionalGeneration": MBartForConditionalGeneration,
     "T5ForConditionalGeneration": T5ForConditionalGeneration,
 }
 

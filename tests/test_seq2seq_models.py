@@ -8,7 +8,12 @@ import pytest
 import torch
 import transformers
 
-from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, sinusoidal_positions
+from kvserve.models.bart import (
+    BartForConditionalGeneration,
+    MarianMTModel,
+    MBartForConditionalGeneration,
+    sinusoidal_positions,
+)
 from kvserve.models.loader import load_weights
 from kvserve.models.t5 import T5ForConditionalGeneration, relative_position_bucket
 
@@ -19,6 +24,7 @@ BART = dict(**SMALL, encoder_layers=2, decoder_layers=2, encoder_attention_heads
             decoder_start_token_id=2, forced_eos_token_id=None, forced_bos_token_id=None)
 CONFIGS = {
     "bart": (transformers.BartConfig, BART, BartForConditionalGeneration),
+    "mbart": (transformers.MBartConfig, {**BART, "scale_embedding": True}, MBartForConditionalGeneration),
     "marian": (transformers.MarianConfig, {**BART, "activation_function": "swish", "pad_token_id": VOCAB - 1,
                                            "decoder_start_token_id": VOCAB - 1, "eos_token_id": 0,
                                            "scale_embedding": True}, MarianMTModel),
