@@ -55,7 +55,6 @@ def _check_encoder_decoder(args: EngineArgs, tp_size: int) -> None:
     unsupported = [name for name, used in (
         ("tensor_parallel_size > 1", tp_size > 1),
         ("speculative_config", args.speculative() is not None),
-        ("quantization", args.quantization not in (None, "none")),
         ("a CUDA device", resolve_device(args.model_config().device).type == "cuda"),
     ) if used]
     if unsupported:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
-from kvserve.models.layers import get_activation
-from kvserve.models.seq2seq import StepPlan, kv_holder, paged_attention, segments, step_plan, write_kv
+from kvserve.models.layers import Linear, VocabEmbedding, get_activation
+from kvserve.models.seq2seq import (StepPlan, kv_holder, paged_attention, segments, step_plan, uses_kernels,
+                                    write_kv)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -51,10 +52,10 @@ class Seq2SeqAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.scale = self.head_dim ** -0.5
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.q_proj = Linear(dim, dim, bias=True)
+        self.k_proj = Linear(dim, dim, bias=True)
+        self.v_proj = Linear(dim, dim, bias=True)
+        self.out_proj = Linear(dim, dim, bias=True)
 
     def heads(self, t: Tensor) -> Tensor:  # [L, d] -> [L, H, D]
         return t.view(t.shape[0], self.num_heads, self.head_dim)
@@ -86,8 +87,8 @@ class EncoderLayer(_Residual):
         d = config.d_model
         self.self_attn = Seq2SeqAttention(d, config.encoder_attention_heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
-        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.fc1 = Linear(d, config.encoder_ffn_dim, bias=True)
+        self.fc2 = Linear(config.encoder_ffn_dim, d, bias=True)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = get_activation(config.activation_function)
 
@@ -105,8 +106,8 @@ class DecoderLayer(_Residual):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = Seq2SeqAttention(d, config.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
-        self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
+        self.fc1 = Linear(d, config.decoder_ffn_dim, bias=True)
+        self.fc2 = Linear(config.decoder_ffn_dim, d, bias=True)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = get_activation(config.activation_function)
         self.cache = kv_holder(config.decoder_attention_heads, d // config.decoder_attention_heads)
@@ -135,7 +136,7 @@ class DecoderLayer(_Residual):
 class Stack(nn.Module):
     """An encoder or a decoder: embeddings (tokens, positions, optional layer norm) and layers."""
 
-    def __init__(self, config: PretrainedConfig, shared: nn.Embedding, layer_cls: type[nn.Module], num_layers: int,
+    def __init__(self, config: PretrainedConfig, shared: VocabEmbedding, layer_cls: type[nn.Module], num_layers: int,
                  sinusoidal: bool, pre_norm: bool = False) -> None:
         super().__init__()
         d = config.d_model
@@ -182,19 +183,19 @@ class BartForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.model = nn.Module()
-        self.model.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.model.shared = VocabEmbedding(config.vocab_size, config.d_model)
         decoder_embed = self.model.shared
         if not getattr(config, "share_encoder_decoder_embeddings", True):  # Marian's separate vocabularies
-            decoder_embed = nn.Embedding(getattr(config, "decoder_vocab_size", None) or config.vocab_size,
-                                         config.d_model)
+            decoder_embed = VocabEmbedding(getattr(config, "decoder_vocab_size", None) or config.vocab_size,
+                                           config.d_model)
         self.model.encoder = Stack(config, self.model.shared, EncoderLayer, config.encoder_layers,
                                    self.sinusoidal_positions, self.pre_norm)
         self.model.decoder = Stack(config, decoder_embed, DecoderLayer, config.decoder_layers,
                                    self.sinusoidal_positions, self.pre_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.d_model, decoder_embed.num_embeddings, bias=False)
-        self.register_buffer("final_logits_bias", torch.zeros(1, decoder_embed.num_embeddings))
+            self.lm_head = Linear(config.d_model, decoder_embed.weight.shape[0])
+        self.register_buffer("final_logits_bias", torch.zeros(1, decoder_embed.weight.shape[0]))
 
     def encode(self, input_ids: Tensor) -> Tensor:  # [S] -> [S, d]
         h = self.model.encoder.embed(input_ids)
@@ -219,7 +220,7 @@ class BartForConditionalGeneration(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, d]
         """The decoder over the step's flat batch and the paged cache (inside `forward_context`)."""
         meta = current_context().meta
-        plan = step_plan(meta, input_ids.device)
+        plan = step_plan(meta, input_ids.device, uses_kernels(self.model.decoder.layers[0].cache))
         masks = [r.causal_mask(input_ids.device) for r in plan.prefill]
         h = self.model.decoder.embed(input_ids, positions)
         for layer in self.model.decoder.layers:
@@ -227,8 +228,8 @@ class BartForConditionalGeneration(nn.Module):
         return self.model.decoder.final_norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
-        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight) + self.final_logits_bias[0].to(hidden.dtype)
+        logits = self.model.decoder.embed_tokens.lm_head(hidden) if self.tie_word_embeddings else self.lm_head(hidden)
+        return logits + self.final_logits_bias[0].to(logits.dtype)
 
     def reset_buffers(self) -> None:
         """After the loader made the buffers (uninitialized): zero, unless the checkpoint has one."""

@@ -161,12 +161,14 @@ def linear_bf16(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: in
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                           seq_lens: Tensor, scale: float, window: int | None) -> Tensor:
+                           seq_lens: Tensor, scale: float, window: int | None, bias: Tensor | None = None) -> Tensor:
     """q [B, H, D] bf16 (one token per request) over the paged cache [blocks, block_size, KvH, D] -> [B, H*D].
 
-    Where `attention_kernels_apply`."""
+    `bias`: float32 [H, L] (L >= every seq_len) added to the scaled scores by distance from the
+    query: key t of a request of length s gets `bias[h, L - s + t]`, so column L - 1 is the query's
+    own position (T5's relative bias, `distance_bias`). Where `attention_kernels_apply`."""
     return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens,
-                                                    scale, window or 0)
+                                                    scale, window or 0, bias)
 
 
 def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:

@@ -7,10 +7,12 @@ decoder runs, causal); its encoder output, projected once to this layer's cross-
 when the request is encoded, goes to its cross blocks (`AttentionMetadata.cross_block_table`,
 `cross_lens_cpu`: one table row per scheduled request), read without a mask.
 
-Attention here is PyTorch's SDPA over gathered blocks: the decode rows of a step (one new token
-each) together in one call per layer, their keys padded to the longest and masked; every other
-request (a decoder prompt, a chunk) in a call of its own. The reference the kernels will be
-checked against, not the fast path.
+The decode rows of a step (one new token each) are attended together, one call per layer: on
+AVX512-BF16 CPUs in bf16 by models/cpu_ops' paged decode kernel, reading the blocks in place
+(cross-attention is that kernel over the cross blocks; T5's relative bias is its per-distance bias
+table); elsewhere by PyTorch's SDPA over gathered blocks, their keys padded to the longest and
+masked (the reference the kernel is checked against). Every other request (a decoder prompt, a
+chunk) is attended in an SDPA call of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, AttentionMetadata
 
 
@@ -86,57 +89,80 @@ def request_rows(meta: AttentionMetadata) -> Iterator[RequestRows]:
 @dataclass
 class StepPlan:
     """What every decoder layer of one step shares: the requests' rows, and for the decode rows
-    (one new token each) the row indices, block tables and key masks of one batched call."""
+    (one new token each) the row indices, block tables and lengths of one batched call. With
+    `kernels` (models/cpu_ops' paged decode kernel, chosen at load: `uses_kernels`) the tables are
+    the requests' own rows; otherwise they are padded to the longest and masked for SDPA."""
 
     rows: list[RequestRows]
     prefill: list[RequestRows]  # the requests with more than one new token: one call each
-    decode_index: Tensor | None  # [Bd] flat row of each decode row; None when there are none
-    self_table: Tensor | None  # [Bd, blocks] block tables, as many blocks as the longest needs
-    self_mask: Tensor | None  # [Bd, 1, 1, keys] additive: -inf past each row's sequence
-    self_lens: Tensor | None  # [Bd]
-    cross_table: Tensor | None
-    cross_mask: Tensor | None
+    kernels: bool
+    decode_index: Tensor | None = None  # [Bd] flat row of each decode row; None when there are none
+    self_table: Tensor | None = None  # [Bd, blocks]
+    self_lens: Tensor | None = None  # [Bd] int64
+    cross_table: Tensor | None = None
+    cross_lens: Tensor | None = None
+    self_mask: Tensor | None = None  # reference path: [Bd, 1, 1, keys] additive, -inf past each row's sequence
+    cross_mask: Tensor | None = None
 
 
-def step_plan(meta: AttentionMetadata, device: torch.device) -> StepPlan:
+def uses_kernels(holder: Attention) -> bool:
+    """Whether the decode rows go to the CPU's paged decode kernel: the backend chosen at load has
+    them (bf16 on an AVX512-BF16 CPU, head_dim a multiple of 32)."""
+    return bool(getattr(holder.backend, "paged_kernels", False))
+
+
+def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = False) -> StepPlan:
     rows = list(request_rows(meta))
     decode = [r for r in rows if r.query_len == 1]
     prefill = [r for r in rows if r.query_len != 1]
     if not decode:
-        return StepPlan(rows, prefill, None, None, None, None, None, None)
-    bs = meta.block_size
+        return StepPlan(rows, prefill, kernels)
     index = torch.tensor([r.start for r in decode], device=device)
+    self_lens = torch.tensor([r.seq_len for r in decode], device=device)
+    cross_lens = torch.tensor([r.cross_len for r in decode], device=device)
+    if kernels:  # the kernel reads each request's table row up to its length
+        if len(decode) == len(rows):
+            self_table, cross_table = meta.block_table[: len(rows)], meta.cross_block_table[: len(rows)]
+        else:
+            which = torch.tensor([i for i, r in enumerate(rows) if r.query_len == 1], device=device)
+            self_table, cross_table = meta.block_table[which], meta.cross_block_table[which]
+        return StepPlan(rows, prefill, kernels, index, self_table, self_lens, cross_table, cross_lens)
+    bs = meta.block_size
 
-    def table_and_mask(lengths: list[int], tables: list[Tensor]) -> tuple[Tensor, Tensor]:
-        num_blocks = -(-max(lengths) // bs)
+    def padded(lengths: Tensor, tables: list[Tensor]) -> tuple[Tensor, Tensor]:
+        num_blocks = -(-int(lengths.max()) // bs)
         table = torch.stack([t[:num_blocks] if t.shape[0] >= num_blocks
                              else F.pad(t, (0, num_blocks - t.shape[0])) for t in tables])
-        past = torch.arange(num_blocks * bs, device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
+        past = torch.arange(num_blocks * bs, device=device)[None, :] >= lengths[:, None]
         mask = torch.zeros(past.shape, device=device).masked_fill(past, float("-inf"))[:, None, None, :]
         return table, mask
 
-    self_lens = [r.seq_len for r in decode]
-    self_table, self_mask = table_and_mask(self_lens, [r.block_ids for r in decode])
-    cross_table, cross_mask = table_and_mask([r.cross_len for r in decode], [r.cross_block_ids for r in decode])
-    return StepPlan(rows, prefill, index, self_table, self_mask, torch.tensor(self_lens, device=device),
-                    cross_table, cross_mask)
+    self_table, self_mask = padded(self_lens, [r.block_ids for r in decode])
+    cross_table, cross_mask = padded(cross_lens, [r.cross_block_ids for r in decode])
+    return StepPlan(rows, prefill, kernels, index, self_table, self_lens, cross_table, cross_lens,
+                    self_mask, cross_mask)
 
 
 def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, cross: bool,
                     prefill_masks: list[Tensor | None], decode_bias: Tensor | None = None) -> Tensor:
     """q [T, H, D] of the step's rows over each request's own (cross=False, causal through
     `prefill_masks` / `plan.self_mask`) or cross blocks (unmasked) -> [T, H * D].
-    `decode_bias` [Bd, H, 1, keys]: a per-head additive bias for the decode rows (T5's), mask included."""
+    `decode_bias`, self-attention only (T5's): with `plan.kernels` a float32 [H, L] table by distance
+    from the query (`cpu_ops.paged_decode_attention`'s), else [Bd, H, 1, keys] with the mask added."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     if plan.decode_index is not None:
-        k_cache, v_cache = holder.kv
-        table = plan.cross_table if cross else plan.self_table
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, H, L, D]
-        values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        mask = plan.cross_mask if cross else (decode_bias if decode_bias is not None else plan.self_mask)
-        rows = q[plan.decode_index][:, :, None, :]  # [Bd, H, 1, D]
-        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask.to(q.dtype), scale=scale)
-        out[plan.decode_index] = attended.flatten(1)
+        table, lens = (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
+        rows = q[plan.decode_index]  # [Bd, H, D]
+        if plan.kernels:
+            attended = cpu_ops.paged_decode_attention(rows, *holder.kv, table, lens, scale, None, decode_bias)
+        else:
+            k_cache, v_cache = holder.kv
+            keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, H, L, D]
+            values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            mask = plan.cross_mask if cross else (decode_bias if decode_bias is not None else plan.self_mask)
+            attended = F.scaled_dot_product_attention(rows[:, :, None, :], keys, values, attn_mask=mask.to(q.dtype),
+                                                      scale=scale).flatten(1)
+        out[plan.decode_index] = attended
     for r, mask in zip(plan.prefill, prefill_masks):
         blocks, length = (r.cross_block_ids, r.cross_len) if cross else (r.block_ids, r.seq_len)
         out[r.rows] = attend(q[r.rows], *gather_kv(holder, blocks, length), None if cross else mask, scale)

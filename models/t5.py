@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
-from kvserve.models.layers import get_activation
-from kvserve.models.seq2seq import StepPlan, kv_holder, paged_attention, segments, step_plan, write_kv
+from kvserve.models.layers import Linear, VocabEmbedding, get_activation
+from kvserve.models.seq2seq import (StepPlan, kv_holder, paged_attention, segments, step_plan, uses_kernels,
+                                    write_kv)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -66,10 +67,10 @@ class T5Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.d_kv
         inner = self.num_heads * self.head_dim
-        self.q = nn.Linear(config.d_model, inner, bias=False)
-        self.k = nn.Linear(config.d_model, inner, bias=False)
-        self.v = nn.Linear(config.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.q = Linear(config.d_model, inner)
+        self.k = Linear(config.d_model, inner)
+        self.v = Linear(config.d_model, inner)
+        self.o = Linear(inner, config.d_model)
         self.is_decoder = is_decoder
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
@@ -83,6 +84,13 @@ class T5Attention(nn.Module):
         relative = torch.arange(key_len, device=device)[None, :] - query_pos[:, None]
         buckets = relative_position_bucket(relative, not self.is_decoder, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).permute(2, 0, 1)
+
+    def distance_bias(self, length: int, device: torch.device) -> Tensor:  # -> float32 [H, length]
+        """A decoder query's bias over keys by distance, nearest last: column length - 1 - d is
+        distance d (the paged decode kernel's layout, `cpu_ops.paged_decode_attention`)."""
+        relative = torch.arange(1 - length, 1, device=device)
+        buckets = relative_position_bucket(relative, False, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).t().float().contiguous()
 
     def heads(self, t: Tensor) -> Tensor:  # [L, H * D] -> [L, H, D]
         return t.view(t.shape[0], self.num_heads, self.head_dim)
@@ -100,11 +108,11 @@ class T5DenseActDense(nn.Module):
         super().__init__()
         self.gated = bool(getattr(config, "is_gated_act", False))
         if self.gated:
-            self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
-            self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+            self.wi_0 = Linear(config.d_model, config.d_ff)
+            self.wi_1 = Linear(config.d_model, config.d_ff)
         else:
-            self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+            self.wi = Linear(config.d_model, config.d_ff)
+        self.wo = Linear(config.d_ff, config.d_model)
         self.act = get_activation(config.dense_act_fn)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,7 +173,7 @@ class T5Block(nn.Module):
 
 
 class T5Stack(nn.Module):
-    def __init__(self, config: PretrainedConfig, shared: nn.Embedding, is_decoder: bool, num_layers: int) -> None:
+    def __init__(self, config: PretrainedConfig, shared: VocabEmbedding, is_decoder: bool, num_layers: int) -> None:
         super().__init__()
         self.embed_tokens = shared
         self.is_decoder = is_decoder
@@ -192,14 +200,15 @@ class T5ForConditionalGeneration(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = VocabEmbedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(config, self.shared, False, config.num_layers)
         self.decoder = T5Stack(config, self.shared, True, config.num_decoder_layers or config.num_layers)
         # v1.0 ties the head and scales the decoder output; v1.1 does neither (transformers >= 5 keeps
         # the distinction as `scale_decoder_outputs`, earlier versions as `tie_word_embeddings`)
         self.scale_decoder_outputs = bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))
+        self.tie_word_embeddings = self.scale_decoder_outputs  # (what the loader's packing and quantizer ask)
         if not self.scale_decoder_outputs:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size)
             # checkpoints of Google's have the head; transformers >= 5 ties it and saves none
             self.tied_fallbacks = {"lm_head.weight": "shared.weight"}
 
@@ -222,13 +231,16 @@ class T5ForConditionalGeneration(nn.Module):
         each request's relative bias (rows at its new positions, the future masked) is shared
         by every block, as in the dense stack."""
         meta = current_context().meta
-        plan = step_plan(meta, input_ids.device)
+        plan = step_plan(meta, input_ids.device, uses_kernels(self.decoder.block[0].cache))
         table = self.decoder.block[0].layer[0].body
         h = self.shared(input_ids)
         biases = [(table.position_bias(r.query_len, r.seq_len, h.device, r.seq_len - r.query_len)
                    + r.causal_mask(h.device)).to(h.dtype) for r in plan.prefill]
         decode_bias = None
-        if plan.decode_index is not None:  # each decode row's bias over the padded keys, its mask added
+        if plan.decode_index is not None and plan.kernels:  # the kernel's table by distance from the query
+            longest = max(r.seq_len for r in plan.rows if r.query_len == 1)
+            decode_bias = table.distance_bias(longest, h.device)
+        elif plan.decode_index is not None:  # each decode row's bias over the padded keys, its mask added
             keys = plan.self_mask.shape[-1]
             relative = torch.arange(keys, device=h.device)[None, :] - (plan.self_lens - 1)[:, None]
             buckets = relative_position_bucket(relative, False, table.num_buckets, table.max_distance)
@@ -240,7 +252,7 @@ class T5ForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
         if self.scale_decoder_outputs:
-            return F.linear(hidden * self.config.d_model ** -0.5, self.shared.weight)
+            return self.shared.lm_head(hidden * self.config.d_model ** -0.5)
         return self.lm_head(hidden)
 
     def map_weight_name(self, name: str) -> str | None:

@@ -30,8 +30,9 @@ needs_bf16 = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_fast_bf16(
 
 
 
-def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window):
-    """Gather each request's keys, mask, softmax in float64. q [B, H, D] -> [B, H*D]."""
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, bias=None):
+    """Gather each request's keys, mask, softmax in float64. q [B, H, D] -> [B, H*D].
+    bias [H, L]: key t of a request of length n gets bias[:, L - n + t]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     outs = []
@@ -43,6 +44,8 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window):
         k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, H, D]
         v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
+        if bias is not None:
+            scores = scores + bias[:, bias.shape[1] - n + pos].double()
         outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten())
     return torch.stack(outs)
 
@@ -75,6 +78,25 @@ def test_paged_decode_attention_matches_reference(heads, head_dim, window, block
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
     assert got.shape == (num_reqs, heads[0] * head_dim) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("extra", [0, 13])  # a table exactly as long as the longest request, or longer
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_paged_decode_attention_adds_a_bias_by_distance(heads, extra, scale):
+    """T5's relative bias: a float32 [H, L] table indexed by distance from the query, added to the
+    scaled scores (cross-attention is the same kernel without one)."""
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 5, *heads, 64, 16, seed=3)
+    length = int(seq_lens.max()) + extra
+    bias = torch.randn(heads[0], length, generator=torch.Generator().manual_seed(1)) * 3
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias)
+    ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, None, bias)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="shorter than the longest"):
+        cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias[:, :10])
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias.bfloat16())
 
 
 @needs_bf16

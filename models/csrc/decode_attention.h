@@ -17,6 +17,11 @@ struct DecodeArgs {
   int64_t cache_stride_block, cache_stride_token;  // within one K or V cache
   int64_t table_stride, window;
   float scale;
+  // Optional additive score bias by distance from the query (T5's relative bias): key t of a
+  // request of length s gets bias[head * bias_stride + bias_len - s + t] (the table's last
+  // column is distance 0), so a row of it lines up with the keys. nullptr: none.
+  const float* bias = nullptr;
+  int64_t bias_stride = 0, bias_len = 0;
 };
 
 // Floats per score row in the bf16 kernel: a multiple of 32, so the row's bf16 probabilities
@@ -165,7 +170,11 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
         const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
         const __m512 s = n_tok == 16 ? score_keys<CH, 16>(qg, tokens, h * d_n, 16)
                                      : score_keys<CH, 0>(qg, tokens, h * d_n, n_tok);
-        _mm512_mask_storeu_ps(scores + ((h - h0) * g_n + g) * row_stride + (t0 - start), m, _mm512_mul_ps(s, scale));
+        __m512 scaled = _mm512_mul_ps(s, scale);
+        if (a.bias)
+          scaled = _mm512_add_ps(scaled, _mm512_maskz_loadu_ps(m, a.bias + (h * g_n + g) * a.bias_stride +
+                                                                      (a.bias_len - end + t0)));
+        _mm512_mask_storeu_ps(scores + ((h - h0) * g_n + g) * row_stride + (t0 - start), m, scaled);
       }
   }
   std::vector<float> denom(rows);
@@ -242,9 +251,10 @@ void decode_attention_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_
 
 // q [B, H, D] (d contiguous), k_cache/v_cache [num_blocks, block_size, KvH, D],
 // block_table [B, max_blocks] int64, seq_lens [B] int64 (>= 1) -> out [B, H * D].
+// bias: float32 [H, L] with L >= every seq_len, see DecodeArgs::bias.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const c10::optional<at::Tensor>& bias = c10::nullopt) {
   TORCH_CHECK(has_avx512_bf16(), "paged_decode_attention needs AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -262,6 +272,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   DecodeArgs a{num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.size(1),
                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                block_table.stride(0), window, static_cast<float>(scale)};
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 2 && b.size(0) == num_heads &&
+                    (b.stride(1) == 1 || b.size(1) == 1),
+                "bias must be float32 [H, L] with contiguous rows");
+    TORCH_CHECK(seq_lens.narrow(0, 0, num_reqs).max().item<int64_t>() <= b.size(1),
+                "bias is shorter than the longest sequence");
+    a.bias = b.data_ptr<float>(), a.bias_stride = b.stride(0), a.bias_len = b.size(1);
+  }
   at::Tensor out = at::empty({num_reqs, num_heads * head_dim}, q.options());
   decode_attention_bf16(a, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),

@@ -49,7 +49,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(kvserve::linear_bf16));
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "float scale, int window) -> Tensor");
+        "float scale, int window, Tensor? bias=None) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(kvserve::paged_decode_attention));
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, "
         "float scale, int window) -> Tensor");
