@@ -99,6 +99,7 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
         tool_call_parser=None if config.tool_call_parser == "none" else config.tool_call_parser,
         max_tools=config.max_tools, grammar_limits=config.grammar_limits(),
         is_encoder_decoder=model_config.decoder_start_token_id is not None,
+        decoder_start_token_id=model_config.decoder_start_token_id,
     )
     metrics = ServerMetrics(engine, names[0])
     max_queue = resolve_max_queue(config.max_queue, config.max_num_seqs, engine.stats().num_kv_blocks_total)

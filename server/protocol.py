@@ -212,6 +212,10 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool | None = False
     suffix: str | None = None
     best_of: json_int(ge=1, le=MAX_N) | None = None
+    decoder_prompt: StrictStr | TokenIds | None = Field(
+        None, description="Encoder-decoder models: the decoder's first tokens, which the output continues (every "
+        "prompt gets the same). Text goes after the decoder start token, tokenized without special tokens; "
+        "token ids are taken as they are and must begin with the start token (docs/encoder_decoder.md).")
 
 
 class TextContentPart(_Request):

@@ -168,7 +168,7 @@ class Serving:
 
     async def _generate(self, vreq: ValidatedRequest, prompt_idx: int) -> AsyncIterator[Any]:
         stream = self._engine_stream(vreq, f"{vreq.request_id}-{prompt_idx}", vreq.prompts[prompt_idx].token_ids,
-                                     vreq.params, self.metrics.tracker())
+                                     vreq.params, self.metrics.tracker(), vreq.decoder_prompt_token_ids)
         async with aclosing(stream):
             async for out in stream:
                 yield out
@@ -177,7 +177,8 @@ class Serving:
                              params: SamplingParams, tracker: RequestTracker | None,
                              decoder_prompt: list[int] | None = None) -> AsyncIterator[Any]:
         """One engine request's outputs, its errors turned into API errors; aborted if left early.
-        `decoder_prompt`: an encoder-decoder's decoder tokens so far (beam search), `token_ids` its source."""
+        `decoder_prompt`: an encoder-decoder's decoder tokens so far (the request's decoder prefix, or
+        a beam's tokens), `token_ids` its source."""
         is_finished = False
         prompt: Any = token_ids
         if vreq.cache_salt is not None or decoder_prompt is not None:
@@ -219,7 +220,8 @@ class Serving:
         search is, once, when it ends."""
         started = time.monotonic()
         start_id = self.engine.model_config.decoder_start_token_id  # an encoder-decoder: beams are decoder tokens
-        beam_starts = [[start_id] if start_id is not None else p.token_ids for p in vreq.prompts]
+        decoder_start = vreq.decoder_prompt_token_ids or [start_id]
+        beam_starts = [decoder_start if start_id is not None else p.token_ids for p in vreq.prompts]
         search = BeamSearch(beam_starts, vreq.beam, self.engine.model_config.eos_token_ids)
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True)
 

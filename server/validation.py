@@ -67,6 +67,8 @@ class ValidatedRequest:
     tools: ToolPlan | None = None   # chat with tools: how to read tool calls from the output
     cache_salt: str | None = None   # only requests with the same salt share cached KV blocks
     beam: BeamSearchParams | None = None   # use_beam_search: the search's settings (n beams)
+    # an encoder-decoder's decoder prefix for every prompt, start token first (None: the start token alone)
+    decoder_prompt_token_ids: list[int] | None = None
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -89,8 +91,10 @@ class ModelLimits:
     tool_call_parser: str | None = None   # --tool-call-parser (None: tool_choice "auto" gives plain text)
     max_tools: int = 128   # --max-tools
     grammar_limits: GrammarLimits = GrammarLimits()   # --max-schema-properties etc.
-    # an encoder-decoder model: the prompt is the source, bounded on its own (the engine checks the rest)
+    # an encoder-decoder model: the prompt is the source, bounded on its own; the decoder (its start
+    # token, or `decoder_prompt`, plus max_tokens) is bounded separately
     is_encoder_decoder: bool = False
+    decoder_start_token_id: int | None = None   # encoder-decoder models: the decoder's first token
 
 
 def new_request_id(prefix: str) -> str:
@@ -175,7 +179,8 @@ def structured_outputs(req: SamplingFields, limits: ModelLimits) -> tuple[Struct
 def _check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < limits.vocab_size:
-            raise bad_request(f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})", param=param)
+            raise bad_request(f"{param}: token id {token_id} is outside the vocabulary [0, {limits.vocab_size})",
+                              param=param)
 
 
 def _check_prompt_chars(text: str, max_tokens: int, limits: ModelLimits, param: str) -> None:
@@ -192,6 +197,8 @@ def input_size(req: CompletionRequest | ChatCompletionRequest) -> int:
         return messages_size(req.messages)
     prompts = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
         else req.prompt
+    if req.decoder_prompt is not None:
+        prompts = [*prompts, req.decoder_prompt]
     return sum(len(p) * (1 if isinstance(p, str) else 4) for p in prompts)   # token ids: decoded for echo
 
 
@@ -221,6 +228,48 @@ def _check_length(num_prompt_tokens: int, max_tokens: int, limits: ModelLimits, 
             f"completion). Please reduce the length of the prompt or completion.",
             param=param, code="context_length_exceeded",
         )
+
+
+def decoder_prompt(req: CompletionRequest, limits: ModelLimits, tokenizer: Any, max_tokens: int) -> list[int] | None:
+    """`decoder_prompt` as the decoder's first token ids (None when not given): text is tokenized
+    without special tokens and put after the decoder start token; token ids are taken as they are
+    and must begin with it (as `decoder_prompt_token_ids` offline). 400 naming the field on a
+    decoder-only model, for an id outside the vocabulary, or without the start token first."""
+    value, param = req.decoder_prompt, "decoder_prompt"
+    if value is None:
+        return None
+    start = limits.decoder_start_token_id
+    if start is None:
+        raise bad_request("decoder_prompt applies only to encoder-decoder models", param=param)
+    if isinstance(value, str):
+        _check_prompt_chars(value, max_tokens + 1, limits, param)   # (+ 1: the start token)
+        return [start, *tokenizer.encode(value, add_special_tokens=False)]
+    _check_token_ids(value, limits, param)
+    if not value or value[0] != start:
+        raise bad_request(f"decoder_prompt token ids must begin with the decoder start token {start}, got "
+                          f"{value[:8]}", param=param)
+    return list(value)
+
+
+def _check_decoder_length(num_source_tokens: int, decoder_prompt: list[int] | None, max_tokens: int,
+                          limits: ModelLimits) -> None:
+    """An encoder-decoder request: its decoder prompt (the start token alone by default) and
+    max_tokens within the context, and with the source within the KV cache, as the engine checks
+    them; here, so that beam search (one-token steps) is refused before it starts."""
+    num_decoder = 1 if decoder_prompt is None else len(decoder_prompt)
+    param = "max_tokens" if decoder_prompt is None else "decoder_prompt"
+    if num_decoder + max_tokens > limits.max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{num_decoder + max_tokens} decoder tokens ({num_decoder} in the decoder prompt, the start token "
+            f"included, {max_tokens} in the completion). Please reduce the length of the decoder prompt or "
+            f"completion.", param=param, code="context_length_exceeded",
+        )
+    if num_source_tokens + num_decoder + max_tokens > limits.kv_capacity_tokens:
+        raise bad_request(f"source ({num_source_tokens} tokens) + decoder prompt ({num_decoder}) + max_tokens "
+                          f"({max_tokens}) can never fit in the KV cache ({limits.kv_capacity_tokens} tokens)",
+                          param=param)
 
 
 # Fields that beam search does not honour; a request that sets one with use_beam_search gets a 400
@@ -305,6 +354,10 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
     prompts = _completion_prompts(req.prompt, req.n or 1, limits, tokenizer, output_tokens)
     for prompt in prompts:
         _check_length(len(prompt.token_ids), output_tokens, limits, "prompt")
+    decoder_prompt_token_ids = decoder_prompt(req, limits, tokenizer, engine_max_tokens)
+    if limits.is_encoder_decoder:
+        for prompt in prompts:
+            _check_decoder_length(len(prompt.token_ids), decoder_prompt_token_ids, engine_max_tokens, limits)
     constraint, constraint_param = structured_outputs(req, limits)
     params = _sampling_params(
         req, {"prompt_logprobs": "logprobs"},
@@ -319,7 +372,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
         is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, cache_salt=req.cache_salt,
-        beam=beam_params(req, max_tokens),
+        beam=beam_params(req, max_tokens), decoder_prompt_token_ids=decoder_prompt_token_ids,
     )
 
 
