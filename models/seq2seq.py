@@ -34,10 +34,10 @@ def kv_holder(num_heads: int, head_dim: int) -> Attention:
 
 
 def write_kv(holder: Attention, k: Tensor, v: Tensor, slots: Tensor) -> None:
-    """k, v [N, H, D] into the holder's cache at flat slots [N] (block_id * block_size + offset)."""
-    k_cache, v_cache = holder.kv
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
+    """k, v [N, H, D] into the holder's cache at flat slots [N] (block_id * block_size + offset),
+    by its backend (the CPU's: one fused op for both)."""
+    dtype = holder.kv[0].dtype
+    holder.backend.write_kv(holder, k.to(dtype), v.to(dtype), slots)
 
 
 def gather_kv(holder: Attention, block_ids: Tensor, length: int) -> tuple[Tensor, Tensor]:

@@ -114,6 +114,21 @@ def test_paged_decode_attention_rejects_what_it_does_not_handle():
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [8, 31, 32, 64, 65, 257])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (64, 50), (96, 130)])
+def test_linear_bf16_strided_rows_on_the_tile_path(rows, in_features, out_features):
+    """From a few rows on, CPUs with AMX-BF16 multiply in tiles of 32 x 32 (a zero-padded copy for
+    the last rows); x as the model passes it: rows of a wider tensor."""
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, in_features + 32).bfloat16()
+    x = wide[:, 16 : 16 + in_features]
+    w = torch.randn(out_features, in_features).bfloat16()
+    b = torch.randn(out_features)
+    got = cpu_ops.linear_bf16(x, cpu_ops.pack_linear_weight(w), b, out_features)
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), atol=0.05, rtol=1 / 128)
+
+
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 33, 100, 300])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (64, 50), (130, 17), (1536, 200)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "common.h"
+#include "linear_amx.h"
 
 namespace kvserve {
 
@@ -79,6 +80,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
+  if (m >= kAmxMinRows && half_k % 16 == 0 && has_amx_bf16()) {
+    linear_amx(xp, ldx, m, wp, half_k, col_blocks, bias_ptr, yp, n);
+    return y;
+  }
   // Work items: (block of rows, 64-column block).
   const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kTileM, kBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;

@@ -4,7 +4,9 @@
 //  * kvserve::linear_bf16    y = x @ W.T + b for bf16, with W pre-packed once into
 //    64-column blocks of input-feature pairs. One 6x64 register tile of vdpbf16ps at any
 //    batch: at batch 1 it streams the weights at close to DRAM bandwidth; at 64-2048 rows
-//    it runs at 85-95% of this CPU's measured bf16 peak (oneDNN: 60-95%).
+//    it runs at 85-95% of this CPU's measured bf16 peak (oneDNN: 60-95%). On CPUs with
+//    AMX-BF16, from a few rows on, the same packed weights go through the tile multiply
+//    instead (linear_amx.h): 32x32 blocks of tdpbf16ps, an order of magnitude more flops.
 //  * kvserve::quant_linear   the same for int8 / int4 weights in groups (models/quantization.py):
 //    activations quantized per row and group, int8 dot products (vpdpbusd), fp32 per group.
 //  * kvserve::paged_decode_attention  one query token per request attending over its
@@ -39,11 +41,13 @@
 namespace {
 bool has_avx512_bf16_op() { return kvserve::has_avx512_bf16(); }
 bool has_avx512_vnni_op() { return kvserve::has_avx512_vnni(); }
+bool has_amx_bf16_op() { return kvserve::has_amx_bf16(); }
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16_op);
   m.def("has_avx512_vnni() -> bool", &has_avx512_vnni_op);
+  m.def("has_amx_bf16() -> bool", &has_amx_bf16_op);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bits, int group) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(kvserve::quant_linear));
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");

@@ -1,0 +1,135 @@
+// kvserve::linear_amx: linear_bf16 on AMX tiles (Intel CPUs with AMX-BF16), for row counts
+// where the tile multiply beats AVX512-BF16's dot products; same packed weights, same result
+// up to the order of fp32 additions.
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+
+#define KV_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace kvserve {
+
+// True when the CPU has AMX-BF16 and Linux lets this process use the tile registers (their
+// state is opt-in per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+inline bool has_amx_bf16() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") || !has_avx512_bf16())
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows from which the tiles win over linear_bf16's AVX512 path (fewer rows: the weights'
+// stream bounds both, and the tile path pads to 32 rows).
+constexpr int64_t kAmxMinRows = 8;
+
+// Palette 1: tiles 0-3 accumulate a 32 x 32 fp32 block of y (2 x 2 tiles of 16 x 16), 4-5
+// hold 2 x 16 rows of x (32 input features each), 6-7 the weights of 2 x 16 columns (16
+// feature pairs each: exactly a 16-row slice of the packed layout, rows 256 bytes apart).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// y rows [r, r + 32) x columns [col0, col0 + 32) of one 64-column block `w` ([K/2][64][2]),
+// x rows from `xr` (ldx apart, 32 of them readable), fp32 result into c [32][32].
+KV_AMX inline void amx_block(const uint16_t* xr, int64_t ldx, const uint16_t* w, int64_t half_k, int64_t col0,
+                             float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t x_stride = ldx * 2;
+  for (int64_t kh = 0; kh < half_k; kh += 16) {
+    const uint16_t* b = w + kh * 128 + col0 * 2;
+    _tile_loadd(4, xr + 2 * kh, x_stride);
+    _tile_loadd(5, xr + 16 * ldx + 2 * kh, x_stride);
+    _tile_loadd(6, b, 256);
+    _tile_loadd(7, b + 32, 256);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// c [32][32] (+ bias) -> y rows [0, rows) of columns [col, col + 32) as bf16, masked to n.
+KV_AMX inline void amx_store(const float* c, int64_t rows, const float* bias, uint16_t* y, int64_t ldy, int64_t col,
+                             int64_t n) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c0 = col + 16 * h, width = std::min<int64_t>(16, n - c0);
+    if (width <= 0) break;
+    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * 32 + 16 * h), b);
+      _mm256_mask_storeu_epi16(y + i * ldy + c0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+struct AmxLinear {
+  const uint16_t* xp;
+  int64_t ldx, m;
+  const uint16_t* wp;
+  int64_t half_k;
+  const float* bias;
+  uint16_t* yp;
+  int64_t n, rows_per_item, row_items;
+};
+
+// Work items [begin, end) of `a`: (row block, 64-column block), row blocks in multiples of 32;
+// the last rows of x, when fewer than 32, are read from a zero-padded copy. (A function of its
+// own: the lambda of at::parallel_for does not take the AMX target attribute.)
+KV_AMX inline void linear_amx_items(const AmxLinear& a, int64_t begin, int64_t end) {
+  TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[32 * 32];
+  const int64_t full_rows = a.m / 32 * 32;
+  std::vector<uint16_t> tail;  // the last rows, zero-padded to 32
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t r0 = (item % a.row_items) * a.rows_per_item, cb = item / a.row_items;
+    const int64_t r1 = std::min(a.m, r0 + a.rows_per_item);
+    const uint16_t* w = a.wp + cb * a.half_k * 128;
+    for (int64_t r = r0; r < r1; r += 32) {
+      const uint16_t* xr = a.xp + r * a.ldx;
+      int64_t x_ld = a.ldx;
+      if (r >= full_rows) {
+        if (tail.empty()) {
+          tail.assign(32 * 2 * a.half_k, 0);
+          for (int64_t i = 0; i < a.m - full_rows; ++i)
+            std::memcpy(tail.data() + i * 2 * a.half_k, a.xp + (full_rows + i) * a.ldx, 4 * a.half_k);
+        }
+        xr = tail.data(), x_ld = 2 * a.half_k;
+      }
+      for (int64_t col = 0; col < 64 && cb * 64 + col < a.n; col += 32) {
+        amx_block(xr, x_ld, w, a.half_k, col, c);
+        amx_store(c, std::min<int64_t>(32, r1 - r), a.bias, a.yp + r * a.n, a.n, cb * 64 + col, a.n);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y[M, N] = x[M, K] @ W.T (+ bias), W packed as for linear_bf16; K a multiple of 32.
+inline void linear_amx(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp, int64_t half_k,
+                       int64_t col_blocks, const float* bias, uint16_t* yp, int64_t n) {
+  const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, 32, 128);
+  const AmxLinear a{xp, ldx, m, wp, half_k, bias, yp, n, rows_per_item, (m + rows_per_item - 1) / rows_per_item};
+  at::parallel_for(0, a.row_items * col_blocks, 1, [&](int64_t begin, int64_t end) { linear_amx_items(a, begin, end); });
+}
+
+}  // namespace kvserve
