@@ -76,7 +76,8 @@ class Block:
     """One KV block. A cached block also keeps what its key was made of (`parent_hash`,
     `token_ids`), which a prefix hit must match exactly."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "cross_key", "prev_free",
+                 "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -84,6 +85,7 @@ class Block:
         self.block_hash: bytes | None = None
         self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.cross_key: bytes | None = None  # part of the encoder output kept under this key
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -142,9 +144,11 @@ class BlockManager:
         self._req_hashes: dict[str, list[bytes]] = {}  # chained keys of the request's full blocks
         self._req_roots: dict[str, bytes] = {}  # the parent digest of each request's first block
         self._req_cross: dict[str, list[Block]] = {}  # encoder-decoder requests: their encoder output's blocks
-        # a source's cross blocks while some request holds them, by the requests' prefix root (which
-        # covers the source and the cache salt): another request with that root shares them
+        # a source's cross blocks by the requests' prefix root (which covers the source and the cache
+        # salt): another request with that root shares them, while some request holds them and, with
+        # prefix caching, after the last let go, until one of them is evicted from the free list
         self._cross_sets: dict[bytes, list[Block]] = {}
+        self._cross_written: set[bytes] = set()  # keys whose encoder output a completed step wrote
         self._req_cross_key: dict[str, bytes] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -170,23 +174,40 @@ class BlockManager:
 
     def allocate_cross(self, request_id: str, num_encoder_tokens: int, key: bytes) -> bool | None:
         """Blocks for an encoder-decoder request's encoder output (its cross-attention K/V in every
-        decoder layer), held until `free`. `key` is the request's prefix root: while another request
-        with the same key holds its blocks, they are shared. -> True when the request must run its
-        encoder into new blocks, False when it shares written ones, None (nothing changed) when the
-        pool cannot supply them."""
+        decoder layer), held until `free`. `key` is the request's prefix root: the blocks another
+        request with the same key holds, or left written (prefix caching), are shared. -> True when
+        the request must run its encoder into new blocks, False when it shares written ones, None
+        (nothing changed) when the pool cannot supply them."""
         shared = self._cross_sets.get(key)
         if shared is None:
             num = self.num_blocks_for(num_encoder_tokens)
             if num > self.num_free_blocks:
                 return None
             shared = self._cross_sets[key] = [self._take_free_block() for _ in range(num)]
+            for block in shared:
+                block.cross_key = key
+            self._cross_written.discard(key)
             is_new = True
         else:
             for block in shared:
+                if block.ref_cnt == 0:  # kept after its last holder: back out of the free list
+                    self._free.remove(block)
                 block.ref_cnt += 1
             is_new = False
         self._req_cross[request_id], self._req_cross_key[request_id] = list(shared), key
         return is_new
+
+    def cross_written(self, request_id: str) -> None:
+        """The step that ran the request's encoder completed: its cross blocks hold the encoder
+        output, and may be kept for later requests once nobody holds them."""
+        key = self._req_cross_key.get(request_id)
+        if key is not None:
+            self._cross_written.add(key)
+
+    def _drop_cross_set(self, key: bytes) -> None:
+        for block in self._cross_sets.pop(key):
+            block.cross_key = None
+        self._cross_written.discard(key)
 
     # ---- prefix cache ------------------------------------------------------
     def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
@@ -278,19 +299,23 @@ class BlockManager:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None
+        if block.cross_key is not None:  # part of a kept encoder output: the rest of it is no use now
+            self._drop_cross_set(block.cross_key)
         block.ref_cnt = 1
         return block
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; tail blocks go first into the free list,
-        so they are evicted before the shared prefix blocks."""
+        so they are evicted before the shared prefix blocks, and an encoder output's blocks last
+        (every later request with that source needs them)."""
         cross = self._req_cross.pop(request_id, [])
-        for block in reversed(self._req_blocks.pop(request_id, []) + cross):
+        for block in list(reversed(self._req_blocks.pop(request_id, []))) + cross:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free.append(block)
         key = self._req_cross_key.pop(request_id, None)
-        if cross and cross[0].ref_cnt == 0:  # its last holder: the written K/V go with the blocks
-            del self._cross_sets[key]
+        # its last holder: the blocks stay a cached encoder output if a step wrote them
+        if cross and cross[0].ref_cnt == 0 and not (self.enable_prefix_caching and key in self._cross_written):
+            self._drop_cross_set(key)
         self._req_hashes.pop(request_id, None)
         self._req_roots.pop(request_id, None)

@@ -269,6 +269,8 @@ class Scheduler:
                 self.num_verifications += 1
                 self.num_draft_tokens += len(item.spec_token_ids)
                 self.num_accepted_tokens += len(drafts)
+            if request.encoder_token_ids:  # its encoder output is written: it may outlive the request
+                self.block_manager.cross_written(request.request_id)
             # register full blocks before a finish frees them: a follow-up turn can reuse them
             self.block_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)

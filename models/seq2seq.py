@@ -88,10 +88,11 @@ def request_rows(meta: AttentionMetadata) -> Iterator[RequestRows]:
 
 @dataclass
 class StepPlan:
-    """What every decoder layer of one step shares: the requests' rows, and for the decode rows
-    (one new token each) the row indices, block tables and lengths of one batched call. With
-    `kernels` (models/cpu_ops' paged decode kernel, chosen at load: `uses_kernels`) the tables are
-    the requests' own rows; otherwise they are padded to the longest and masked for SDPA."""
+    """What every decoder layer of one step shares: the requests' rows, and the row indices, block
+    tables and lengths of one batched attention call. With `kernels` (models/cpu_ops' paged decode
+    kernel, chosen at load: `uses_kernels`) that call takes every row of the step, each a query
+    over its request's table rows; otherwise only the decode rows (one new token each), their
+    tables padded to the longest and masked for SDPA, and `prefill` lists the other requests."""
 
     rows: list[RequestRows]
     prefill: list[RequestRows]  # the requests with more than one new token: one call each
@@ -113,6 +114,8 @@ def uses_kernels(holder: Attention) -> bool:
 
 def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = False) -> StepPlan:
     rows = list(request_rows(meta))
+    if kernels:
+        return _kernel_plan(meta, rows, device)
     decode = [r for r in rows if r.query_len == 1]
     prefill = [r for r in rows if r.query_len != 1]
     if not decode:
@@ -120,13 +123,6 @@ def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = Fal
     index = torch.tensor([r.start for r in decode], device=device)
     self_lens = torch.tensor([r.seq_len for r in decode], device=device)
     cross_lens = torch.tensor([r.cross_len for r in decode], device=device)
-    if kernels:  # the kernel reads each request's table row up to its length
-        if len(decode) == len(rows):
-            self_table, cross_table = meta.block_table[: len(rows)], meta.cross_block_table[: len(rows)]
-        else:
-            which = torch.tensor([i for i, r in enumerate(rows) if r.query_len == 1], device=device)
-            self_table, cross_table = meta.block_table[which], meta.cross_block_table[which]
-        return StepPlan(rows, prefill, kernels, index, self_table, self_lens, cross_table, cross_lens)
     bs = meta.block_size
 
     def padded(lengths: Tensor, tables: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -143,26 +139,43 @@ def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = Fal
                     self_mask, cross_mask)
 
 
+def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch.device) -> StepPlan:
+    """Every row of the step as a decode row of the kernel: row j of a request with L new tokens
+    and S decoder tokens is a query at position S - L + j that sees its first S - L + j + 1 keys
+    (causal) and all of the request's encoder output; its table rows are the request's."""
+    num_rows = sum(r.query_len for r in rows)
+    if num_rows == len(rows):  # all decode rows: the tables as they are
+        self_table, cross_table = meta.block_table[:num_rows], meta.cross_block_table[:num_rows]
+        self_lens = [r.seq_len for r in rows]
+    else:
+        owner = torch.tensor([i for i, r in enumerate(rows) for _ in range(r.query_len)], device=device)
+        self_table, cross_table = meta.block_table[owner], meta.cross_block_table[owner]
+        self_lens = [r.seq_len - r.query_len + 1 + j for r in rows for j in range(r.query_len)]
+    cross_lens = [r.cross_len for r in rows for _ in range(r.query_len)]
+    return StepPlan(rows, [], True, torch.arange(num_rows, device=device), self_table,
+                    torch.tensor(self_lens, device=device), cross_table, torch.tensor(cross_lens, device=device))
+
+
 def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, cross: bool,
                     prefill_masks: list[Tensor | None], decode_bias: Tensor | None = None) -> Tensor:
-    """q [T, H, D] of the step's rows over each request's own (cross=False, causal through
-    `prefill_masks` / `plan.self_mask`) or cross blocks (unmasked) -> [T, H * D].
-    `decode_bias`, self-attention only (T5's): with `plan.kernels` a float32 [H, L] table by distance
-    from the query (`cpu_ops.paged_decode_attention`'s), else [Bd, H, 1, keys] with the mask added."""
+    """q [T, H, D] of the step's rows over each request's own (cross=False, causal) or cross blocks
+    (unmasked) -> [T, H * D]. With `plan.kernels`, every row in one kernel call; otherwise the
+    decode rows in one SDPA call (`plan.self_mask` / `plan.cross_mask`) and each other request in
+    its own (`prefill_masks`). `decode_bias`, self-attention only (T5's): with `plan.kernels` a
+    float32 [H, L] table by distance from the query (`cpu_ops.paged_decode_attention`'s), else
+    [Bd, H, 1, keys] with the mask added."""
+    table, lens = (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
+    if plan.kernels:
+        return cpu_ops.paged_decode_attention(q, *holder.kv, table, lens, scale, None, decode_bias)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     if plan.decode_index is not None:
-        table, lens = (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
-        rows = q[plan.decode_index]  # [Bd, H, D]
-        if plan.kernels:
-            attended = cpu_ops.paged_decode_attention(rows, *holder.kv, table, lens, scale, None, decode_bias)
-        else:
-            k_cache, v_cache = holder.kv
-            keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, H, L, D]
-            values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
-            mask = plan.cross_mask if cross else (decode_bias if decode_bias is not None else plan.self_mask)
-            attended = F.scaled_dot_product_attention(rows[:, :, None, :], keys, values, attn_mask=mask.to(q.dtype),
-                                                      scale=scale).flatten(1)
-        out[plan.decode_index] = attended
+        k_cache, v_cache = holder.kv
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, H, L, D]
+        values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        mask = plan.cross_mask if cross else (decode_bias if decode_bias is not None else plan.self_mask)
+        rows = q[plan.decode_index][:, :, None, :]  # [Bd, H, 1, D]
+        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask.to(q.dtype), scale=scale)
+        out[plan.decode_index] = attended.flatten(1)
     for r, mask in zip(plan.prefill, prefill_masks):
         blocks, length = (r.cross_block_ids, r.cross_len) if cross else (r.block_ids, r.seq_len)
         out[r.rows] = attend(q[r.rows], *gather_kv(holder, blocks, length), None if cross else mask, scale)

@@ -237,9 +237,8 @@ class T5ForConditionalGeneration(nn.Module):
         biases = [(table.position_bias(r.query_len, r.seq_len, h.device, r.seq_len - r.query_len)
                    + r.causal_mask(h.device)).to(h.dtype) for r in plan.prefill]
         decode_bias = None
-        if plan.decode_index is not None and plan.kernels:  # the kernel's table by distance from the query
-            longest = max(r.seq_len for r in plan.rows if r.query_len == 1)
-            decode_bias = table.distance_bias(longest, h.device)
+        if plan.kernels:  # the kernel's table by distance from the query, for every row
+            decode_bias = table.distance_bias(max(r.seq_len for r in plan.rows), h.device)
         elif plan.decode_index is not None:  # each decode row's bias over the padded keys, its mask added
             keys = plan.self_mask.shape[-1]
             relative = torch.arange(keys, device=h.device)[None, :] - (plan.self_lens - 1)[:, None]

@@ -125,3 +125,32 @@ def test_disabled_prefix_caching_never_hits():
     bm.allocate("a", 4)
     bm.cache_full_blocks("a", [1, 2, 3, 4], 4)
     assert bm.find_cached_prefix("b", [1, 2, 3, 4, 5]) == []
+
+
+def test_encoder_output_kept_only_once_written():
+    """Cross blocks outlive their last holder (prefix caching) only if a completed step wrote them;
+    evicting any of them drops the whole kept output; another key never sees them."""
+    bm = BlockManager(num_blocks=7, block_size=4)
+    assert bm.allocate_cross("a", 8, b"src") is True
+    bm.free("a")  # the step that would have run its encoder never completed
+    assert bm.allocate_cross("b", 8, b"src") is True  # so nothing was kept: encode again
+    bm.cross_written("b")
+    blocks = bm.cross_block_ids("b")
+    bm.free("b")
+    assert bm.num_free_blocks == 6  # kept, but free: counted as free
+    assert bm.allocate_cross("c", 8, b"other salt") is True and bm.cross_block_ids("c") != blocks
+    bm.free("c")
+    assert bm.allocate_cross("d", 8, b"src") is False and bm.cross_block_ids("d") == blocks
+    assert bm.num_free_blocks == 4
+    bm.free("d")
+    assert bm.allocate("e", 6 * 4) is not None  # takes every free block: the kept output is evicted
+    bm.free("e")
+    assert bm.allocate_cross("f", 8, b"src") is True
+    bm.free("f")
+    assert bm.num_free_blocks == 6
+
+    no_cache = BlockManager(num_blocks=7, block_size=4, enable_prefix_caching=False)
+    assert no_cache.allocate_cross("a", 8, b"src") is True
+    no_cache.cross_written("a")
+    no_cache.free("a")
+    assert no_cache.allocate_cross("b", 8, b"src") is True

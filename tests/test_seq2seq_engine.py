@@ -77,8 +77,9 @@ def test_preemption_and_chunking(checkpoint):
 
 
 def test_one_encoder_run_per_source(checkpoint):
-    """The n samples of a request, and requests with the same source running together, share one
-    encoder output (its cross blocks): the source is encoded once."""
+    """The n samples of a request, requests with the same source running together, and later
+    requests with a source whose encoder output is still cached (a retry, the next step of a beam
+    search) share one encoder output (its cross blocks): the source is encoded once."""
     _, hf, path = checkpoint
     llm = LLM(path, dtype="float32", device="cpu", block_size=4)
     expected, _ = hf_greedy(hf, SOURCES[0], 8)
@@ -89,8 +90,8 @@ def test_one_encoder_run_per_source(checkpoint):
     outs = llm.generate([{"prompt_token_ids": SOURCES[0]}] * 2 + [{"prompt_token_ids": SOURCES[1]}],
                         SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:2]] == [expected] * 2
-    # each source once, plus one decoder start token per sequence
-    assert llm.engine.prompt_tokens_computed_total - before == 2 * len(SOURCES[0]) + len(SOURCES[1]) + 6
+    # each source once (the first kept after its request finished), plus one decoder start token per sequence
+    assert llm.engine.prompt_tokens_computed_total - before == len(SOURCES[0]) + len(SOURCES[1]) + 6
     before = llm.engine.prompt_tokens_computed_total
     llm.generate([{"prompt_token_ids": SOURCES[0], "cache_salt": "a"},
                   {"prompt_token_ids": SOURCES[0], "cache_salt": "b"}],
@@ -99,6 +100,36 @@ def test_one_encoder_run_per_source(checkpoint):
     assert llm.engine.prompt_tokens_computed_total - before == 2 * len(SOURCES[0]) + 2
     stats = llm.engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_kept_encoder_output_evicted_or_off(checkpoint):
+    """A kept encoder output is a cache entry: when the pool needs its blocks they go (the source
+    is encoded again, with the same result), and without prefix caching nothing is kept."""
+    _, hf, path = checkpoint
+    expected, _ = hf_greedy(hf, SOURCES[2], 6)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14)
+    for source in (SOURCES[2], SOURCES[0], SOURCES[3], SOURCES[1], SOURCES[2]):  # the pool cycles
+        llm.generate([{"prompt_token_ids": source}], params, use_tqdm=False)
+    before = llm.engine.prompt_tokens_computed_total
+    (out,) = llm.generate([{"prompt_token_ids": SOURCES[2]}], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+    assert llm.engine.prompt_tokens_computed_total - before == 1  # kept: only the decoder start
+    for source in SOURCES[:2] + SOURCES[3:] + SOURCES[:2]:  # evicts SOURCES[2]'s blocks
+        llm.generate([{"prompt_token_ids": source}], params, use_tqdm=False)
+    before = llm.engine.prompt_tokens_computed_total
+    (out,) = llm.generate([{"prompt_token_ids": SOURCES[2]}], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+    assert llm.engine.prompt_tokens_computed_total - before == len(SOURCES[2]) + 1
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_prefix_caching=False)
+    for _ in range(2):
+        before = llm.engine.prompt_tokens_computed_total
+        (out,) = llm.generate([{"prompt_token_ids": SOURCES[2]}], params, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected
+        assert llm.engine.prompt_tokens_computed_total - before == len(SOURCES[2]) + 1
 
 
 @pytest.mark.parametrize("width,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.6, True)])

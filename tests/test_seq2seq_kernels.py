@@ -6,6 +6,7 @@ matrices are int8 / int4. Checkpoints have head_dim 32, so the kernels apply."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from checkpoints import save_tokenizer
 from kvserve.engine import LLM, SamplingParams
@@ -34,9 +35,16 @@ def checkpoint(request, tmp_path_factory):
     return str(path)
 
 
-def greedy(llm: LLM, max_tokens: int = 16) -> list[tuple[list[int], list[float]]]:
+def greedy(llm: LLM, max_tokens: int = 16, prefixes: bool = False) -> list[tuple[list[int], list[float]]]:
+    """Greedy outputs of SOURCES; with `prefixes`, each continues a decoder prefix of 3-9 tokens
+    (several rows of a request in one step, across blocks of 4)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], params, use_tqdm=False)
+    start = llm.engine.info.decoder_start_token_id
+    prompts = [{"prompt_token_ids": s} for s in SOURCES]
+    if prefixes:
+        for i, prompt in enumerate(prompts):
+            prompt["decoder_prompt_token_ids"] = [start] + [(7 * i + 13 * j) % 300 + 2 for j in range(2 + 2 * i)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
     return [(o.outputs[0].token_ids, [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
@@ -54,16 +62,18 @@ def deviation(run, ref) -> float:
 
 
 @needs_bf16
-def test_bf16_kernels_follow_the_reference(checkpoint):
-    """The cpu backend (kernels) and the torch backend (gathered SDPA) differ only in rounding:
-    the same greedy tokens, logprobs within bf16's noise."""
+@pytest.mark.parametrize("prefixes", [False, True])
+def test_bf16_kernels_follow_the_reference(checkpoint, prefixes):
+    """The cpu backend (kernels: every row of a step in one call, prompt rows too) and the torch
+    backend (gathered SDPA) differ only in rounding: as close to float32 as each other."""
     fast = LLM(checkpoint, dtype="bfloat16", device="cpu", block_size=4)
     decoder_cache = fast.engine.runner.model
     holders = [m for m in decoder_cache.modules() if type(m).__name__ == "Attention"]
     assert holders and all(getattr(h.backend, "paged_kernels", False) for h in holders)
-    got = greedy(fast)
-    ref = greedy(LLM(checkpoint, dtype="bfloat16", device="cpu", block_size=4, attention_backend="torch"))
-    exact = greedy(LLM(checkpoint, dtype="float32", device="cpu", block_size=4))
+    got = greedy(fast, prefixes=prefixes)
+    ref = greedy(LLM(checkpoint, dtype="bfloat16", device="cpu", block_size=4, attention_backend="torch"),
+                 prefixes=prefixes)
+    exact = greedy(LLM(checkpoint, dtype="float32", device="cpu", block_size=4), prefixes=prefixes)
     # as close to float32 as the reference path in bf16 (T5's unscaled scores make bf16 noisy)
     assert deviation(got, exact) <= 1.5 * deviation(ref, exact) + 0.02
 
@@ -85,3 +95,50 @@ def test_quantized_weights(request, checkpoint, method):
     if method == "int8":
         # T5: bf16 rounding alone moves its logprobs about as much
         assert deviation(got, greedy(base)) <= (0.5 if "t5" in request.node.callspec.id else 0.05)
+
+
+@needs_bf16
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_step_attention_every_row_through_the_kernel(with_bias):
+    """One step mixing decode rows and several-row requests (a decoder prefix, a chunk): the
+    kernel plan (every row a query over its request's table rows, causal by its own length; the
+    cross blocks unmasked) equals the reference plan (padded SDPA for decode rows, one call per
+    other request), self- and cross-attention, with and without a per-distance bias."""
+    from kvserve.models.attention.metadata import AttentionMetadata
+    from kvserve.models.seq2seq import kv_holder, paged_attention, step_plan
+
+    g = torch.Generator().manual_seed(0)
+    heads, dim, bs = 4, 32, 4
+    holder = kv_holder(heads, dim)
+    holder.kv_cache = torch.randn(2, 41, bs, heads, dim, generator=g).bfloat16()
+    query_lens, seq_lens, cross_lens = [1, 5, 1, 3, 1], [7, 5, 12, 9, 1], [6, 3, 13, 8, 2]
+    perm = torch.randperm(40, generator=g) + 1  # (block 0 is the null block)
+    table = perm[:20].view(5, 4)
+    cross_table = perm[20:].view(5, 4)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
+                             positions=torch.zeros(sum(query_lens), dtype=torch.long),
+                             cu_seqlens_q=torch.tensor([0, 1, 6, 7, 10, 11]), seq_lens=torch.tensor(seq_lens),
+                             block_table=table, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs,
+                             max_query_len=5, max_seq_len=12, cross_block_table=cross_table, cross_lens_cpu=cross_lens)
+    q = torch.randn(sum(query_lens), heads, dim, generator=g).bfloat16()
+    kernel_plan, ref_plan = step_plan(meta, q.device, kernels=True), step_plan(meta, q.device)
+    length = max(seq_lens)
+    distance = torch.randn(heads, length, generator=g) if with_bias else None
+    masks = []
+    for r in ref_plan.prefill:
+        mask = r.causal_mask(q.device)
+        if with_bias:  # query j at position p = seq_len - query_len + j, key t: distance p - t
+            pos = torch.arange(r.seq_len - r.query_len, r.seq_len)[:, None]
+            dist = (pos - torch.arange(r.seq_len)[None, :]).clamp(min=0)
+            mask = mask + distance[:, length - 1 - dist]
+        masks.append(mask.bfloat16())
+    ref_bias = None
+    if with_bias:
+        lens = ref_plan.self_lens
+        keys = ref_plan.self_mask.shape[-1]
+        dist = ((lens - 1)[:, None] - torch.arange(keys)[None, :]).clamp(0, length - 1)
+        ref_bias = distance[:, length - 1 - dist].permute(1, 0, 2)[:, :, None, :] + ref_plan.self_mask
+    for cross in (False, True):
+        got = paged_attention(holder, q, kernel_plan, 0.5, cross, [], None if cross else distance)
+        ref = paged_attention(holder, q, ref_plan, 0.5, cross, masks, None if cross else ref_bias)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
