@@ -100,8 +100,8 @@ def run_kvserve(path: Path, sources, targets, batch: int, dtype: str, beam: int 
     return time.perf_counter() - start
 
 
-def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1) -> float:
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
+def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dtype: str = "float32") -> float:
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     pad = model.config.pad_token_id
     start = time.perf_counter()
     with torch.inference_mode():
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ct2", type=Path, help="folder with ctranslate2 installed (pip install --target)")
     parser.add_argument("--ct2-compute-types", nargs="+", default=["float32", "int8"])
     parser.add_argument("--kvserve-dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--transformers-dtypes", nargs="+", default=["float32"])
     parser.add_argument("--kvserve-quantization", nargs="*", default=[],
                         help="also run kvserve in bfloat16 with these weight formats (int8, int4)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "ctranslate2"])
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   args.beam, q))
                  for q in args.kvserve_quantization]
         if "transformers" not in args.skip:
-            runs.append(("transformers float32", lambda: run_transformers(path, sources, targets, batch, args.beam)))
+            runs += [(f"transformers {d}", lambda d=d: run_transformers(path, sources, targets, batch, args.beam, d))
+                     for d in args.transformers_dtypes]
         if args.ct2 and "ctranslate2" not in args.skip:
             runs += [(f"ctranslate2 {c}", lambda c=c: run_ct2(path, sources, targets, batch, c, checkpoint.parent,
                                                               args.beam))

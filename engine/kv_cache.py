@@ -17,6 +17,12 @@ another request's KV (docs/security.md, "Prefix cache"). A freed block keeps its
 until it is reused, so a later request with the same prefix can pick it back up, and
 requests running at the same time (e.g. the n samples of one prompt) share blocks.
 
+A freed request's last, partly filled block is kept too, under its parent's digest with its
+computed tokens (`free(..., token_ids, num_computed_tokens)`): a later request whose tokens run
+on past them (a beam extended by one token, a conversation's next turn) copies those slots into
+a block of its own (copy-on-write: the runner copies before the step's forward,
+`StepRecord.block_copies`) and computes only the rest. Several children of one block each copy.
+
 Backpressure is `None`, never an exception: `allocate` returns None when the pool
 cannot hold the request, and the scheduler decides whom to preempt.
 """
@@ -150,6 +156,9 @@ class BlockManager:
         self._cross_sets: dict[bytes, list[Block]] = {}
         self._cross_written: set[bytes] = set()  # keys whose encoder output a completed step wrote
         self._req_cross_key: dict[str, bytes] = {}
+        # freed requests' partly filled last blocks, by their parent's digest (in the free list;
+        # each keeps its computed tokens in `token_ids`, `block_hash` None)
+        self._partial: dict[bytes, list[Block]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -247,6 +256,22 @@ class BlockManager:
         self.prefix_cache_hits += len(hit_ids) * self.block_size
         return hit_ids
 
+    def find_partial_block(self, request_id: str, token_ids: Sequence[int], num_cached_blocks: int) -> tuple[int, int]:
+        """After `find_cached_prefix` gave `num_cached_blocks` blocks: a kept partly filled block
+        whose tokens continue them as `token_ids` does -> (its id, how many of its slots to copy),
+        the longest such; (0, 0) when there is none. At least one token is left to compute."""
+        if not self.enable_prefix_caching:
+            return 0, 0
+        hashes, start = self._req_hashes.get(request_id, []), num_cached_blocks * self.block_size
+        parent = hashes[num_cached_blocks - 1] if num_cached_blocks else self._req_roots.get(request_id)
+        best, best_len = 0, 0
+        for block in self._partial.get(parent, ()):
+            n = len(block.token_ids)
+            if best_len < n < len(token_ids) - start and tuple(token_ids[start:start + n]) == block.token_ids:
+                best, best_len = block.block_id, n
+        self.prefix_cache_hits += best_len
+        return best, best_len
+
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           root: bytes = ROOT_DIGEST) -> None:
         """Register the request's blocks that are full of computed tokens under their keys."""
@@ -293,6 +318,20 @@ class BlockManager:
         held.extend(new_blocks)
         return [b.block_id for b in cached + new_blocks]
 
+    def _keep_partial(self, request_id: str, block: Block, token_ids: Sequence[int], index: int, count: int) -> None:
+        """Register block `index` of a request being freed, its first `count` slots computed."""
+        if block.ref_cnt != 1 or block.block_hash is not None:  # shared, or a full cached block
+            return
+        root = self._req_roots.get(request_id)
+        if root is None:
+            return
+        hashes = self._extend_hashes(request_id, token_ids, index, root) if index else []
+        if len(hashes) < index:
+            return
+        block.parent_hash = hashes[index - 1] if index else self._req_roots[request_id]
+        block.token_ids = tuple(token_ids[index * self.block_size:index * self.block_size + count])
+        self._partial.setdefault(block.parent_hash, []).append(block)
+
     def _take_free_block(self) -> Block:
         block = self._free.popleft()
         if block.block_hash is not None:  # evict its stale prefix entry
@@ -301,15 +340,26 @@ class BlockManager:
             block.block_hash = block.parent_hash = block.token_ids = None
         if block.cross_key is not None:  # part of a kept encoder output: the rest of it is no use now
             self._drop_cross_set(block.cross_key)
+        if block.parent_hash is not None:  # a kept partly filled block
+            kept = self._partial[block.parent_hash]
+            kept.remove(block)
+            if not kept:
+                del self._partial[block.parent_hash]
+            block.parent_hash = block.token_ids = None
         block.ref_cnt = 1
         return block
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
         """Drop the request's references; tail blocks go first into the free list,
         so they are evicted before the shared prefix blocks, and an encoder output's blocks last
-        (every later request with that source needs them)."""
+        (every later request with that source needs them). With the request's tokens and how many
+        have K/V, a partly filled last block is kept for `find_partial_block`."""
         cross = self._req_cross.pop(request_id, [])
-        for block in list(reversed(self._req_blocks.pop(request_id, []))) + cross:
+        blocks = self._req_blocks.pop(request_id, [])
+        full, rest = divmod(num_computed_tokens, self.block_size)
+        if self.enable_prefix_caching and rest and full < len(blocks):
+            self._keep_partial(request_id, blocks[full], token_ids, full, rest)
+        for block in list(reversed(blocks)) + cross:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free.append(block)

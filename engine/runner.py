@@ -226,6 +226,8 @@ class ModelRunner:
         (and on every draft position of a speculating request); -> (hidden [T, hidden], logits
         [B or R, V], is_sampled [B], the step's prompt-logprob rows, the `SpecRows` or None)."""
         batch = self.batch
+        if step.block_copies:  # before anything of this step writes the cache (the encoder too)
+            self._copy_blocks(step.block_copies)
         batch.update(step)  # the step's requests are now rows 0..B-1
         num_reqs = len(step.req_ids)
         num_drafts = self._write_drafts(step)  # [B] or None
@@ -256,6 +258,17 @@ class ModelRunner:
         # each request's last row (no gather when every request has one row)
         logits = self.model.compute_logits(hidden if hidden.shape[0] == num_reqs else hidden[last_rows])
         return hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, None
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Copy-on-write of kept partly filled blocks: the first `n` slots of block `src` into
+        block `dst`, in every layer's K and V (all reads before any write)."""
+        bs = self.block_size
+        src = np.concatenate([np.arange(n) + s * bs for s, _, n in copies])
+        dst = np.concatenate([np.arange(n) + d * bs for _, d, n in copies])
+        src_t, dst_t = self._to_device(src), self._to_device(dst)
+        for layer in self.attn_layers:
+            flat = layer.kv_cache.flatten(1, 2)  # [2, blocks * block_size, heads, dim]
+            flat[:, dst_t] = flat[:, src_t]
 
     def _encode(self, step: StepRecord, meta: AttentionMetadata) -> None:
         """Encoder-decoder models: run the encoder of the step's new requests into their cross blocks,

@@ -84,6 +84,7 @@ class Scheduler:
         # what the runner must drop, kept until a non-empty step carries it there
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self._block_copies: list[tuple[int, int, int]] = []  # this step's copy-on-write of kept partial blocks
 
     # ---- queue management --------------------------------------------------
     @property
@@ -108,7 +109,7 @@ class Scheduler:
             return None
         (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        self.block_manager.free(request_id, request.all_token_ids, request.num_computed_tokens)
         if self.proposer is not None:
             self.proposer.release(request_id)
         self._finished_req_ids.append(request_id)
@@ -170,7 +171,13 @@ class Scheduler:
             num_scheduled_tokens=tuple([it.num_new_tokens for it in scheduled]),
             new_block_ids=new_block_ids,
             spec_token_ids={it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids},
+            block_copies=self._take_block_copies(),
         )
+
+    def _take_block_copies(self) -> tuple[tuple[int, int, int], ...]:
+        copies = tuple(self._block_copies)
+        self._block_copies.clear()
+        return copies
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         """The request's new block ids, or None when it had to be preempted itself."""
@@ -185,7 +192,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request.request_id)
+        self.block_manager.free(request.request_id, request.all_token_ids, request.num_computed_tokens)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
         request.status = RequestStatus.WAITING
@@ -200,9 +207,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # prompt logprobs need logits at every prompt position: no cached prefix for them
-            cached_ids = [] if request.wants_prompt_logprobs else bm.find_cached_prefix(
-                request.request_id, request.all_token_ids, request.prefix_root)
-            num_computed = len(cached_ids) * bm.block_size
+            cached_ids, copy = [], (0, 0)
+            if not request.wants_prompt_logprobs:
+                cached_ids = bm.find_cached_prefix(request.request_id, request.all_token_ids, request.prefix_root)
+                copy = bm.find_partial_block(request.request_id, request.all_token_ids, len(cached_ids))
+            num_computed = len(cached_ids) * bm.block_size + copy[1]
             num_encoder = len(request.encoder_token_ids)
             if num_encoder:  # the encoder runs in this step's budget (alone, if it is larger)
                 if num_encoder >= budget and scheduled:
@@ -216,6 +225,8 @@ class Scheduler:
             if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
                 bm.free(request.request_id)  # its cross blocks, if it took some
                 break  # FCFS: nobody overtakes the head of the queue
+            if copy[1]:  # the kept block's slots into the request's own next block
+                self._block_copies.append((copy[0], bm.block_ids(request.request_id)[len(cached_ids)], copy[1]))
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING

@@ -112,6 +112,9 @@ class StepRecord:
     # speculative decoding: a request's draft tokens, scheduled after its last token (the runner
     # verifies them and reports the accepted ones); they are not the request's tokens until accepted
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # copy-on-write of kept partly filled blocks (engine/kv_cache.py): (source block, destination
+    # block, slots), copied in every layer's cache before anything else of the step writes
+    block_copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

@@ -51,9 +51,25 @@ def _build_dir() -> Path:
 
 @functools.cache
 def load() -> bool:
-    """Build (or reuse) and register the kernels; True when `torch.ops.kvserve` is usable."""
+    """Build (or reuse) and register the kernels; True when `torch.ops.kvserve` is usable.
+    `KVSERVE_CPU_AMX=0` keeps the bf16 linear off AMX tiles (`set_amx`)."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return False
+    if not _load_library():
+        return False
+    if os.environ.get("KVSERVE_CPU_AMX", "1") == "0":
+        set_amx(False)
+    return True
+
+
+def set_amx(enabled: bool) -> bool:
+    """Whether the bf16 linear multiplies 8 rows and more in AMX tiles on CPUs that have them (on by
+    default); -> the previous setting. Off, every row's result is the same bits at any batch size
+    (the tiles' fp32 sums differ from the AVX512 path's in the last bit now and then)."""
+    return bool(torch.ops.kvserve.set_amx_enabled(enabled))
+
+
+def _load_library() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     build_dir = _build_dir()

@@ -129,6 +129,23 @@ def test_linear_bf16_strided_rows_on_the_tile_path(rows, in_features, out_featur
 
 
 @needs_bf16
+def test_linear_bf16_rows_are_batch_invariant_with_amx_off():
+    """With the AMX tiles off (`set_amx(False)`, `KVSERVE_CPU_AMX=0`) a row's result is the same bits
+    whether it is multiplied alone or among 64 rows; with them on (CPUs with AMX) it is the same up
+    to the fp32 sums' order."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 576).bfloat16()
+    w = cpu_ops.pack_linear_weight(torch.randn(960, 576).bfloat16())
+    alone = torch.cat([cpu_ops.linear_bf16(x[i : i + 1], w, None, 960) for i in range(0, 64, 9)])
+    previous = cpu_ops.set_amx(False)
+    try:
+        assert torch.equal(cpu_ops.linear_bf16(x, w, None, 960)[::9], alone)
+    finally:
+        cpu_ops.set_amx(previous)
+    torch.testing.assert_close(cpu_ops.linear_bf16(x, w, None, 960)[::9], alone, atol=0.05, rtol=1 / 128)
+
+
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 33, 100, 300])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (64, 50), (130, 17), (1536, 200)])
 @pytest.mark.parametrize("bias", [False, True])

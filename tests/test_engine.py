@@ -160,6 +160,22 @@ def test_prefix_cache_hits_give_same_output(llama_dir):
     assert_no_leaks(llm)
 
 
+def test_a_continuation_copies_the_partly_filled_last_block(llama_dir):
+    """A request whose tokens run on past a finished one's (its prompt and output, ending mid-block)
+    copies that request's last partial block (copy-on-write) and computes only the rest: the same
+    tokens as computing everything."""
+    llm = make_llm(llama_dir)
+    prompt = [(7 * i + 3) % llm.engine.info.vocab_size for i in range(21)]  # 21 = 5 blocks of 4 + 1
+    six = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (first,) = llm.generate([{"prompt_token_ids": prompt}], six, use_tqdm=False)
+    follow = prompt + first.outputs[0].token_ids + [3, 5]  # its first 26 tokens have K/V: 6 blocks + 2
+    before = llm.engine.prompt_tokens_computed_total
+    (second,) = llm.generate([{"prompt_token_ids": follow}], greedy(), use_tqdm=False)
+    assert llm.engine.prompt_tokens_computed_total - before == len(follow) - 26
+    assert_greedy_matches(llama_dir, [follow], [second])
+    assert_no_leaks(llm)
+
+
 def test_n_samples_share_prompt_and_match_greedy(llama_dir):
     llm = make_llm(llama_dir)
     prompts = make_prompts(llm.engine.info.vocab_size)

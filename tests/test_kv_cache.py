@@ -154,3 +154,36 @@ def test_encoder_output_kept_only_once_written():
     no_cache.cross_written("a")
     no_cache.free("a")
     assert no_cache.allocate_cross("b", 8, b"src") is True
+
+
+def test_partly_filled_last_block_is_kept_for_continuations():
+    """A freed request's last block, partly filled with computed tokens, is found by a request whose
+    tokens continue them (its slots are copied, not shared), under the same root only, leaving at
+    least one token to compute; evicting the block drops it."""
+    from kvserve.engine.kv_cache import ROOT_DIGEST, prefix_root
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))  # 2 full blocks + 2
+    assert bm.find_cached_prefix("a", tokens) == []
+    bm.allocate("a", 11)
+    bm.cache_full_blocks("a", tokens + [10], 10)
+    held = bm.block_ids("a")
+    bm.free("a", tokens + [10], 10)  # 10 of its 11 tokens have K/V
+    follow = tokens + [77, 78]
+    assert bm.find_cached_prefix("b", follow) == held[:2]
+    assert bm.find_partial_block("b", follow, 2) == (held[2], 2)
+    inside = tokens[:9] + [99, 100]  # parts within the block: its first slot only would fit, not kept
+    assert bm.find_cached_prefix("c", inside) == held[:2]
+    assert bm.find_partial_block("c", inside, 2) == (0, 0)
+    assert bm.find_cached_prefix("d", tokens) == held[:2]
+    assert bm.find_partial_block("d", tokens, 2) == (0, 0)  # nothing would be left to compute
+    salted = prefix_root("tenant")
+    assert bm.find_cached_prefix("e", follow, salted) == []
+    assert bm.find_partial_block("e", follow, 0) == (0, 0)
+    for rid in "bcde":
+        bm.free(rid)
+    assert bm.allocate("f", 7 * 4) is not None  # every block: the kept ones are evicted
+    bm.free("f")
+    assert bm.find_cached_prefix("g", follow, ROOT_DIGEST) == []
+    assert bm.find_partial_block("g", follow, 0) == (0, 0)
+    assert bm.num_free_blocks == 7

@@ -80,7 +80,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
-  if (m >= kAmxMinRows && half_k % 16 == 0 && has_amx_bf16()) {
+  if (m >= kAmxMinRows && half_k % 16 == 0 && use_amx()) {
     linear_amx(xp, ldx, m, wp, half_k, col_blocks, bias_ptr, yp, n);
     return y;
   }

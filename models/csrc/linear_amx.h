@@ -4,6 +4,8 @@
 #pragma once
 
 #include <sys/syscall.h>
+
+#include <atomic>
 #include <unistd.h>
 
 #include "common.h"
@@ -23,6 +25,16 @@ inline bool has_amx_bf16() {
   }();
   return ok;
 }
+
+// The tile path can be turned off (models/cpu_ops.py: KVSERVE_CPU_AMX=0): its fp32 sums are not
+// the AVX512 path's bit for bit, so with it a row's result depends on whether its step multiplies
+// 8 rows or more; without it every row's bits are the same at any batch size.
+inline std::atomic<bool>& amx_enabled() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+
+inline bool use_amx() { return has_amx_bf16() && amx_enabled().load(std::memory_order_relaxed); }
 
 // Rows from which the tiles win over linear_bf16's AVX512 path (fewer rows: the weights'
 // stream bounds both, and the tile path pads to 32 rows).

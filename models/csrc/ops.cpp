@@ -42,12 +42,14 @@ namespace {
 bool has_avx512_bf16_op() { return kvserve::has_avx512_bf16(); }
 bool has_avx512_vnni_op() { return kvserve::has_avx512_vnni(); }
 bool has_amx_bf16_op() { return kvserve::has_amx_bf16(); }
+bool set_amx_enabled_op(bool enabled) { return kvserve::amx_enabled().exchange(enabled); }
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16_op);
   m.def("has_avx512_vnni() -> bool", &has_avx512_vnni_op);
   m.def("has_amx_bf16() -> bool", &has_amx_bf16_op);
+  m.def("set_amx_enabled(bool enabled) -> bool", &set_amx_enabled_op);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bits, int group) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(kvserve::quant_linear));
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
