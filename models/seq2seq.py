@@ -7,12 +7,13 @@ decoder runs, causal); its encoder output, projected once to this layer's cross-
 when the request is encoded, goes to its cross blocks (`AttentionMetadata.cross_block_table`,
 `cross_lens_cpu`: one table row per scheduled request), read without a mask.
 
-The decode rows of a step (one new token each) are attended together, one call per layer: on
-AVX512-BF16 CPUs in bf16 by models/cpu_ops' paged decode kernel, reading the blocks in place
-(cross-attention is that kernel over the cross blocks; T5's relative bias is its per-distance bias
-table); elsewhere by PyTorch's SDPA over gathered blocks, their keys padded to the longest and
-masked (the reference the kernel is checked against). Every other request (a decoder prompt, a
-chunk) is attended in an SDPA call of its own.
+With a paged decode kernel (models/cpu_ops' on AVX512-BF16 CPUs in bf16, or Triton's), every row
+of a step is attended in one call per layer, reading the blocks in place: a prompt row is a query
+that sees the keys up to its own position, cross-attention is the kernel over the cross blocks,
+T5's relative bias the kernel's per-distance bias table. Elsewhere the decode rows go to one
+PyTorch SDPA call over gathered blocks, their keys padded to the longest and masked, and every
+other request (a decoder prompt, a chunk) to an SDPA call of its own: the reference the kernels
+are checked against.
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ def kv_holder(num_heads: int, head_dim: int) -> Attention:
 def write_kv(holder: Attention, k: Tensor, v: Tensor, slots: Tensor) -> None:
     """k, v [N, H, D] into the holder's cache at flat slots [N] (block_id * block_size + offset),
     by its backend (the CPU's: one fused op for both)."""
-    dtype = holder.kv[0].dtype
-    holder.backend.write_kv(holder, k.to(dtype), v.to(dtype), slots)
+    k_cache, v_cache = holder.kv
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if hasattr(holder.backend, "write_kv"):  # the torch and CPU backends
+        holder.backend.write_kv(holder, k, v, slots)
+    else:
+        slots = slots.long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def gather_kv(holder: Attention, block_ids: Tensor, length: int) -> tuple[Tensor, Tensor]:
@@ -104,12 +111,14 @@ class StepPlan:
     cross_lens: Tensor | None = None
     self_mask: Tensor | None = None  # reference path: [Bd, 1, 1, keys] additive, -inf past each row's sequence
     cross_mask: Tensor | None = None
+    max_self_len: int = 0  # kernel path: the longest row of each kind (Triton's kernel splits by it)
+    max_cross_len: int = 0
 
 
 def uses_kernels(holder: Attention) -> bool:
-    """Whether the decode rows go to the CPU's paged decode kernel: the backend chosen at load has
-    them (bf16 on an AVX512-BF16 CPU, head_dim a multiple of 32)."""
-    return bool(getattr(holder.backend, "paged_kernels", False))
+    """Whether the step's rows go to a paged decode kernel: the backend chosen at load has one, the
+    CPU's (bf16 on an AVX512-BF16 CPU, head_dim a multiple of 32) or Triton's."""
+    return holder.backend.name == "triton" or bool(getattr(holder.backend, "paged_kernels", False))
 
 
 def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = False) -> StepPlan:
@@ -144,6 +153,7 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch
     and S decoder tokens is a query at position S - L + j that sees its first S - L + j + 1 keys
     (causal) and all of the request's encoder output; its table rows are the request's."""
     num_rows = sum(r.query_len for r in rows)
+    index = meta.block_table.dtype  # the backend's: int64 for the CPU's kernel, int32 for Triton's
     if num_rows == len(rows):  # all decode rows: the tables as they are
         self_table, cross_table = meta.block_table[:num_rows], meta.cross_block_table[:num_rows]
         self_lens = [r.seq_len for r in rows]
@@ -153,7 +163,9 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch
         self_lens = [r.seq_len - r.query_len + 1 + j for r in rows for j in range(r.query_len)]
     cross_lens = [r.cross_len for r in rows for _ in range(r.query_len)]
     return StepPlan(rows, [], True, torch.arange(num_rows, device=device), self_table,
-                    torch.tensor(self_lens, device=device), cross_table, torch.tensor(cross_lens, device=device))
+                    torch.tensor(self_lens, dtype=index, device=device), cross_table.to(index),
+                    torch.tensor(cross_lens, dtype=index, device=device),
+                    max_self_len=max(self_lens), max_cross_len=max(cross_lens))
 
 
 def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, cross: bool,
@@ -165,6 +177,12 @@ def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, 
     float32 [H, L] table by distance from the query (`cpu_ops.paged_decode_attention`'s), else
     [Bd, H, 1, keys] with the mask added."""
     table, lens = (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
+    if plan.kernels and holder.backend.name == "triton":
+        from kvserve.models.kernels import triton_attention  # imports triton: only where it was chosen
+
+        longest = plan.max_cross_len if cross else plan.max_self_len
+        return triton_attention.paged_decode_attention(q, *holder.kv, table, lens, scale, None, longest,
+                                                       bias=decode_bias).flatten(1)
     if plan.kernels:
         return cpu_ops.paged_decode_attention(q, *holder.kv, table, lens, scale, None, decode_bias)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -49,8 +49,9 @@ def make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32
     return kv[0], kv[1], block_table
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window):
-    """[T, H, D] fp32: each request's keys gathered by block table, explicit causal/window mask."""
+def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, bias=None):
+    """[T, H, D] fp32: each request's keys gathered by block table, explicit causal/window mask;
+    `bias` [H, L]: the score of key t for a query at position p gets bias[:, L - 1 - (p - t)]."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     out, row = torch.zeros(q.shape, dtype=torch.float32), 0
@@ -61,6 +62,9 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, win
         v = v_cache[blk, pos % block_size].float().repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - query_len, seq_len)
         scores = torch.einsum("qhd,khd->hqk", q[row:row + query_len].float(), k) * scale
+        if bias is not None:
+            distance = (q_pos[:, None] - pos[None, :]).clamp(min=0)  # [Lq, S]
+            scores = scores + bias[:, bias.shape[1] - 1 - distance]
         mask = pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= pos[None, :] > q_pos[:, None] - window
@@ -157,6 +161,61 @@ def test_decode_strided_q_and_out_argument():
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, block_table, seq_lens, [1, 1], 0.125, None),
                                atol=1e-4, rtol=1e-4)
     assert (out_buf[:, :, 64:] == 7.0).all()
+
+
+@pytest.mark.parametrize("extra", [0, 9])
+def test_decode_bias_by_distance(extra):
+    """T5's relative bias: a float32 [H, L] table by distance from the query, added to the scaled
+    scores (the CPU kernel's layout); across splits, with GQA."""
+    seq_lens = [1, 37, 70, 16]
+    k_cache, v_cache, block_table = make_cache(seq_lens, 2, 64, 16)
+    q = torch.randn(len(seq_lens), 4, 64)
+    bias = torch.randn(4, max(seq_lens) + extra) * 3
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = ta.paged_decode_attention(q, k_cache, v_cache, block_table, lens, 1.0, None, bias.shape[1], bias=bias)
+    ref = reference(q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), 1.0, None, bias)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="bias"):
+        ta.paged_decode_attention(q, k_cache, v_cache, block_table, lens, 1.0, None, max(seq_lens), bias=bias[:, :5])
+
+
+def test_seq2seq_step_through_triton():
+    """An encoder-decoder step on the Triton backend (models/seq2seq.py): every row a decode row of
+    the kernel, decoder prefixes and decode rows mixed, self-attention with a per-distance bias and
+    cross-attention over the cross blocks, against the reference plan (gathered SDPA)."""
+    from kvserve.models.attention.metadata import AttentionMetadata
+    from kvserve.models.attention.triton import TritonAttentionBackend
+    from kvserve.models.seq2seq import kv_holder, paged_attention, step_plan
+
+    g = torch.Generator().manual_seed(0)
+    heads, dim, bs = 4, 32, 4
+    holder = kv_holder(heads, dim)
+    holder.kv_cache = torch.randn(2, 41, bs, heads, dim, generator=g)
+    holder.backend = TritonAttentionBackend()
+    query_lens, seq_lens, cross_lens = [1, 5, 1, 3], [7, 5, 12, 9], [6, 3, 13, 8]
+    perm = torch.randperm(40, generator=g) + 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(10, dtype=torch.int32), positions=torch.zeros(10, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 6, 7, 10], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=perm[:16].view(4, 4).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs,
+        max_query_len=5, max_seq_len=12, cross_block_table=perm[20:36].view(4, 4), cross_lens_cpu=cross_lens)
+    q = torch.randn(sum(query_lens), heads, dim, generator=g)
+    length = max(seq_lens)
+    bias = torch.randn(heads, length, generator=g)
+    kernel_plan, ref_plan = step_plan(meta, q.device, kernels=True), step_plan(meta, q.device)
+    masks = []
+    for r in ref_plan.prefill:
+        pos = torch.arange(r.seq_len - r.query_len, r.seq_len)[:, None]
+        distance = (pos - torch.arange(r.seq_len)[None, :]).clamp(min=0)
+        masks.append(r.causal_mask(q.device) + bias[:, length - 1 - distance])
+    keys = ref_plan.self_mask.shape[-1]
+    distance = ((ref_plan.self_lens - 1)[:, None] - torch.arange(keys)[None, :]).clamp(0, length - 1)
+    ref_bias = bias[:, length - 1 - distance].permute(1, 0, 2)[:, :, None, :] + ref_plan.self_mask
+    for cross in (False, True):
+        got = paged_attention(holder, q, kernel_plan, 0.5, cross, [], None if cross else bias)
+        ref = paged_attention(holder, q, ref_plan, 0.5, cross, masks, None if cross else ref_bias)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_decode_fp16():  # the interpreter's tl.dot cannot take bf16 (numpy has none): fp16 stands in
@@ -259,9 +318,10 @@ for dtype, g, d, window in [(torch.bfloat16, 4, 128, False), (torch.float16, 1, 
                   qk_scale="fp32")
     block_d = triton.next_power_of_2(d)
     for direct in (False, True):
-        compile_for_h100(ta._decode_partition_kernel, dict(common, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
+        compile_for_h100(ta._decode_partition_kernel,
+                         dict(common, part_out_ptr="*fp32", part_lse_ptr="*fp32", bias_ptr="*fp32"),
                          dict(G=g, G_PAD=16, HEAD_DIM=d, BLOCK_D=block_d, PARTITION_SIZE=512, HAS_WINDOW=window,
-                              DIRECT_OUT=direct, **ta._decode_config(dtype, d)))
+                              HAS_BIAS=direct, DIRECT_OUT=direct, **ta._decode_config(dtype, d)))
     compile_for_h100(ta._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=t),
                      dict(HEAD_DIM=d, BLOCK_D=block_d, SPLIT_TILE=16))
     compile_for_h100(ta._prefill_kernel, dict(common, cu_seqlens_q_ptr="*i32"),

@@ -86,13 +86,13 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _decode_partition_kernel(
-        q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        qk_scale, sliding_window, block_size, num_splits,
+        q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, bias_ptr,
+        qk_scale, sliding_window, block_size, num_splits, bias_len,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_btb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+        stride_btb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_bias_h,
         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_BIAS: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,6 +124,9 @@ def _decode_partition_kernel(
         k = _load_kv_tile(k_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
                           stride_kb, stride_kt, stride_kh, HEAD_DIM == BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+        if HAS_BIAS:  # by distance from the query: key `pos` reads column bias_len - seq_len + pos
+            s += tl.load(bias_ptr + heads[:, None] * stride_bias_h + (bias_len - seq_len + pos)[None, :],
+                         mask=g_mask[:, None] & valid[None, :], other=0.0) * 1.4426950408889634
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
                           stride_vb, stride_vt, stride_vh, HEAD_DIM == BLOCK_D)
@@ -285,7 +288,8 @@ def _prepare_out(q: Tensor, out: Tensor | None) -> Tensor:
 
 @torch.library.custom_op("kvserve::triton_paged_decode_attention", mutates_args=("out",))
 def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-               scale: float, sliding_window: int | None, max_seq_len: int, out: Tensor) -> None:
+               scale: float, sliding_window: int | None, max_seq_len: int, out: Tensor,
+               bias: Tensor | None = None) -> None:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -302,12 +306,13 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         p_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, sliding_window or 0, k_cache.shape[1], num_splits,
+        q, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, out if bias is None else bias,
+        scale * _LOG2E, sliding_window or 0, k_cache.shape[1], num_splits, 0 if bias is None else bias.shape[1],
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0), out.stride(0), out.stride(1), *p_strides,
+        block_table.stride(0), out.stride(0), out.stride(1), *p_strides, 0 if bias is None else bias.stride(0),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PARTITION_SIZE=partition, HAS_WINDOW=sliding_window is not None, DIRECT_OUT=direct, **config)
+        PARTITION_SIZE=partition, HAS_WINDOW=sliding_window is not None, HAS_BIAS=bias is not None,
+        DIRECT_OUT=direct, **config)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, *p_strides, out.stride(0), out.stride(1),
@@ -315,7 +320,7 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, max_seq_len, out) -> None:
+def _(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, max_seq_len, out, bias=None) -> None:
     return None
 
 
@@ -347,23 +352,29 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_w
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                            scale: float, sliding_window: int | None, max_seq_len: int,
-                           out: Tensor | None = None) -> Tensor:
+                           out: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     """One new token per request: q [B, H, D] (row stride may exceed H*D) -> [B, H, D] in q's dtype.
 
     block_table [B, max_blocks] and seq_lens [B] (int32; context length including the new token)
     live on q's device. `max_seq_len` (host int) only sets the number of splits: any bound works,
-    e.g. max_model_len under CUDA graphs. Rows with seq_len 0 (padding) give zeros.
+    e.g. max_model_len under CUDA graphs. Rows with seq_len 0 (padding) give zeros. `bias`: float32
+    [H, L] (L >= every seq_len) added to the scaled scores by distance from the query, key t of a
+    row of length s getting bias[h, L - s + t] (T5's relative bias; models/cpu_ops has the same).
     """
     _check_inputs(q, k_cache, v_cache, block_table, scale, sliding_window)
     if seq_lens.shape != (q.shape[0],) or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"decode needs seq_lens [B] and block_table [B, max_blocks] for q of {q.shape[0]} "
                          f"rows, got {tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != q.shape[1]
+                             or bias.stride(1) != 1 or bias.shape[1] < max_seq_len):
+        raise ValueError(f"bias must be float32 [heads, >= max_seq_len] with contiguous rows, got "
+                         f"{bias.dtype} {tuple(bias.shape)} for {q.shape[1]} heads and max_seq_len {max_seq_len}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = _prepare_out(q, out)
     if q.shape[0] > 0:
         torch.ops.kvserve.triton_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
-                                                 sliding_window, int(max_seq_len), out)
+                                                 sliding_window, int(max_seq_len), out, bias)
     return out
 
 
