@@ -172,6 +172,10 @@ class Sampler:
         if t.all_greedy and plain and not t.needs_logprobs:
             # argmax needs no float copy: bf16 -> fp32 is exact and order-preserving
             return SamplerOutput(cpu_ops.greedy_argmax(logits), None, None, None, None)
+        if t.all_greedy and plain:  # with logprobs (beam search asks for them every step)
+            # the raw logits' argmax: no token is strictly more likely, so every rank is 1 (one
+            # pass over [B, V] fewer than counting)
+            return _logprob_output(logits.float(), cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True)
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:
@@ -357,10 +361,13 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int) -> SamplerOutput:
+def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are_1: bool = False) -> SamplerOutput:
     log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
     sampled_logits = raw.gather(1, token_ids[:, None])  # [B, 1]
-    ranks = (raw > sampled_logits).sum(dim=-1) + 1
+    if ranks_are_1:
+        ranks = torch.ones_like(token_ids)
+    else:
+        ranks = (raw > sampled_logits).sum(dim=-1) + 1
     topk_ids = topk_logprobs = None
     if num_logprobs > 0:
         values, topk_ids = raw.topk(min(num_logprobs, raw.shape[1]), dim=-1)
