@@ -175,7 +175,7 @@ class Sampler:
         if t.all_greedy and plain:  # with logprobs (beam search asks for them every step)
             # the raw logits' argmax: no token is strictly more likely, so every rank is 1 (one
             # pass over [B, V] fewer than counting)
-            return _logprob_output(logits.float(), cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True)
+            return _logprob_output(logits, cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True)
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:
@@ -362,22 +362,28 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
 
 
 def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are_1: bool = False) -> SamplerOutput:
-    log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
-    sampled_logits = raw.gather(1, token_ids[:, None])  # [B, 1]
+    """The log-softmax of the raw logits [B, V] (any float dtype) at the sampled tokens and its top
+    `num_logprobs`, and each sampled token's rank (1 + tokens strictly more likely)."""
+    k = min(num_logprobs, raw.shape[1])
+    fused = cpu_ops.logprobs_topk(raw, token_ids, k)  # one op on AVX512-BF16 CPUs, else None
+    if fused is not None:
+        sampled_logprobs, topk_logprobs, topk_ids = fused
+    else:
+        raw = raw.float()
+        log_norm = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
+        sampled_logprobs = (raw.gather(1, token_ids[:, None]) - log_norm).squeeze(1)
+        topk_logprobs, topk_ids = raw.topk(k, dim=-1)
+        topk_logprobs = topk_logprobs - log_norm
     if ranks_are_1:
         ranks = torch.ones_like(token_ids)
-    else:
-        ranks = (raw > sampled_logits).sum(dim=-1) + 1
-    topk_ids = topk_logprobs = None
-    if num_logprobs > 0:
-        values, topk_ids = raw.topk(min(num_logprobs, raw.shape[1]), dim=-1)
-        topk_logprobs = values - log_norm
+    else:  # (comparisons are exact in the logits' own dtype)
+        ranks = (raw > raw.gather(1, token_ids[:, None])).sum(dim=-1) + 1
     return SamplerOutput(
         sampled_token_ids=token_ids,
-        sampled_logprobs=(sampled_logits - log_norm).squeeze(1),
+        sampled_logprobs=sampled_logprobs,
         sampled_ranks=ranks,
-        topk_token_ids=topk_ids,
-        topk_logprobs=topk_logprobs,
+        topk_token_ids=topk_ids if num_logprobs > 0 else None,
+        topk_logprobs=topk_logprobs if num_logprobs > 0 else None,
     )
 
 

@@ -196,6 +196,16 @@ def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
     return True
 
 
+def logprobs_topk(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The log-softmax of logits [B, V] (bf16 or fp32 rows, in fp32) at token_ids [B] and its top k
+    (values descending, ties to the lower id): (logprobs [B], top logprobs [B, k], top ids [B, k]).
+    One op reading each row twice on AVX512-BF16 CPUs; None elsewhere (the caller's torch path)."""
+    if (logits.is_cpu and logits.dtype in _FUSED_DTYPES and logits.dim() == 2 and logits.stride(-1) == 1
+            and has_fast_bf16()):
+        return torch.ops.kvserve.logprobs_topk(logits, token_ids, k)
+    return None
+
+
 def greedy_argmax(logits: Tensor) -> Tensor:
     """logits [B, V] -> [B] int64: the first index of each row's maximum (torch.argmax's answer)."""
     if logits.dtype == torch.bfloat16 and logits.is_cpu and logits.stride(-1) == 1 and has_fast_bf16():

@@ -381,3 +381,24 @@ def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, 
                            torch.arange(num_cached + 1, seq_len + 1), scale, window)
     assert got.shape == (num_new, num_heads * head_dim)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab,k", [(3, 100, 5), (64, 5003, 20), (4, 17, 17), (2, 33, 0), (1, 16, 1)])
+def test_logprobs_topk_matches_torch(dtype, rows, vocab, k):
+    """The sampler's log-softmax at the sampled tokens and its top k in one op: torch's values (fp32
+    sums in another order), the same ids, ties to the lower id."""
+    torch.manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab) * 4).to(dtype)
+    logits[0, vocab // 2] = logits[0, vocab // 3] = logits[0].max() + 1  # a tie at the top
+    tokens = torch.randint(0, vocab, (rows,))
+    sampled, top, ids = cpu_ops.logprobs_topk(logits, tokens, k)
+    raw = logits.float()
+    norm = torch.logsumexp(raw, -1, keepdim=True)
+    torch.testing.assert_close(sampled, (raw.gather(1, tokens[:, None]) - norm)[:, 0], atol=1e-5, rtol=1e-6)
+    values, _ = raw.topk(k, -1)
+    torch.testing.assert_close(top, values - norm, atol=1e-5, rtol=1e-6)
+    assert torch.equal(raw.gather(1, ids), values) and ids.dtype == torch.int64
+    if k >= 2:
+        assert ids[0, :2].tolist() == [vocab // 3, vocab // 2]

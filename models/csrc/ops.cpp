@@ -13,6 +13,8 @@
 //    keys/values *in place* in the paged cache (no gather copy), GQA-aware: the query
 //    heads that share a KV head are scored together from one read of each key.
 //  * kvserve::paged_prefill_attention  flash-style causal attention for a prompt chunk.
+//  * kvserve::logprobs_topk  the sampler's log-softmax of the sampled token and the top k, from
+//    two reads of each row of logits.
 //  * kvserve::rms_norm, add_rms_norm_, rotary_, silu_and_mul, argmax_bf16  fused
 //    per-layer ops with PyTorch's roundings; write_kv_cache stores a layer's new keys
 //    and values.
@@ -34,6 +36,7 @@
 #include "decode_attention.h"
 #include "decoder_stack.h"
 #include "linear.h"
+#include "logprobs.h"
 #include "prefill_attention.h"
 #include "quant_linear.h"
 #include "small_ops.h"
@@ -60,6 +63,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, "
         "float scale, int window) -> Tensor");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, TORCH_FN(kvserve::paged_prefill_attention));
+  m.def("logprobs_topk(Tensor logits, Tensor token_ids, int k) -> (Tensor, Tensor, Tensor)");
+  m.impl("logprobs_topk", c10::DispatchKey::CPU, TORCH_FN(kvserve::logprobs_topk));
   m.def("argmax_bf16(Tensor logits) -> Tensor");
   m.impl("argmax_bf16", c10::DispatchKey::CPU, TORCH_FN(kvserve::argmax_bf16));
   m.def("silu_and_mul(Tensor x) -> Tensor");
