@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0  # the longest a collective waits for a rank (a hung worker)
 _STOP_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 3600.0  # loading a shard may take long; a worker that dies ends the wait at once
+_EXIT_WAIT_S = 5.0  # after a failed step: how long a worker that is exiting gets to be named as the cause
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -169,8 +170,9 @@ class TensorParallelExecutor:
         """Mark the executor dead (the first reason sticks) and stop the workers; returns the reason.
         A worker that exited is named, with its exit code, ahead of the error it caused on rank 0."""
         if self._dead is None:
-            if cause is not None:  # a worker killed mid-step: its exit may trail rank 0's error a little
-                wait([p.sentinel for p in self._workers], timeout=1.0)
+            if cause is not None:  # a worker killed mid-step: its exit may trail rank 0's error (the
+                # OS tears its memory down first, which took over a second on a loaded 2-core machine)
+                wait([p.sentinel for p in self._workers], timeout=_EXIT_WAIT_S)
             exited = [p for p in self._workers if not p.is_alive()]
             if exited:
                 p = exited[0]
