@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import Linear, VocabEmbedding, get_activation
-from kvserve.models.seq2seq import (StepPlan, kv_holder, paged_attention, segments, step_plan, uses_kernels,
-                                    write_kv)
+from kvserve.models.seq2seq import (StepPlan, attend_segments, kv_holder, paged_attention, segments, step_plan,
+                                    uses_kernels, write_kv)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -60,6 +60,10 @@ class Seq2SeqAttention(nn.Module):
     def heads(self, t: Tensor) -> Tensor:  # [L, d] -> [L, H, D]
         return t.view(t.shape[0], self.num_heads, self.head_dim)
 
+    def flat(self, x: Tensor, segs: list[slice]) -> Tensor:  # [S, d] -> [S, d], within each request
+        q, k, v = (self.heads(t) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        return self.out_proj(attend_segments(q, k, v, segs, [None] * len(segs), None))
+
     def forward(self, x: Tensor, kv_source: Tensor, causal: bool) -> Tensor:  # [L, d], [M, d] -> [L, d]
         q, k, v = (self.heads(t).transpose(0, 1)
                    for t in (self.q_proj(x), self.k_proj(kv_source), self.v_proj(kv_source)))
@@ -92,8 +96,10 @@ class EncoderLayer(_Residual):
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = get_activation(config.activation_function)
 
-    def forward(self, h: Tensor) -> Tensor:
-        h = self.sub(h, self.self_attn_layer_norm, lambda x: self.self_attn(x, x, causal=False))
+    def forward(self, h: Tensor, segs: list[slice] | None = None) -> Tensor:  # segs: a flat batch's requests
+        attention = (lambda x: self.self_attn(x, x, causal=False)) if segs is None else \
+            (lambda x: self.self_attn.flat(x, segs))
+        h = self.sub(h, self.self_attn_layer_norm, attention)
         return self.sub(h, self.final_layer_norm, self.ffn)
 
 
@@ -212,7 +218,13 @@ class BartForConditionalGeneration(nn.Module):
     def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
         """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
         layer's cross-attention K/V of them into the cache at `cross_slots` [S]."""
-        encoded = torch.cat([self.encode(input_ids[rows]) for rows in segments(cu_seqlens)])
+        # one flat batch: the matrices over every source's rows at once, attention within each
+        segs = list(segments(cu_seqlens))
+        positions = torch.cat([torch.arange(rows.stop - rows.start, device=input_ids.device) for rows in segs])
+        encoded = self.model.encoder.embed(input_ids, positions)
+        for layer in self.model.encoder.layers:
+            encoded = layer(encoded, segs)
+        encoded = self.model.encoder.final_norm(encoded)
         for layer in self.model.decoder.layers:
             ca = layer.encoder_attn
             write_kv(layer.cache, ca.heads(ca.k_proj(encoded)), ca.heads(ca.v_proj(encoded)), cross_slots)

@@ -55,7 +55,7 @@ def gather_kv(holder: Attention, block_ids: Tensor, length: int) -> tuple[Tensor
     return (k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length])
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
     """q [Lq, H, D] over k, v [Lk, H, D] (mask: additive [H or 1, Lq, Lk] or None) -> [Lq, H * D]."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype),
                                          v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale)
@@ -197,6 +197,16 @@ def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, 
     for r, mask in zip(plan.prefill, prefill_masks):
         blocks, length = (r.cross_block_ids, r.cross_len) if cross else (r.block_ids, r.seq_len)
         out[r.rows] = attend(q[r.rows], *gather_kv(holder, blocks, length), None if cross else mask, scale)
+    return out
+
+
+def attend_segments(q: Tensor, k: Tensor, v: Tensor, segs: list[slice], masks: list[Tensor | None],
+                    scale: float | None) -> Tensor:
+    """Bidirectional attention within each request of a flat batch (the encoder's): q, k, v [S, H, D]
+    with rows `segs[i]` for request i, masks additive [H, L, L] or None -> [S, H * D]."""
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for rows, mask in zip(segs, masks):
+        out[rows] = attend(q[rows], k[rows], v[rows], mask, scale)
     return out
 
 

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import Linear, VocabEmbedding, get_activation
-from kvserve.models.seq2seq import (StepPlan, kv_holder, paged_attention, segments, step_plan, uses_kernels,
-                                    write_kv)
+from kvserve.models.seq2seq import (StepPlan, attend_segments, kv_holder, paged_attention, segments, step_plan,
+                                    uses_kernels, write_kv)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -158,6 +158,14 @@ class T5Block(nn.Module):
             (ff,) = rest
         return h + ff.body(ff.layer_norm(h))
 
+    def flat(self, h: Tensor, segs: list[slice], biases: list[Tensor]) -> Tensor:
+        """An encoder block over a flat batch of sources [S, d]: attention within each (its bias)."""
+        self_layer, ff = self.layer
+        sa, normed = self_layer.body, self_layer.layer_norm(h)
+        q, k, v = (sa.heads(t) for t in (sa.q(normed), sa.k(normed), sa.v(normed)))
+        h = h + sa.o(attend_segments(q, k, v, segs, biases, 1.0))
+        return h + ff.body(ff.layer_norm(h))
+
     def paged(self, h: Tensor, plan: StepPlan, biases: list[Tensor], decode_bias: Tensor | None,
               slots: Tensor) -> Tensor:
         """A decoder block over the flat batch's rows [T, d] and the paged cache."""
@@ -221,7 +229,15 @@ class T5ForConditionalGeneration(nn.Module):
     def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
         """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
         block's cross-attention K/V of them into the cache at `cross_slots` [S]."""
-        encoded = torch.cat([self.encoder(input_ids[rows]) for rows in segments(cu_seqlens)])
+        # one flat batch: the matrices over every source's rows at once, attention within each
+        segs = list(segments(cu_seqlens))
+        table = self.encoder.block[0].layer[0].body
+        encoded = self.shared(input_ids)
+        biases = [table.position_bias(rows.stop - rows.start, rows.stop - rows.start, input_ids.device)
+                  .to(encoded.dtype) for rows in segs]
+        for block in self.encoder.block:
+            encoded = block.flat(encoded, segs, biases)
+        encoded = self.encoder.final_layer_norm(encoded)
         for block in self.decoder.block:
             ca = block.layer[1].body
             write_kv(block.cache, ca.heads(ca.k(encoded)), ca.heads(ca.v(encoded)), cross_slots)
