@@ -104,9 +104,10 @@ class StepPlan:
     rows: list[RequestRows]
     prefill: list[RequestRows]  # the requests with more than one new token: one call each
     kernels: bool
-    decode_index: Tensor | None = None  # [Bd] flat row of each decode row; None when there are none
+    decode_index: Tensor | None = None  # reference path: [Bd] flat row of each decode row; None if none
+    # [Bd] rows (the kernel path: every row of the step), in the backend's index dtype
     self_table: Tensor | None = None  # [Bd, blocks]
-    self_lens: Tensor | None = None  # [Bd] int64
+    self_lens: Tensor | None = None  # [Bd]
     cross_table: Tensor | None = None
     cross_lens: Tensor | None = None
     self_mask: Tensor | None = None  # reference path: [Bd, 1, 1, keys] additive, -inf past each row's sequence
@@ -162,7 +163,7 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch
         self_table, cross_table = meta.block_table[owner], meta.cross_block_table[owner]
         self_lens = [r.seq_len - r.query_len + 1 + j for r in rows for j in range(r.query_len)]
     cross_lens = [r.cross_len for r in rows for _ in range(r.query_len)]
-    return StepPlan(rows, [], True, torch.arange(num_rows, device=device), self_table,
+    return StepPlan(rows, [], True, None, self_table,
                     torch.tensor(self_lens, dtype=index, device=device), cross_table.to(index),
                     torch.tensor(cross_lens, dtype=index, device=device),
                     max_self_len=max(self_lens), max_cross_len=max(cross_lens))
