@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
-from kvserve.models.layers import Linear, VocabEmbedding, get_activation
+from kvserve.models.layers import Linear, RMSNorm, VocabEmbedding, get_activation
 from kvserve.models.seq2seq import (StepPlan, attend_segments, kv_holder, paged_attention, segments, step_plan,
                                     uses_kernels, write_kv)
 
@@ -49,17 +49,9 @@ def relative_position_bucket(relative_position: Tensor, bidirectional: bool, num
     return buckets + torch.where(distance < max_exact, distance, large)
 
 
-class T5LayerNorm(nn.Module):
-    """RMS norm with a weight and no bias, computed in float32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(self.weight.dtype)
+class T5LayerNorm(RMSNorm):
+    """T5's layer norm is an RMS norm with a weight and no bias, with HF's numerics (normalize in
+    float32, round, scale): the decoder-only models' `RMSNorm`, so the device's fused ops apply."""
 
 
 class T5Attention(nn.Module):
@@ -163,8 +155,8 @@ class T5Block(nn.Module):
         self_layer, ff = self.layer
         sa, normed = self_layer.body, self_layer.layer_norm(h)
         q, k, v = (sa.heads(t) for t in (sa.q(normed), sa.k(normed), sa.v(normed)))
-        h = h + sa.o(attend_segments(q, k, v, segs, biases, 1.0))
-        return h + ff.body(ff.layer_norm(h))
+        normed, h = ff.layer_norm.add_and_norm(sa.o(attend_segments(q, k, v, segs, biases, 1.0)), h)
+        return h + ff.body(normed)
 
     def paged(self, h: Tensor, plan: StepPlan, biases: list[Tensor], decode_bias: Tensor | None,
               slots: Tensor) -> Tensor:
@@ -174,10 +166,10 @@ class T5Block(nn.Module):
         normed = self_layer.layer_norm(h)
         write_kv(self.cache, sa.heads(sa.k(normed)), sa.heads(sa.v(normed)), slots)
         out = paged_attention(self.cache, sa.heads(sa.q(normed)), plan, 1.0, False, biases, decode_bias)
-        h = h + sa.o(out)
-        out = paged_attention(self.cache, ca.heads(ca.q(cross_layer.layer_norm(h))), plan, 1.0, True, biases)
-        h = h + ca.o(out)
-        return h + ff.body(ff.layer_norm(h))
+        normed, h = cross_layer.layer_norm.add_and_norm(sa.o(out), h)  # (the sum may go into h)
+        out = paged_attention(self.cache, ca.heads(ca.q(normed)), plan, 1.0, True, biases)
+        normed, h = ff.layer_norm.add_and_norm(ca.o(out), h)
+        return h + ff.body(normed)
 
 
 class T5Stack(nn.Module):
