@@ -6,6 +6,7 @@ forced to its length.
 
     python -m benchmarks.bench_seq2seq --batch-sizes 1 64 --num-prompts 64 --ct2 /tmp/ct2pkg
     python -m benchmarks.bench_seq2seq --shape t5-base --beam 4 --batch-sizes 64
+    python -m benchmarks.bench_seq2seq --device cuda --kvserve-dtypes bfloat16 --transformers-dtypes bfloat16
 
 Sources are random token ids of 32-128 tokens (seeded); each target is round(1.2 x its source)
 tokens (EOS ignored). Batch 1 runs the sources one at a time; batch B hands B at a time to each
@@ -82,13 +83,14 @@ def batches(sources, targets, batch: int, beam: int):
 
 
 def run_kvserve(path: Path, sources, targets, batch: int, dtype: str, beam: int = 1,
-                quantization: str | None = None) -> float:
+                quantization: str | None = None, device: str = "cpu") -> float:
     from kvserve.engine import LLM, BeamSearchParams, SamplingParams
     from kvserve.engine.kv_pool import prefault
 
-    llm = LLM(str(path), dtype=dtype, device="cpu", max_num_seqs=max(batch * beam, 1), quantization=quantization)
+    llm = LLM(str(path), dtype=dtype, device=device, max_num_seqs=max(batch * beam, 1), quantization=quantization)
     llm.generate([{"prompt_token_ids": sources[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    prefault(llm.engine.runner.attn_layers)  # as the server does once it is up: no first-touch page faults timed
+    if device == "cpu":  # as the server does once it is up: no first-touch page faults timed
+        prefault(llm.engine.runner.attn_layers)
     start = time.perf_counter()
     for chunk, lens in batches(sources, targets, batch, beam):
         prompts = [{"prompt_token_ids": s} for s in chunk]
@@ -100,8 +102,9 @@ def run_kvserve(path: Path, sources, targets, batch: int, dtype: str, beam: int 
     return time.perf_counter() - start
 
 
-def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dtype: str = "float32") -> float:
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dtype: str = "float32",
+                     device: str = "cpu") -> float:
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.config.pad_token_id
     start = time.perf_counter()
     with torch.inference_mode():
@@ -110,8 +113,10 @@ def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dt
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             # a static batch runs to its longest target (shorter outputs are cut afterwards)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                           do_sample=False, num_beams=beam, early_stopping=False)
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(lens),
+                           min_new_tokens=max(lens), do_sample=False, num_beams=beam, early_stopping=False)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -135,6 +140,13 @@ def run_ct2(path: Path, sources, targets, batch: int, compute_type: str, work: P
     return time.perf_counter() - start
 
 
+def write(args: argparse.Namespace, results: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"shape": args.shape, "beam": args.beam, "num_prompts": args.num_prompts,
+                                    "device": args.device,
+                                    "threads": torch.get_num_threads(), "results": results}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=["marian", "t5-base"], default="marian")
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (kvserve, transformers; CTranslate2: cpu)")
     parser.add_argument("--checkpoint", type=Path, help="default: loadtest_out/models/<shape>-shape-random")
     parser.add_argument("--ct2", type=Path, help="folder with ctranslate2 installed (pip install --target)")
     parser.add_argument("--ct2-compute-types", nargs="+", default=["float32", "int8"])
@@ -161,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for batch in args.batch_sizes:
         total = sum(sum(lens) for _, lens in batches(sources, targets, batch, args.beam))
-        runs = [(f"kvserve {d}", lambda d=d: run_kvserve(path, sources, targets, batch, d, args.beam))
+        runs = [(f"kvserve {d}", lambda d=d: run_kvserve(path, sources, targets, batch, d, args.beam,
+                                                         device=args.device))
                 for d in args.kvserve_dtypes]
         runs += [(f"kvserve bfloat16 {q}", lambda q=q: run_kvserve(path, sources, targets, batch, "bfloat16",
-                                                                  args.beam, q))
+                                                                  args.beam, q, args.device))
                  for q in args.kvserve_quantization]
         if "transformers" not in args.skip:
-            runs += [(f"transformers {d}", lambda d=d: run_transformers(path, sources, targets, batch, args.beam, d))
+            runs += [(f"transformers {d}", lambda d=d: run_transformers(path, sources, targets, batch, args.beam, d,
+                                                                        args.device))
                      for d in args.transformers_dtypes]
         if args.ct2 and "ctranslate2" not in args.skip:
             runs += [(f"ctranslate2 {c}", lambda c=c: run_ct2(path, sources, targets, batch, c, checkpoint.parent,
@@ -178,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"system": name, "batch": batch, "seconds": seconds, "tokens_per_s": total / seconds})
             print(f"{args.shape} beam {args.beam} batch {batch:3d}  {name:26s} {total / seconds:8.1f} tok/s  "
                   f"({seconds:.1f} s)", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shape": args.shape, "beam": args.beam, "num_prompts": args.num_prompts,
-                                    "threads": torch.get_num_threads(), "results": results}, indent=1))
+            write(args, results)  # after every row: a run cut short keeps what it measured
     return 0
 
 

@@ -17,7 +17,6 @@ from functools import partial
 import torch
 
 from kvserve.engine.config import EngineArgs, RuntimeInfo
-from kvserve.engine.device import resolve_device
 from kvserve.engine.errors import StepFailed
 from kvserve.engine.grammar_limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
@@ -55,7 +54,6 @@ def _check_encoder_decoder(args: EngineArgs, tp_size: int) -> None:
     unsupported = [name for name, used in (
         ("tensor_parallel_size > 1", tp_size > 1),
         ("speculative_config", args.speculative() is not None),
-        ("a CUDA device", resolve_device(args.model_config().device).type == "cuda"),
     ) if used]
     if unsupported:
         raise ValueError(f"encoder-decoder models do not support {', '.join(unsupported)} yet "

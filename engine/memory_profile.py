@@ -2,11 +2,12 @@
 
 With the weights loaded and no pool yet, one dummy step at `max_num_batched_tokens`
 (prefill sequences up to max_model_len long, the LM head and the sampler on
-`max_num_seqs` rows with every sampling option on) shows the most memory a step can
-take. The pool gets what is left of `gpu_memory_utilization` x the GPU's memory
-after that peak and after what lives outside PyTorch's allocator (the CUDA context,
-library workspaces). Steps never allocate more than the profile saw: prompt
-logprobs are computed in chunks of `max_num_seqs` rows, like the profiled sampler.
+`max_num_seqs` rows with every sampling option on; an encoder-decoder model's encoder
+over sources as long first) shows the most memory a step can take. The pool gets what
+is left of `gpu_memory_utilization` x the GPU's memory after that peak and after what
+lives outside PyTorch's allocator (the CUDA context, library workspaces). Steps never
+allocate more than the profile saw: prompt logprobs are computed in chunks of
+`max_num_seqs` rows, like the profiled sampler.
 """
 
 from __future__ import annotations
@@ -44,25 +45,12 @@ def profile_kv_budget(model: nn.Module, vocab_size: int, max_num_batched_tokens:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    seq_len = min(max_num_batched_tokens, max_model_len)
-    seq_lens = [seq_len] * (max_num_batched_tokens // seq_len)
-    if max_num_batched_tokens % seq_len:
-        seq_lens.append(max_num_batched_tokens % seq_len)
-    blocks = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks) + 1
-    cache_bytes = 0
-    for layer in layers:  # a throwaway pool just big enough for the dummy step
-        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                                     dtype=dtype, device=device)
-        cache_bytes += layer.kv_cache.numel() * layer.kv_cache.element_size()
     try:
-        _dummy_step(model, vocab_size, seq_lens, blocks, max_num_seqs, block_size, index_dtype, device)
+        cache_bytes = run_dummy_step(model, vocab_size, max_num_batched_tokens, max_num_seqs, max_model_len,
+                                     block_size, index_dtype, dtype, device)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - cache_bytes
     finally:
-        for layer in layers:
-            layer.kv_cache = None
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
@@ -73,6 +61,32 @@ def profile_kv_budget(model: nn.Module, vocab_size: int, max_num_batched_tokens:
                          f"{profile.summary()}; raise it or lower max_num_batched_tokens")
     logger.info("memory profile: %s", profile.summary())
     return profile
+
+
+def run_dummy_step(model: nn.Module, vocab_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                   max_model_len: int, block_size: int, index_dtype: torch.dtype, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """The profile's step, in a throwaway pool just big enough for it (gone afterwards, the
+    layers left without a cache); -> the pool's bytes (any device: the tests run it on the CPU)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    seq_len = min(max_num_batched_tokens, max_model_len)
+    seq_lens = [seq_len] * (max_num_batched_tokens // seq_len)
+    if max_num_batched_tokens % seq_len:
+        seq_lens.append(max_num_batched_tokens % seq_len)
+    blocks = [-(-n // block_size) for n in seq_lens]
+    # an encoder-decoder model's dummy step encodes sources as long as its rows into cross blocks too
+    num_blocks = sum(blocks) * (2 if getattr(model, "is_encoder_decoder", False) else 1) + 1
+    cache_bytes = 0
+    for layer in layers:
+        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                                     dtype=dtype, device=device)
+        cache_bytes += layer.kv_cache.numel() * layer.kv_cache.element_size()
+    try:
+        _dummy_step(model, vocab_size, seq_lens, blocks, max_num_seqs, block_size, index_dtype, device)
+    finally:
+        for layer in layers:
+            layer.kv_cache = None
+    return cache_bytes
 
 
 @torch.inference_mode()
@@ -93,6 +107,15 @@ def _dummy_step(model: nn.Module, vocab_size: int, seq_lens: list[int], blocks: 
         cu_seqlens_q=cu.to(device, index_dtype), seq_lens=torch.tensor(seq_lens).to(device, index_dtype),
         block_table=table.to(device, index_dtype), query_lens_cpu=list(seq_lens), seq_lens_cpu=list(seq_lens),
         block_size=block_size, max_query_len=max(seq_lens), max_seq_len=max(seq_lens))
+    if getattr(model, "is_encoder_decoder", False):
+        # the encoder first (its activations are gone before the decoder runs, as in a real step),
+        # each row's source as long as its decoder sequence, in the blocks after the decoder's
+        cross = table + next_block - 1
+        cross_slots = cross[req, positions // block_size] * block_size + positions % block_size
+        model.encode_into_cache(torch.zeros(num_tokens, dtype=torch.int64, device=device), cu.tolist(),
+                                cross_slots.to(device))
+        meta.cross_block_table = cross.to(device)
+        meta.cross_lens_cpu = list(seq_lens)
     with forward_context(meta):
         hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions.to(device))
     rows = min(max_num_seqs, num_tokens)

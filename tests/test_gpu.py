@@ -14,6 +14,8 @@ CPU interpreter (these tests then skip, saying so). `.ci/gpu_session.sh tests` d
 * a prompt near max_model_len after a prefix hit allocates no more than the memory profile saw;
 * `device="cuda:1"` where a second GPU exists;
 * the Triton kernels against torch in bf16 at real sizes (head_dim 128, GQA 4, 4k context).
+* T5, BART and Marian: transformers' greedy tokens in fp32 through preemption, and bf16 in a
+  pool the memory profile sized (its dummy step runs the encoder).
 """
 
 from __future__ import annotations
@@ -456,3 +458,41 @@ def test_speculative_decoding_on_cuda_matches_without(checkpoint_dirs):
         finally:
             llm.shutdown()
     assert outs[0] == outs[1] == outs[2]
+
+
+# ---- encoder-decoder models ----
+
+
+@pytest.mark.parametrize("family", ["t5", "t5-v1.1", "bart", "marian"])
+def test_encoder_decoder_greedy_on_cuda(tmp_path, family):
+    """T5, BART and Marian on CUDA (eager steps, Triton's paged decode kernel for every row, T5's
+    bias as its per-distance table): transformers' greedy tokens and logprobs in fp32, with a pool
+    that preempts and re-encodes; a pool sized by the memory profile (its dummy step runs the
+    encoder) serves bf16; no block leaked."""
+    from checkpoints import save_tokenizer
+    from test_seq2seq_engine import SOURCES, VOCAB, check_against_hf
+    from test_seq2seq_models import random_checkpoint
+
+    overrides = {"vocab_size": VOCAB}  # head_dim 32
+    if family.startswith("t5"):
+        overrides.update(d_model=64, d_kv=32, num_heads=2)
+    else:
+        overrides.update(d_model=64, encoder_attention_heads=2, decoder_attention_heads=2)
+    if family == "marian":
+        overrides.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
+    hf = random_checkpoint(family, tmp_path, **overrides)
+    save_tokenizer(tmp_path)
+    llm = cuda_llm(str(tmp_path), num_kv_blocks=14, max_num_batched_tokens=24)
+    try:
+        check_against_hf(llm, hf, SOURCES)
+        assert llm.engine.stats().num_preemptions_total > 0
+    finally:
+        llm.shutdown()
+    llm = cuda_llm(str(tmp_path), dtype="bfloat16")
+    try:
+        outs = llm.generate([{"prompt_token_ids": s} for s in SOURCES], SamplingParams(max_tokens=12, temperature=0),
+                            use_tqdm=False)
+        assert all(o.outputs[0].token_ids for o in outs)
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()

@@ -366,7 +366,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         raise ValueError(f"decode needs seq_lens [B] and block_table [B, max_blocks] for q of {q.shape[0]} "
                          f"rows, got {tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != q.shape[1]
-                             or bias.stride(1) != 1 or bias.shape[1] < max_seq_len):
+                             or (bias.stride(1) != 1 and bias.shape[1] > 1)
+                             or bias.shape[1] < max_seq_len):
         raise ValueError(f"bias must be float32 [heads, >= max_seq_len] with contiguous rows, got "
                          f"{bias.dtype} {tuple(bias.shape)} for {q.shape[1]} heads and max_seq_len {max_seq_len}")
     if q.stride(-1) != 1:
