@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One GPU session for issue 11, in stages that each fit a 10-minute device call (docs/gpu.md):
+# One GPU session, in stages that each fit a 10-minute device call (docs/gpu.md):
 #
 #   bash .ci/gpu_session.sh tests bench-1b     # call 1 (~7 min): pytest -m gpu, then bench_gpu llama-1b
 #   bash .ci/gpu_session.sh bench-8b serve     # call 2 (~8 min): bench_gpu llama-8b, then kvserve serve + load
 #
-# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | startup | trace | all
+# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | startup | trace | seq2seq | all
+# (seq2seq: bench_seq2seq's Marian and T5-base shapes on the GPU, kvserve vs transformers, greedy and beam 4).
 # (startup: bench_startup of the default model and the serve shape; trace: step_trace --warm-up).
 # Each step runs under `timeout`: its own cap (TESTS_S, BENCH_1B_S, BENCH_8B_S, ... seconds) or what is left of
 # SESSION_S (default 560) for the whole call, so the call returns its files before the tool's
@@ -117,6 +118,21 @@ stage_trace() {  # one-time stalls left after the core's warm-up step (what a fi
     2>&1 | tee "$OUT/step_trace.log" || status=1
 }
 
+stage_seq2seq() {  # encoder-decoder models on the GPU against transformers: greedy at 1 and 64, beam 4 at 64
+  local shape run
+  {
+    for shape in marian t5-base; do
+      for run in "--batch-sizes 1 --num-prompts 16" "--batch-sizes 64 --num-prompts 64" \
+                 "--beam 4 --batch-sizes 64 --num-prompts 64"; do
+        # shellcheck disable=SC2086
+        run_capped "${SEQ2SEQ_S:-75}" "$PY" -m benchmarks.bench_seq2seq --device "$DEVICE" --shape "$shape" $run \
+          --kvserve-dtypes bfloat16 --transformers-dtypes bfloat16 --checkpoint "$MODELS/$shape-shape-random" \
+          --out "/tmp/seq2seq_$shape.json" || status=1
+      done
+    done
+  } 2>&1 | tee "$OUT/seq2seq.log"
+}
+
 stop_server() {  # SIGINT (graceful), then SIGKILL after 20 s
   kill -INT "$1" 2>/dev/null
   for _ in $(seq 20); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
@@ -177,8 +193,10 @@ for stage in "$@"; do
     structured) stage_structured ;;
     startup) stage_startup ;;
     trace) stage_trace ;;
+    seq2seq) stage_seq2seq ;;
     all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}"; stage_serve ;;
-    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | all"; status=2 ;;
+    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | seq2seq | all"
+       status=2 ;;
   esac
 done
 echo "######## done $(date -u +%T), status $status; files in $OUT:"

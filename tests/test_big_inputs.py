@@ -1,4 +1,4 @@
-"""Big inputs (issue 12): tokenization and chat rendering off the event loop, prompts that
+"""Big inputs: tokenization and chat rendering off the event loop, prompts that
 cannot fit refused before tokenizing, bounded message counts and stop strings.
 
 The app tests run in-process on one event loop (httpx's ASGI transport) with a fake engine

@@ -1,4 +1,4 @@
-"""The OpenAI contract's rough edges (issue 12), each against a real server on the tiny checkpoint:
+"""The OpenAI contract's rough edges, each against a real server on the tiny checkpoint:
 lone surrogates, undecodable tokens in legacy logprobs, text_offset around multi-byte characters,
 float32 underflow in sampling parameters, fields OpenAI refuses, and /tokenizer_info."""
 

@@ -1,4 +1,4 @@
-"""Structured outputs and logit_bias over HTTP (issue 13), through the official `openai` client
+"""Structured outputs and logit_bias over HTTP, through the official `openai` client
 against a real server on the tiny random checkpoint.
 
 The model emits noise when left alone, so every valid output here is the grammar's doing;
