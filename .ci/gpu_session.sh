@@ -127,10 +127,12 @@ stage_seq2seq() {  # encoder-decoder models on the GPU against transformers: gre
         # shellcheck disable=SC2086
         run_capped "${SEQ2SEQ_S:-75}" "$PY" -m benchmarks.bench_seq2seq --device "$DEVICE" --shape "$shape" $run \
           --kvserve-dtypes bfloat16 --transformers-dtypes bfloat16 --checkpoint "$MODELS/$shape-shape-random" \
-          --out "/tmp/seq2seq_$shape.json" || status=1
+          --out "/tmp/seq2seq_$shape.json"
+        echo "== exit $?"
       done
     done
   } 2>&1 | tee "$OUT/seq2seq.log"
+  grep -q "^== exit [^0]" "$OUT/seq2seq.log" && status=1
 }
 
 stop_server() {  # SIGINT (graceful), then SIGKILL after 20 s
