@@ -172,6 +172,26 @@ def test_decoder_prompt(checkpoint):
                          SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+def test_structured_outputs(checkpoint):
+    """A regex and a choice constrain the decoder's output as they do a decoder-only model's."""
+    import re
+
+    from kvserve.engine.sampling_params import StructuredOutputs
+
+    family, _, path = checkpoint
+    if family not in ("bart", "t5"):
+        pytest.skip("two families are enough: the constraint is applied to the logits, not the model")
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, structured_outputs=so) for i, so in
+              enumerate([StructuredOutputs(regex="[0-9]{3}-[a-z]{2}"), StructuredOutputs(choice=["yes", "no"])])]
+    regex, choice = llm.generate([{"prompt_token_ids": SOURCES[0]}, {"prompt_token_ids": SOURCES[2]}], params,
+                                 use_tqdm=False)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.outputs[0].text), regex.outputs[0].text
+    assert choice.outputs[0].text in ("yes", "no")
+    stats = llm.engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
 def test_bad_sources_are_refused(checkpoint):
     _, _, path = checkpoint
     llm = LLM(path, dtype="float32", device="cpu", block_size=4)
