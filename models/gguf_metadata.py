@@ -40,7 +40,7 @@ ARCHITECTURES: dict[str, str] = {
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
-_CONVERSION = 2  # part of the cache key: bump when `_convert` writes something else
+_CONVERSION = 3  # part of the cache key: bump when `_convert` writes something else
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -176,6 +176,18 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
     return None
 
 
+def _load_as_saved(out: Path) -> None:
+    """Name the generic fast tokenizer class for a byte-level BPE file's converted tokenizer, so
+    that it loads from tokenizer.json as saved: the conversion put the split the file's
+    pre-tokenizer type names there (llama.cpp splits the same way), while the family's class it
+    names (Qwen2Tokenizer for a qwen2 file) rebuilds its own split from the vocabulary whatever
+    the file says. The generic class also keeps no Python copy of the vocabulary and merges."""
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def _convert(path: Path, out: Path) -> None:
     """transformers' config and tokenizer for the file, with what kvserve reads beyond them."""
     import transformers
@@ -207,4 +219,6 @@ def _convert(path: Path, out: Path) -> None:
             config.rope_scaling = params
     config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    if field(reader, "tokenizer.ggml.model", "") == "gpt2":
+        _load_as_saved(out)
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")

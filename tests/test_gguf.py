@@ -119,6 +119,21 @@ def test_tokenizer_and_chat_template_from_file(tmp_path):
     assert rendered.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_tokenizer_splits_text_as_the_file_says(tmp_path, family):
+    """A file's pre-tokenizer type picks how text is split before BPE (llama.cpp and transformers'
+    conversion both follow it); a qwen2 file whose vocabulary was not made with Qwen's split (here
+    the test tokenizer's default one) must not get Qwen2's tokenizer class, which always splits the
+    Qwen way (digits one by one, a symbol glued to the letters after it)."""
+    path = make_gguf(tmp_path, family, "Q8_0")
+    ours = load_tokenizer(str(path))
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)  # the file, converted
+    for text in ["numbers 1234567890 3.14159", "code: def f(x):\n    return x**2  # comment", "(hello) [world]"]:
+        split = ours.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert split == want.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), text
+        assert ours.encode(text) == want.encode(text), text
+
+
 def test_model_path_resolution(tmp_path):
     path = make_gguf(tmp_path, "llama", "F32")
     shutil.rmtree(tmp_path / "hf")
