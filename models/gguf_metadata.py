@@ -40,7 +40,7 @@ ARCHITECTURES: dict[str, str] = {
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
-_CONVERSION = 3  # part of the cache key: bump when `_convert` writes something else
+_CONVERSION = 4  # part of the cache key: bump when `_convert` writes something else
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -176,12 +176,40 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
     return None
 
 
-def _load_as_saved(out: Path) -> None:
-    """Name the generic fast tokenizer class for a byte-level BPE file's converted tokenizer, so
-    that it loads from tokenizer.json as saved: the conversion put the split the file's
-    pre-tokenizer type names there (llama.cpp splits the same way), while the family's class it
-    names (Qwen2Tokenizer for a qwen2 file) rebuilds its own split from the vocabulary whatever
-    the file says. The generic class also keeps no Python copy of the vocabulary and merges."""
+# Byte-level BPE pre-tokenizer types whose words found whole in the vocabulary skip the merges
+# (llama.cpp treats these so, as the tokenizers they were converted from do: Llama 3's and others').
+IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                               "tekken", "minicpm5", "youtu", "glm4", "glm5", "lfm2", "jina-v5-nano"})
+
+
+def _tokenizer_as_the_file_says(out: Path, reader) -> None:
+    """Make the converted tokenizer split text as the file says, as llama.cpp does, and name the
+    generic fast class so that it loads from tokenizer.json as written here (the family's class,
+    Qwen2Tokenizer for a qwen2 file, would rebuild its own split from the vocabulary whatever the
+    file says; the generic one also keeps no Python copy of the vocabulary).
+
+    Byte-level BPE (`gpt2`): transformers' conversion already writes the split the file's
+    pre-tokenizer type names; some types also take a word found whole in the vocabulary without
+    merging (`IGNORE_MERGES_PRE`). SentencePiece (`llama`): a space is put before every run of
+    text (`add_space_prefix`, on unless the file says otherwise; decoding drops it again), where
+    the conversion's Metaspace skipped it for text that already starts with a space."""
+    model = field(reader, "tokenizer.ggml.model", "")
+    if model not in ("gpt2", "llama"):
+        return
+    tokenizer_path = out / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    if model == "gpt2" and field(reader, "tokenizer.ggml.pre", "") in IGNORE_MERGES_PRE:
+        tokenizer["model"]["ignore_merges"] = True
+    if model == "llama":
+        prefix = field(reader, "tokenizer.ggml.add_space_prefix", True)
+        spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        tokenizer["normalizer"] = {"type": "Sequence", "normalizers": (
+            [{"type": "Prepend", "prepend": "\u2581"}] if prefix else []) + [spaces]}
+        tokenizer["pre_tokenizer"] = None
+        decoder = tokenizer.get("decoder") or {}
+        if not prefix and decoder.get("type") == "Sequence":  # no prefix to strip when decoding either
+            decoder["decoders"] = [d for d in decoder["decoders"] if d.get("type") != "Strip"]
+    tokenizer_path.write_text(json.dumps(tokenizer, ensure_ascii=False))
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -219,6 +247,5 @@ def _convert(path: Path, out: Path) -> None:
             config.rope_scaling = params
     config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-    if field(reader, "tokenizer.ggml.model", "") == "gpt2":
-        _load_as_saved(out)
+    _tokenizer_as_the_file_says(out, reader)
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")

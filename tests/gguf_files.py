@@ -29,8 +29,10 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F32", **overrides) -> Path:
-    """Write `out_dir/model.gguf` from a tiny random `family` checkpoint (made in out_dir/hf)."""
+def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F32", tokenizer_pre: str = "default",
+              **overrides) -> Path:
+    """Write `out_dir/model.gguf` from a tiny random `family` checkpoint (made in out_dir/hf);
+    `tokenizer_pre` is the pre-tokenizer type the file names."""
     out_dir = Path(out_dir)
     hf_dir = Path(make_checkpoint(out_dir / "hf", family, **overrides))
     config = json.loads((hf_dir / "config.json").read_text())
@@ -38,7 +40,7 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     _add_config(writer, config, arch)
-    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()))
+    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
     for hf_name, w in load_file(hf_dir / "model.safetensors").items():
@@ -116,12 +118,12 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     writer.add_vocab_size(c["vocab_size"])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str) -> None:
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
                             for t in tokens])
@@ -131,3 +133,48 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+SPM_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello world, hello there!", "A journey of a thousand miles",
+    "begins with a single step.", "Tokenizers split text into pieces; models read the pieces.",
+    "def add(a, b):\n    return a + b", "Numbers like 12, 345 and 6789 appear too.", "Zürich, naïve café, Ελλάδα",
+    "llama.cpp and kvserve read the same file", "  indented lines keep their spaces", "new\nlines\n\nand tabs\there",
+]
+
+
+def make_spm_gguf(out_dir: str | Path, add_space_prefix: bool = True):
+    """A tokenizer-only GGUF with a SentencePiece BPE vocabulary (tokenizer model "llama", as Llama
+    2 and Mistral files have) trained here with byte fallback and no normalization, as Llama's;
+    -> (path, the trained `sentencepiece` processor: the reference)."""
+    import io
+
+    import sentencepiece as spm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 4), model_writer=buffer, model_type="bpe", vocab_size=400,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=add_space_prefix, split_digits=True, hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
+    path = out_dir / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_config(writer, dict(max_position_embeddings=128, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                             num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6,
+                             vocab_size=sp.get_piece_size()), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types([gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                            else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.NORMAL
+                            for i in range(sp.get_piece_size())])
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path, sp

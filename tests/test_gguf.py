@@ -8,6 +8,7 @@ chat template come from the file's metadata; what kvserve does not read is refus
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_files import llama_cpp_permute, make_gguf
+from gguf_files import llama_cpp_permute, make_gguf, make_spm_gguf
 from safetensors.torch import load_file
 from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
@@ -132,6 +133,29 @@ def test_tokenizer_splits_text_as_the_file_says(tmp_path, family):
         split = ours.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
         assert split == want.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), text
         assert ours.encode(text) == want.encode(text), text
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_sentencepiece_file_tokenizes_as_sentencepiece(tmp_path, add_space_prefix):
+    """A Llama 2 / Mistral-style file (tokenizer model "llama"): the ids of the SentencePiece model
+    its vocabulary came from (what llama.cpp reproduces), text that starts with spaces included,
+    and the same text back."""
+    path, sp = make_spm_gguf(tmp_path, add_space_prefix)
+    tokenizer = load_tokenizer(str(path))
+    for text in [" ", "  ", "Hello world", " Hello world", "   Hello", "Hello\n  world", "naïve café 🦙 12345",
+                 "\tTabs\there", "def f(x):\n    return x", "Ελλάδα!"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == sp.encode(text), text
+        assert tokenizer.decode(ids) == sp.decode(ids), text
+
+
+@pytest.mark.parametrize("pre, ignore_merges", [("llama-bpe", True), ("default", False)])
+def test_llama3_files_take_whole_words_before_merges(tmp_path, pre, ignore_merges):
+    """Llama 3's pre-tokenizer type (and a few others) take a word found whole in the vocabulary
+    without merging, as llama.cpp and Llama 3's own tokenizer do."""
+    path = make_gguf(tmp_path, "llama", "Q8_0", tokenizer_pre=pre)
+    model = json.loads(load_tokenizer(str(path)).backend_tokenizer.to_str())["model"]
+    assert model["ignore_merges"] is ignore_merges
 
 
 def test_model_path_resolution(tmp_path):
