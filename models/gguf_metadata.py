@@ -40,7 +40,7 @@ ARCHITECTURES: dict[str, str] = {
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
-_CONVERSION = 4  # part of the cache key: bump when `_convert` writes something else
+_CONVERSION = 5  # part of the cache key: bump when `_convert` writes something else
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -180,6 +180,19 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
 # (llama.cpp treats these so, as the tokenizers they were converted from do: Llama 3's and others').
 IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
                                "tekken", "minicpm5", "youtu", "glm4", "glm5", "lfm2", "jina-v5-nano"})
+# Byte-level BPE pre-tokenizer types that start a prompt with BOS when the file does not say
+# (`tokenizer.ggml.add_bos_token`): what llama.cpp does for them (older Llama 3 files lack the key).
+ADD_BOS_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                         "jina-v5-nano", "tekken", "chameleon"})
+
+
+def _bos_template(bos: str, bos_id: int) -> dict:
+    """tokenizer.json's post-processor that puts BOS before each sequence (Llama 3's own)."""
+    token = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {"type": "TemplateProcessing", "single": [token, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [token, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
 
 
 def _tokenizer_as_the_file_says(out: Path, reader) -> None:
@@ -190,7 +203,8 @@ def _tokenizer_as_the_file_says(out: Path, reader) -> None:
 
     Byte-level BPE (`gpt2`): transformers' conversion already writes the split the file's
     pre-tokenizer type names; some types also take a word found whole in the vocabulary without
-    merging (`IGNORE_MERGES_PRE`). SentencePiece (`llama`): a space is put before every run of
+    merging (`IGNORE_MERGES_PRE`), and some start a prompt with BOS when the file does not say
+    whether to (`ADD_BOS_PRE`). SentencePiece (`llama`): a space is put before every run of
     text (`add_space_prefix`, on unless the file says otherwise; decoding drops it again), where
     the conversion's Metaspace skipped it for text that already starts with a space."""
     model = field(reader, "tokenizer.ggml.model", "")
@@ -198,8 +212,13 @@ def _tokenizer_as_the_file_says(out: Path, reader) -> None:
         return
     tokenizer_path = out / "tokenizer.json"
     tokenizer = json.loads(tokenizer_path.read_text())
-    if model == "gpt2" and field(reader, "tokenizer.ggml.pre", "") in IGNORE_MERGES_PRE:
+    pre = field(reader, "tokenizer.ggml.pre", "")
+    if model == "gpt2" and pre in IGNORE_MERGES_PRE:
         tokenizer["model"]["ignore_merges"] = True
+    bos_id = field(reader, "tokenizer.ggml.bos_token_id", -1)
+    if (model == "gpt2" and pre in ADD_BOS_PRE and reader.get_field("tokenizer.ggml.add_bos_token") is None
+            and bos_id >= 0):
+        tokenizer["post_processor"] = _bos_template(field(reader, "tokenizer.ggml.tokens")[bos_id], bos_id)
     if model == "llama":
         prefix = field(reader, "tokenizer.ggml.add_space_prefix", True)
         spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}

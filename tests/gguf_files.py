@@ -30,9 +30,10 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F32", tokenizer_pre: str = "default",
-              **overrides) -> Path:
+              add_bos: bool | None = False, **overrides) -> Path:
     """Write `out_dir/model.gguf` from a tiny random `family` checkpoint (made in out_dir/hf);
-    `tokenizer_pre` is the pre-tokenizer type the file names."""
+    `tokenizer_pre` is the pre-tokenizer type the file names, `add_bos` its add_bos_token (None:
+    the file does not say)."""
     out_dir = Path(out_dir)
     hf_dir = Path(make_checkpoint(out_dir / "hf", family, **overrides))
     config = json.loads((hf_dir / "config.json").read_text())
@@ -40,7 +41,7 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     _add_config(writer, config, arch)
-    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre)
+    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
     for hf_name, w in load_file(hf_dir / "model.safetensors").items():
@@ -118,7 +119,7 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     writer.add_vocab_size(c["vocab_size"])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None) -> None:
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
@@ -131,7 +132,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str) -> None:
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
     writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
 
 

@@ -158,6 +158,17 @@ def test_llama3_files_take_whole_words_before_merges(tmp_path, pre, ignore_merge
     assert model["ignore_merges"] is ignore_merges
 
 
+@pytest.mark.parametrize("pre, add_bos, starts_with_bos", [
+    ("llama-bpe", None, True),  # Llama 3's type: BOS unless the file says otherwise (older files do not say)
+    ("llama-bpe", False, False), ("default", None, False), ("default", True, True)])
+def test_bos_as_the_file_or_its_pre_tokenizer_type_says(tmp_path, pre, add_bos, starts_with_bos):
+    path = make_gguf(tmp_path, "llama", "F32", tokenizer_pre=pre, add_bos=add_bos)
+    tokenizer = load_tokenizer(str(path))
+    ids = tokenizer.encode("hi there")
+    assert (ids[0] == tokenizer.bos_token_id) is starts_with_bos
+    assert ids[starts_with_bos:] == tokenizer.encode("hi there", add_special_tokens=False)
+
+
 def test_model_path_resolution(tmp_path):
     path = make_gguf(tmp_path, "llama", "F32")
     shutil.rmtree(tmp_path / "hf")
