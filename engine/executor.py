@@ -172,7 +172,10 @@ class TensorParallelExecutor:
         if self._dead is None:
             if cause is not None:  # a worker killed mid-step: its exit may trail rank 0's error (the
                 # OS tears its memory down first, which took over a second on a loaded 2-core machine)
-                wait([p.sentinel for p in self._workers], timeout=_EXIT_WAIT_S)
+                ready = wait([p.sentinel for p in self._workers], timeout=_EXIT_WAIT_S)
+                for p in self._workers:
+                    if p.sentinel in ready:  # its files close before it can be reaped: a blocking
+                        p.join(_EXIT_WAIT_S)  # wait, so that is_alive() below sees it gone
             exited = [p for p in self._workers if not p.is_alive()]
             if exited:
                 p = exited[0]
