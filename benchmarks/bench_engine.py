@@ -11,7 +11,7 @@ EOS ignored so every request produces exactly its requested tokens:
       its longest request is done; only requested tokens count)
 Prints output tokens/s for each and the ratios; writes the figures as JSON. With
 --repeats N each case runs N times, engine and transformers alternating, and the
-medians are compared (this VM's figures move 10-20% between runs; transformers'
+medians are compared (a 2-vCPU VM's figures move 10-20% between runs; transformers'
 batch-32 figure has swung from 119 to 159 tok/s).
 """
 
