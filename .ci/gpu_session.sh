@@ -163,10 +163,12 @@ stage_serve() {
         n=$((c == 1 ? 16 : 8 * c))
         echo "== kvserve bench serve (pass $pass): concurrency $c, $n prompts of 256 tokens, 128 out"
         run_capped "${SERVE_POINT_S:-60}" "$PY" -m kvserve.loadtest serve --base-url "$url" --input-len 256 --seed "$pass" \
-          --output-len 128 --num-prompts "$n" --max-concurrency "$c" --no-progress --out "/tmp/serve_c$c" || status=1
+          --output-len 128 --num-prompts "$n" --max-concurrency "$c" --no-progress --out "/tmp/serve_c$c"
+        echo "== exit $?"
       done
     done
   } 2>&1 | tee "$OUT/serve_bench.log"
+  grep -q "^== exit [^0]" "$OUT/serve_bench.log" && status=1  # (the loop ran in tee's pipeline)
   stop_server "$pid"
   "$PY" - "$OUT/serve_bench.json" <<'EOF'
 import json, pathlib, sys
