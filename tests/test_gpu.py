@@ -471,16 +471,10 @@ def test_encoder_decoder_greedy_on_cuda(tmp_path, family):
     encoder) serves bf16; no block leaked."""
     from checkpoints import save_tokenizer
     from test_seq2seq_engine import SOURCES, VOCAB, check_against_hf
+    from test_seq2seq_kernels import FAMILIES as KERNEL_FAMILIES  # head_dim 32
     from test_seq2seq_models import random_checkpoint
 
-    overrides = {"vocab_size": VOCAB}  # head_dim 32
-    if family.startswith("t5"):
-        overrides.update(d_model=64, d_kv=32, num_heads=2)
-    else:
-        overrides.update(d_model=64, encoder_attention_heads=2, decoder_attention_heads=2)
-    if family == "marian":
-        overrides.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1)
-    hf = random_checkpoint(family, tmp_path, **overrides)
+    hf = random_checkpoint(family, tmp_path, vocab_size=VOCAB, **KERNEL_FAMILIES[family])
     save_tokenizer(tmp_path)
     llm = cuda_llm(str(tmp_path), num_kv_blocks=14, max_num_batched_tokens=24)
     try:

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from checkpoints import save_tokenizer  # noqa: E402
 from test_seq2seq_engine import VOCAB, check_against_hf  # noqa: E402
+from test_seq2seq_kernels import FAMILIES as KERNEL_FAMILIES  # noqa: E402
 from test_seq2seq_models import random_checkpoint  # noqa: E402
 
 pytest.importorskip("triton")
@@ -30,14 +31,8 @@ SOURCES = [[5, 17, 42, 99, 7, 250, 31], [120, 3], [11, 250, 31, 8, 77, 200, 19, 
 
 @pytest.fixture(scope="module", params=["t5-v1.1", "marian"])
 def checkpoint(request, tmp_path_factory):
-    overrides = {"vocab_size": VOCAB}  # head_dim 32, a size the kernels take
-    if request.param == "marian":
-        overrides.update(pad_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 1, d_model=64,
-                         encoder_attention_heads=2, decoder_attention_heads=2)
-    else:
-        overrides.update(d_model=64, d_kv=32, num_heads=2)
-    path = tmp_path_factory.mktemp(request.param)
-    hf = random_checkpoint(request.param, path, **overrides)
+    path = tmp_path_factory.mktemp(request.param)  # head_dim 32, a size the kernels take
+    hf = random_checkpoint(request.param, path, vocab_size=VOCAB, **KERNEL_FAMILIES[request.param])
     save_tokenizer(path)
     return request.param, hf, str(path)
 
