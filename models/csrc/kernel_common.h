@@ -1,0 +1,113 @@
+// Shared by every kernel set (no torch headers, no ISA intrinsics): the host's thread pool,
+// scalar bf16 conversions, paged-cache row lookup, work splitting.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvserve {
+
+// The host of the loaded set (set once by the set's entry point, before any kernel runs).
+inline const Host*& host() {
+  static const Host* h = nullptr;
+  return h;
+}
+
+inline int num_threads() { return host()->num_threads(); }
+
+// fn(begin, end) over chunks of [begin, end) on the host's threads (at::parallel_for's contract:
+// chunks of at least `grain` items, the calling thread takes part).
+template <typename Fn>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  if (begin >= end) return;
+  host()->parallel_for(
+      begin, end, grain,
+      [](void* ctx, int64_t b, int64_t e) { (*static_cast<const Fn*>(ctx))(b, e); },
+      const_cast<void*>(static_cast<const void*>(&fn)));
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet (c10::BFloat16's conversion).
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) mant <<= 1, --exp;
+      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Where cached tokens t0 .. t0 + n - 1 (all KV heads) sit in a K or V cache.
+inline void token_rows(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t stride_block,
+                       int64_t stride_token, int64_t t0, int n, const uint16_t** rows) {
+  int64_t block = t0 / block_size, off = t0 % block_size;
+  const uint16_t* base = cache + table[block] * stride_block;
+  for (int i = 0; i < n; ++i) {
+    rows[i] = base + off * stride_token;
+    if (++off == block_size && i + 1 < n) {
+      off = 0;
+      base = cache + table[++block] * stride_block;
+    }
+  }
+}
+
+// Rows per work item of a linear split into (block of rows, column block) items: block_m, or
+// fewer (a multiple of tile_m) when there are too few column items to keep every thread busy.
+inline int64_t linear_rows_per_item(int64_t m, int64_t col_items, int64_t tile_m, int64_t block_m) {
+  const int64_t want_items = 8 * num_threads();
+  if (col_items >= want_items) return block_m;
+  const int64_t parts = (want_items + col_items - 1) / col_items;
+  return std::clamp<int64_t>((m / parts + tile_m - 1) / tile_m * tile_m, tile_m, block_m);
+}
+
+// Floats per score row in a decode kernel: a multiple of 32, so a row's bf16 probabilities
+// (written over its first half) always have an even, zero-padded length.
+inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }
+
+// The instantiation of a kernel templated on CH = head_dim / 16 (even, 2..16) for head_dim.
+template <typename Fn, template <int> class Kernel>
+Fn for_head_dim(int64_t head_dim) {
+  switch (head_dim / 16) {
+    case 2: return Kernel<2>::run;
+    case 4: return Kernel<4>::run;
+    case 6: return Kernel<6>::run;
+    case 8: return Kernel<8>::run;
+    case 10: return Kernel<10>::run;
+    case 12: return Kernel<12>::run;
+    case 14: return Kernel<14>::run;
+    default: return Kernel<16>::run;
+  }
+}
+
+}  // namespace kvserve
