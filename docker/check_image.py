@@ -216,18 +216,22 @@ def uid_of(pid: int) -> int:
 
 
 def kernels_digest(torch_version: str) -> str:
-    """The folder name kvserve's models/cpu_ops.py gives kernels built from this checkout."""
+    """The folder name kvserve's models/cpu_ops.py gives the binding built from this checkout."""
     csrc = REPO / "models" / "csrc"
-    sources = b"".join(path.read_bytes() for path in sorted(csrc.glob("*.[ch]*")))
+    paths = sorted([csrc / "ops.cpp", csrc / "decoder_stack.cpp", *csrc.glob("*.h")])
+    sources = b"".join(path.name.encode() + path.read_bytes() for path in paths)
     return hashlib.sha256(sources + torch_version.encode()).hexdigest()[:16]
 
 
 KERNEL_PROBE = """
 import json, torch
 from kvserve.models import cpu_ops
-folder = cpu_ops._build_dir()
+folder = cpu_ops.binding_dir()
+sets = ["avx512", "avx2"] if cpu_ops.cpu_isa.machine_arch() == "x86_64" else ["neon"]
 print(json.dumps({"torch": torch.__version__, "folder": str(folder),
-                  "prebuilt": (folder / "kvserve_cpu_ops.so").exists(), "loaded": cpu_ops.load(),
+                  "prebuilt": (folder / "kvserve_cpu_ops.so").exists()
+                  and all(cpu_ops.set_library(isa).exists() for isa in sets),
+                  "loaded": cpu_ops.load(), "isa": cpu_ops.isa(),
                   "compiler": __import__("shutil").which("g++") is not None}))
 """
 
@@ -357,7 +361,8 @@ def check_run(image: Image, work: Path) -> None:
          f"the image's kernel sources differ from this checkout's ({kernels['folder']} vs {expected})")
     need(kernels["prebuilt"] and kernels["loaded"] and not kernels["compiler"],
          f"CPU kernels not prebuilt and loaded without a compiler: {kernels}")
-    ok(f"CPU kernels built into the image from this checkout's sources ({kernels['folder']}), loaded without g++")
+    ok(f"CPU kernels built into the image from this checkout's sources ({kernels['folder']}, every kernel set), "
+       f"loaded without g++ (set {kernels['isa']})")
 
     log_path = work / "server.log"
     log = log_path.open("w")

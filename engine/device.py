@@ -27,14 +27,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPU has bf16 dot-product instructions."""
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    """A kernel set of models/cpu_ops runs here (AVX-512 BF16, AVX2 or NEON): its bf16 matmuls
+    read half of fp32's bytes and beat fp32 at every batch size (docs/performance.md)."""
+    from kvserve.models import cpu_ops
+
+    return cpu_ops.load() and cpu_ops.has_fast_bf16()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA; on CPU bf16 where the CPU has bf16 units (docs/performance.md:
-    it halves the weight traffic that bounds decode), else fp32."""
+    """"auto": bf16 on CUDA; on CPU bf16 where a CPU kernel set runs (docs/performance.md: it
+    halves the weight traffic that bounds decode), else fp32."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda" or cpu_has_fast_bf16():

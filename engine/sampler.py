@@ -365,7 +365,7 @@ def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are
     """The log-softmax of the raw logits [B, V] (any float dtype) at the sampled tokens and its top
     `num_logprobs`, and each sampled token's rank (1 + tokens strictly more likely)."""
     k = min(num_logprobs, raw.shape[1])
-    fused = cpu_ops.logprobs_topk(raw, token_ids, k)  # one op on AVX512-BF16 CPUs, else None
+    fused = cpu_ops.logprobs_topk(raw, token_ids, k)  # one op with a CPU kernel set, else None
     if fused is not None:
         sampled_logprobs, topk_logprobs, topk_ids = fused
     else:

@@ -37,7 +37,7 @@ class CpuFusedOps(FusedOps):
 
 
 class KernelLinear:
-    """x @ W.T (+ bias) with W in models.cpu_ops' packed layout (AVX512-BF16 CPUs)."""
+    """x @ W.T (+ bias) with W in models.cpu_ops' packed layout (any kernel set)."""
 
     def __init__(self, packed: Tensor, bias: Tensor | None, out_features: int) -> None:
         self.weight, self.bias, self.out_features = packed, bias, out_features
@@ -59,7 +59,7 @@ class OneDnnLinear:
 def pack_for_cpu(model: nn.Module) -> int:
     """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
 
-    With models.cpu_ops' kernels (AVX512-BF16 CPUs) each weight gets their layout, on
+    With a models.cpu_ops kernel set loaded each weight gets its layout, on
     huge pages: their kernel beats oneDNN at every batch size (`python -m benchmarks.bench_kernels`).
     Without them, oneDNN's blocked layout; that uses a private oneDNN op, so anything
     unexpected keeps F.linear. The plain weight's storage is released. Returns the

@@ -1,12 +1,15 @@
-"""kvserve's CPU kernels (models/csrc/*.cpp), built on first use with the local compiler.
+"""kvserve's CPU kernels (models/csrc), built on first use with the local compiler.
 
-`load()` compiles the C++ sources once per source/torch version into a cache directory
-(`$KVSERVE_CPU_OPS_DIR`, else `$KVSERVE_CACHE_DIR/cpu_ops`, else
-`~/.cache/kvserve/cpu_ops`; a first build takes a while (docs/performance.md); a library already built there is
-loaded without a compiler, which is how the CPU Docker image ships it) and registers
-`torch.ops.kvserve.*`. Anything that goes wrong (no compiler, not x86-64,
-`KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps its portable PyTorch
-path, so the kernels are an optimization, never a requirement.
+Two libraries, each built once into a cache directory (`$KVSERVE_CPU_OPS_DIR`, else
+`$KVSERVE_CACHE_DIR/cpu_ops`, else `~/.cache/kvserve/cpu_ops`; one already built there is loaded
+without a compiler, which is how the CPU Docker image ships them):
+* the torch binding (ops.cpp, decoder_stack.cpp): `torch.ops.kvserve.*`, argument checks and the
+  ISA-independent ops;
+* the kernel set this CPU runs (models/cpu_isa.py: avx512, avx2 or neon; `KVSERVE_CPU_ISA`
+  forces one): plain C++ compiled for its instructions, one translation unit per kernel family,
+  all compiled in parallel with the binding.
+Anything that goes wrong (no compiler, `KVSERVE_CPU_KERNELS=0`) is logged once and the model keeps
+its portable PyTorch path, so the kernels are an optimization, never a requirement.
 """
 
 from __future__ import annotations
@@ -17,16 +20,22 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kvserve.models import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "ops.cpp"  # includes the kernel headers next to it
+BINDING_SOURCES = ("ops.cpp", "decoder_stack.cpp")
 _NAME = "kvserve_cpu_ops"
+_isa = "none"  # the loaded kernel set
 
 
 def _put_ninja_on_path() -> None:
@@ -40,26 +49,166 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build_dir() -> Path:
+def _cache_root() -> Path:
     root = os.environ.get("KVSERVE_CPU_OPS_DIR")
     if not root:
         root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve") / "cpu_ops"
-    sources = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]*")))
-    digest = hashlib.sha256(sources + torch.__version__.encode()).hexdigest()[:16]
-    return Path(root) / digest
+    return Path(root)
+
+
+def _digest(paths: list[Path], extra: str) -> str:
+    data = b"".join(path.name.encode() + path.read_bytes() for path in sorted(paths)) + extra.encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _headers() -> list[Path]:
+    return sorted(CSRC.glob("*.h"))
+
+
+def binding_dir() -> Path:
+    """Where the binding for these sources and this torch lives."""
+    sources = [CSRC / name for name in BINDING_SOURCES] + _headers()
+    return _cache_root() / _digest(sources, torch.__version__)
+
+
+def set_sources(isa: str) -> list[Path]:
+    return sorted((CSRC / isa).glob("*.cpp"))
+
+
+def set_library(isa: str) -> Path:
+    """Where kernel set `isa` for these sources and flags lives (no torch in it: any torch shares it)."""
+    sources = set_sources(isa) + sorted((CSRC / isa).glob("*.h")) + _headers()
+    return _cache_root() / f"{isa}-{_digest(sources, ' '.join(cpu_isa.COMPILE_FLAGS[isa]))}" / f"kvserve_kernels_{isa}.so"
+
+
+def build_set(isa: str, compiler: str | None = None) -> Path:
+    """Compile kernel set `isa` (one process per translation unit, in parallel) unless built."""
+    library = set_library(isa)
+    if library.exists():
+        return library
+    compiler = compiler or os.environ.get("CXX") or "c++"
+    flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+             *cpu_isa.COMPILE_FLAGS[isa]]
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        objects, procs = [], []
+        for source in set_sources(isa):
+            obj = Path(tmp) / (source.stem + ".o")
+            objects.append(obj)
+            procs.append(subprocess.Popen([compiler, *flags, "-c", str(source), "-o", str(obj)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        errors = [out for proc in procs for out in [proc.communicate()[0]] if proc.returncode]
+        if errors:
+            raise RuntimeError(f"building the {isa} CPU kernels failed:\n{errors[0][-3000:]}")
+        staged = Path(tmp) / library.name
+        no_undefined = ["-Wl,-z,defs"] if platform.system() == "Linux" else []  # a missing kernel fails here
+        link = subprocess.run([compiler, "-shared", *no_undefined, *[str(o) for o in objects], "-o", str(staged)],
+                              capture_output=True, text=True)
+        if link.returncode:
+            raise RuntimeError(f"linking the {isa} CPU kernels failed:\n{link.stdout[-1500:]}{link.stderr[-1500:]}")
+        os.replace(staged, library)  # atomic: a concurrent build loses nothing
+    return library
+
+
+def _build_binding() -> Path:
+    build_dir = binding_dir()
+    library = build_dir / f"{_NAME}.so"
+    if library.exists():
+        return library
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=_NAME, sources=[str(CSRC / name) for name in BINDING_SOURCES],
+                       build_directory=str(build_dir), extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+    return library
+
+
+def build(isa: str) -> tuple[Path | Exception, Path | Exception | None]:
+    """Build (or find) the binding and set `isa` ("none": no set) side by side -> each one's
+    library, or the exception that stopped its build."""
+    def attempt(fn, *args) -> Path | Exception:
+        try:
+            return fn(*args)
+        except Exception as exc:  # no compiler, headers or ninja
+            return exc
+
+    result: list[Path | Exception | None] = [None]
+    worker = None
+    if isa != "none":
+        worker = threading.Thread(target=lambda: result.__setitem__(0, attempt(build_set, isa)))
+        worker.start()
+    binding = attempt(_build_binding)
+    if worker:
+        worker.join()
+    return binding, result[0]
+
+
+def build_all() -> list[str]:
+    """Build the binding and every kernel set of this machine's architecture, whatever this CPU
+    runs (an image runs on other CPUs than its builder's) -> the sets built."""
+    arch = cpu_isa.machine_arch()
+    sets = [isa for isa in cpu_isa.ISAS if (isa == "neon") == (arch == "arm64")] if arch in ("x86_64", "arm64") else []
+    _build_binding()
+    for isa in sets:
+        build_set(isa)
+    return sets
+
+
+def _warn_unavailable(what: str, exc: Exception) -> None:
+    errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
+    logger.warning("%s unavailable, using the PyTorch path: %s", what,
+                   " | ".join(errors[:3])[:600] or str(exc)[:300])
 
 
 @functools.cache
 def load() -> bool:
-    """Build (or reuse) and register the kernels; True when `torch.ops.kvserve` is usable.
+    """Build (or reuse) and register the binding and the chosen kernel set; True when
+    `torch.ops.kvserve` is usable (`isa()` says which set, "none" for none).
     `KVSERVE_CPU_AMX=0` keeps the bf16 linear off AMX tiles (`set_amx`)."""
+    global _isa
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return False
-    if not _load_library():
+    binding, library = build(cpu_isa.chosen())
+    if isinstance(binding, Exception):
+        _warn_unavailable("CPU kernels", binding)
         return False
+    torch.ops.load_library(str(binding))
+    if isinstance(library, Exception):
+        _warn_unavailable("CPU kernel set", library)
+    elif library is not None:
+        try:
+            _isa = torch.ops.kvserve.load_kernel_set(str(library), library.stem.removeprefix("kvserve_kernels_"))
+        except RuntimeError as exc:
+            _warn_unavailable("CPU kernel set", exc)
+    logger.info("CPU kernels: %s", _isa)
     if os.environ.get("KVSERVE_CPU_AMX", "1") == "0":
         set_amx(False)
     return True
+
+
+def isa() -> str:
+    """The kernel set the ops call: "avx512", "avx2", "neon", or "none" (PyTorch's ops only)."""
+    return _isa if load() else "none"
+
+
+def use_isa(name: str) -> str:
+    """Switch the ops to kernel set `name` ("none": no set), building it if needed; -> the previous
+    one. For tests and benchmarks (every set has the same weight layouts); a server decides once."""
+    global _isa
+    previous = isa()
+    if not load():
+        raise RuntimeError("the CPU kernels could not be built here")
+    missing = cpu_isa.missing_flags(name) if name != "none" else []
+    if missing:
+        raise ValueError(f"kernel set {name!r} cannot run here: this CPU lacks {', '.join(missing)}")
+    if name == "none":
+        torch.ops.kvserve.unload_kernel_set()
+    else:
+        torch.ops.kvserve.load_kernel_set(str(build_set(name)), name)
+    _isa = name
+    return previous
 
 
 def set_amx(enabled: bool) -> bool:
@@ -69,53 +218,22 @@ def set_amx(enabled: bool) -> bool:
     return bool(torch.ops.kvserve.set_amx_enabled(enabled))
 
 
-def _load_library() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    build_dir = _build_dir()
-    library = build_dir / f"{_NAME}.so"
-    try:
-        if library.exists():
-            torch.ops.load_library(str(library))
-            return True
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=_NAME,
-            sources=[str(SOURCE)],
-            build_directory=str(build_dir),
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, headers or ninja: keep the PyTorch path
-        errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-        logger.warning("CPU kernels unavailable, using the PyTorch path: %s",
-                       " | ".join(errors[:3])[:600] or str(exc)[:300])
-        return False
-    return True
-
-
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table_row: Tensor,
                             seq_len: int, scale: float, window: int | None) -> Tensor:
     """One request's new tokens q [Lq, H, D] (positions seq_len - Lq ..) over its paged cache -> [Lq, H*D].
 
-    bf16 on AVX512-BF16 CPUs, head_dim a multiple of 32 (`attention_kernels_apply`)."""
+    bf16 with a kernel set loaded, head_dim a multiple of 32 (`attention_kernels_apply`)."""
     return torch.ops.kvserve.paged_prefill_attention(q, k_cache, v_cache, block_table_row, seq_len, scale,
                                                      window or 0)
 
 
 def attention_kernels_apply(q: Tensor, head_dim: int) -> bool:
-    """Whether the paged attention kernels take q (bf16 on an AVX512-BF16 CPU, head_dim a
-    multiple of 32 up to 256); elsewhere gather + SDPA is faster than scalar C++ (measured
-    in fp32 here: 1.6-2x at batches of 4-64)."""
+    """Whether the paged attention kernels take q (bf16 with a kernel set loaded, head_dim a
+    multiple of 32 up to 256); elsewhere gather + SDPA."""
     return q.is_cpu and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and has_fast_bf16()
 
 
-# The fused small ops (rms_norm, rotary_, silu_and_mul) have AVX-512 paths for bf16 that
+# The fused small ops (rms_norm, rotary_, silu_and_mul) have vectorized paths for bf16 in every kernel set that
 # beat PyTorch at any batch (`python -m benchmarks.bench_kernels`); their scalar fallbacks only win where
 # PyTorch's per-op dispatch dominates, so elsewhere they are used up to this many rows.
 FUSED_MAX_ROWS = 64
@@ -123,7 +241,7 @@ FUSED_MAX_ROWS = 64
 
 def use_fused(x: Tensor) -> bool:
     """Whether the fused CPU ops should handle x [T, ...]: CPU, fp32/bf16, kernels built, and
-    either few rows or bf16 on an AVX512-BF16 CPU (their vectorized paths win at any size)."""
+    either few rows or bf16 with a kernel set loaded (its vectorized paths win at any size)."""
     if not (x.is_cpu and x.dtype in _FUSED_DTYPES and load()):
         return False
     return x.shape[0] <= FUSED_MAX_ROWS or (x.dtype == torch.bfloat16 and has_fast_bf16())
@@ -137,10 +255,10 @@ def use_fused_bf16_rows(x: Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and use_fused(x)
 
 
-@functools.cache
 def has_fast_bf16() -> bool:
-    """True when the kernels loaded and the CPU has AVX512-BF16 (the fast linear needs it)."""
-    return load() and bool(torch.ops.kvserve.has_avx512_bf16())
+    """True when a kernel set is loaded: the bf16 linear, attention and fused ops are the set's
+    (widened to fp32 in registers where the CPU has no bf16 dot products)."""
+    return isa() != "none"
 
 
 def packed_linear_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int, int, int]:
@@ -199,7 +317,7 @@ def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
 def logprobs_topk(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """The log-softmax of logits [B, V] (bf16 or fp32 rows, in fp32) at token_ids [B] and its top k
     (values descending, ties to the lower id): (logprobs [B], top logprobs [B, k], top ids [B, k]).
-    One op reading each row twice on AVX512-BF16 CPUs; None elsewhere (the caller's torch path)."""
+    One op reading each row twice with a kernel set loaded; None elsewhere (the caller's torch path)."""
     if (logits.is_cpu and logits.dtype in _FUSED_DTYPES and logits.dim() == 2 and logits.stride(-1) == 1
             and has_fast_bf16()):
         return torch.ops.kvserve.logprobs_topk(logits, token_ids, k)

@@ -2,13 +2,13 @@
 
 At batch 1 a decode step reads every weight once, and with int8/int4 weights that read is
 short enough for the Python around the kernels (a dozen module calls and op dispatches per
-layer) to cost about as much again. `DecoderStack` (models/csrc/decoder_stack.h) runs the
+layer) to cost about as much again. `DecoderStack` (models/csrc/decoder_stack.cpp) runs the
 same kernels in the same order as the model's forward with the CPU backend, so its output
 is bit for bit the same; the runner calls it instead of the model when `build` returns one.
 
 A model qualifies when every piece of it is one the C++ loop knows: Llama, Mistral, Qwen2 or
 Qwen3 layers (silu MLP), bf16, one rank, the paged attention kernels, and every matmul on
-models/cpu_ops' bf16 kernel or models/quantization's VNNI kernel. Anything else keeps the
+models/cpu_ops' bf16 kernel or models/quantization's int8/int4 kernel. Anything else keeps the
 Python forward; `why_not` says which piece stopped it.
 """
 
@@ -38,7 +38,7 @@ def why_not(model: nn.Module) -> str | None:
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family model"
     if not cpu_ops.has_fast_bf16():
-        return "the CPU kernels need AVX512-BF16"
+        return "no CPU kernel set is loaded (models/cpu_isa.py)"
     inner = model.model
     if inner.norm.weight.dtype != torch.bfloat16 or inner.norm.weight.device.type != "cpu":
         return "the model is not bf16 on the CPU"

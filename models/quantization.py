@@ -8,7 +8,7 @@ group's value of largest magnitude, q = trunc(w / d + 8.5) - 8, clipped to [-8, 
 the exact values of a Q8_0 or Q4_0 file gives back that file's blocks.
 
 Each `Linear` is quantized once its weight is loaded (`Quantizer`); `QuantizedLinear` replaces
-its matmul. On CPUs with AVX512-VNNI (models/cpu_ops) the weight is packed for
+its matmul. With a CPU kernel set loaded (models/cpu_ops: AVX-512 VNNI, AVX2, NEON) the weight is packed for
 `torch.ops.kvserve.quant_linear`, which also quantizes the activations per row and group
 (as llama.cpp does) and multiplies in int8 (`reference_linear` is its exact definition in
 float64). Elsewhere the weight stays plain ([N, K] int8, or int4 two to a byte): on CUDA the
@@ -231,8 +231,8 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def has_kernels() -> bool:
-    """True when models/cpu_ops' int8 kernel runs here (AVX512-VNNI and AVX512-BF16)."""
-    return cpu_ops.has_fast_bf16() and bool(torch.ops.kvserve.has_avx512_vnni())
+    """True when models/cpu_ops' int8/int4 kernel runs here (every kernel set has it)."""
+    return cpu_ops.has_fast_bf16()
 
 
 class QuantizedLinear:

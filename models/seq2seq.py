@@ -7,7 +7,7 @@ decoder runs, causal); its encoder output, projected once to this layer's cross-
 when the request is encoded, goes to its cross blocks (`AttentionMetadata.cross_block_table`,
 `cross_lens_cpu`: one table row per scheduled request), read without a mask.
 
-With a paged decode kernel (models/cpu_ops' on AVX512-BF16 CPUs in bf16, or Triton's), every row
+With a paged decode kernel (models/cpu_ops' with a kernel set loaded, in bf16, or Triton's), every row
 of a step is attended in one call per layer, reading the blocks in place: a prompt row is a query
 that sees the keys up to its own position, cross-attention is the kernel over the cross blocks,
 T5's relative bias the kernel's per-distance bias table. Elsewhere the decode rows go to one
@@ -118,7 +118,7 @@ class StepPlan:
 
 def uses_kernels(holder: Attention) -> bool:
     """Whether the step's rows go to a paged decode kernel: the backend chosen at load has one, the
-    CPU's (bf16 on an AVX512-BF16 CPU, head_dim a multiple of 32) or Triton's."""
+    CPU's (bf16 with a kernel set loaded, head_dim a multiple of 32) or Triton's."""
     return holder.backend.name == "triton" or bool(getattr(holder.backend, "paged_kernels", False))
 
 

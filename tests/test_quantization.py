@@ -1,4 +1,4 @@
-"""Quantized weights (models/quantization.py, models/csrc/quant_linear.h, docs/quantization.md).
+"""Quantized weights (models/quantization.py, models/csrc/*/quant_linear.cpp, docs/quantization.md).
 
 - formats: `quantize_int8` / `quantize_int4` are the gguf package's Q8_0 / Q4_0 blocks bit for
   bit (ties, zero groups), and the values of such blocks quantize back to the same blocks;
@@ -41,7 +41,7 @@ from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequa
                                          quantize_int4, quantize_int8, reference_linear)
 
 KERNELS = cpu_ops.load() and has_kernels()
-needs_kernels = pytest.mark.skipif(not KERNELS, reason="quant_linear needs the CPU kernels with AVX512-VNNI/BF16")
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="quant_linear needs a CPU kernel set")
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 QTYPE = {8: Q8_0, 4: Q4_0}

@@ -2,7 +2,7 @@
 
 * rotary: one fused in-place op over the q and k heads of the packed qkv rows;
 * the cache write: one op for K and V;
-* attention: on AVX512-BF16 CPUs in bf16 (head_dim a multiple of 32, at most 256), the
+* attention: with a kernel set loaded, in bf16 (head_dim a multiple of 32, at most 256), the
   paged decode kernel for all decode rows at once and the flash-style prefill kernel
   per prefill request, both reading K/V in place through the block table; otherwise
   gather + SDPA (faster than scalar C++ in fp32: `python -m benchmarks.bench_kernels`).

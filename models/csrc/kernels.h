@@ -1,4 +1,4 @@
-// The interface between the torch binding (ops.cpp, decoder_stack.h) and one kernel set
+// The interface between the torch binding (ops.cpp, decoder_stack.cpp) and one kernel set
 // (avx512/, avx2/, neon/). A set is a shared library of plain C++ (no torch headers, so it
 // compiles in seconds, cross-compiles, and runs in a test driver without torch); the binding
 // checks shapes and dtypes, allocates, and calls the set's kernels on raw pointers.

@@ -4,18 +4,15 @@
 // bit for bit the same; what it removes is the Python between them: per layer a dozen
 // module calls and op dispatches, which at batch 1 cost as much as reading a quantized
 // layer's weights. models/cpu_stack.py decides when a model qualifies and builds one.
-#pragma once
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/rms_norm.h>
 #include <torch/custom_class.h>
+#include <torch/library.h>
 
-#include "decode_attention.h"
-#include "linear.h"
-#include "prefill_attention.h"
-#include "quant_linear.h"
-#include "small_ops.h"
+#include "binding.h"
 
 namespace kvserve {
 
@@ -155,3 +152,12 @@ class DecoderStack : public torch::CustomClassHolder {
 };
 
 }  // namespace kvserve
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.class_<kvserve::DecoderStack>("DecoderStack")
+      .def(torch::init<double>())
+      .def("add_linear", &kvserve::DecoderStack::add_linear)
+      .def("add_layer", &kvserve::DecoderStack::add_layer)
+      .def("forward", &kvserve::DecoderStack::forward)
+      .def("num_layers", &kvserve::DecoderStack::num_layers);
+}

@@ -1,9 +1,7 @@
-// kvserve::paged_prefill_attention: a prompt chunk's causal attention over the paged KV cache.
-#pragma once
+// Paged prefill attention: a prompt chunk's causal attention over the paged KV cache (kernels.h).
+#include "avx512.h"
 
-#include "common.h"
-
-namespace kvserve {
+namespace kvserve::avx512 {
 
 // ---- paged prefill attention (bf16) ---------------------------------------------------
 // One request's new tokens (positions num_cached .. seq_len-1) attend causally over its keys
@@ -18,12 +16,6 @@ namespace kvserve {
 //  * P V: probabilities rounded to bf16 (as PyTorch's CPU SDPA does before its P @ V; the
 //    denominator sums them unrounded) in key pairs, values interleaved in the same key
 //    pairs: one vdpbf16ps does 2 keys x 16 dims for one row.
-
-struct PrefillArgs {
-  int64_t group, head_dim, block_size, q_stride_tok, q_stride_head, cache_stride_block, cache_stride_token;
-  int64_t num_cached, seq_len, window;
-  float scale;
-};
 
 constexpr int kPrefillKeys = 32;  // keys per chunk (even: probabilities pair up)
 
@@ -200,46 +192,23 @@ struct PrefillBf16 {
 };
 using PrefillFn = decltype(&prefill_block_bf16<2>);
 
-// q [Lq, H, D] bf16 (d contiguous) for positions seq_len - Lq .. seq_len - 1; caches
-// [blocks, block_size, KvH, D]; block_table [max_blocks] int64 (this request's row) -> [Lq, H * D].
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t seq_len, double scale, int64_t window) {
-  TORCH_CHECK(has_avx512_bf16(), "paged_prefill_attention needs AVX512-BF16");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16, "q must be [Lq, H, D] bf16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16,
-              "caches must be contiguous bf16 [blocks, block_size, KvH, D]");
-  TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
-              "block_table must be one int64 row");
-  const int64_t lq = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
-              "head shapes do not match (or head_dim is not a multiple of 32 up to 256)");
-  TORCH_CHECK(seq_len >= lq && lq > 0 && block_table.numel() * k_cache.size(1) >= seq_len,
-              "seq_len must cover the queries and fit the block table");
-  const int64_t group = num_heads / num_kv_heads;
-  PrefillArgs a{group, head_dim, k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                seq_len - lq, seq_len, window, static_cast<float>(scale)};
-  at::Tensor out = at::empty({lq, num_heads * head_dim}, q.options());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t* table = block_table.data_ptr<int64_t>();
+void prefill_attention(const PrefillArgs& a, const uint16_t* qp, const uint16_t* kp, const uint16_t* vp,
+                       const int64_t* table, int64_t num_kv_heads, int64_t lq, uint16_t* out, int64_t out_stride) {
+  const int64_t group = a.group, head_dim = a.head_dim;
   const int64_t q_blocks = (lq + 15) / 16;
   const PrefillFn fn = for_head_dim<PrefillFn, PrefillBf16>(head_dim);
   // Later query blocks see more keys (causal): order them first, last, second, second to
   // last, ... so that each thread's contiguous share of items carries about the same work.
-  at::parallel_for(0, q_blocks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, q_blocks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     PrefillScratch scratch;
     scratch.size_for(16 * group, head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t k = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t qb = k % 2 == 0 ? k / 2 : q_blocks - 1 - k / 2;
       const int64_t i0 = qb * 16;
-      fn(a, qp, kp, vp, table, h, i0, std::min<int64_t>(16, lq - i0), scratch, op, num_heads * head_dim);
+      fn(a, qp, kp, vp, table, h, i0, std::min<int64_t>(16, lq - i0), scratch, out, out_stride);
     }
   });
-  return out;
 }
 
-}  // namespace kvserve
+}  // namespace kvserve::avx512

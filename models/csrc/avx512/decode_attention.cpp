@@ -1,32 +1,13 @@
-// kvserve::paged_decode_attention: one query token per request over the paged KV cache.
-#pragma once
+// Paged decode attention: one query token per request over the paged KV cache (kernels.h).
+#include "avx512.h"
 
-#include "common.h"
-
-namespace kvserve {
+namespace kvserve::avx512 {
 
 // ---- paged decode attention --------------------------------------------------------
 // For request b and KV head h: the G = H / KvH query heads h*G .. h*G+G-1 attend over
 // keys [start, seq_len) (start = seq_len - window with a sliding window, else 0), read
 // through the block table. Two passes over the keys: scores (kept in a scratch row per
 // query head), then softmax and the weighted sum of values.
-
-struct DecodeArgs {
-  int64_t num_kv_heads, group, head_dim, block_size;
-  int64_t q_stride_req, q_stride_head;     // q[b, head, d] strides (d contiguous)
-  int64_t cache_stride_block, cache_stride_token;  // within one K or V cache
-  int64_t table_stride, window;
-  float scale;
-  // Optional additive score bias by distance from the query (T5's relative bias): key t of a
-  // request of length s gets bias[head * bias_stride + bias_len - s + t] (the table's last
-  // column is distance 0), so a row of it lines up with the keys. nullptr: none.
-  const float* bias = nullptr;
-  int64_t bias_stride = 0, bias_len = 0;
-};
-
-// Floats per score row in the bf16 kernel: a multiple of 32, so the row's bf16 probabilities
-// (written over its first half) always have an even, zero-padded length.
-inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }
 
 // v[i] summed across its 16 lanes, for i = 0..15, as one vector (lane i = sum of v[i]):
 // a transpose-and-add tree, 45 shuffles/adds instead of 16 horizontal reductions.
@@ -222,11 +203,11 @@ struct AttendBf16 {
 };
 using AttendFn = decltype(&attend_bf16<2>);
 
-void decode_attention_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                           const int64_t* table, const int64_t* seq_lens, int64_t num_reqs, uint16_t* out) {
+void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                      const int64_t* seq_lens, int64_t num_reqs, uint16_t* out) {
   // Enough requests to share out: one work item per request (all its KV heads, reading
   // each cached token's heads together); otherwise one per (request, KV head).
-  const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
+  const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * num_threads() ? 1 : a.num_kv_heads;
   const int64_t items_per_req = a.num_kv_heads / heads_per_item;
   auto item_at = [&](int64_t item) {
     const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, seq_len = seq_lens[b];
@@ -234,7 +215,7 @@ void decode_attention_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_
     return DecodeItem{table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item};
   };
   const AttendFn attend = for_head_dim<AttendFn, AttendBf16>(a.head_dim);
-  at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads_per_item * a.group * a.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const DecodeItem it = item_at(item);
@@ -249,45 +230,4 @@ void decode_attention_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_
   });
 }
 
-// q [B, H, D] (d contiguous), k_cache/v_cache [num_blocks, block_size, KvH, D],
-// block_table [B, max_blocks] int64, seq_lens [B] int64 (>= 1) -> out [B, H * D].
-// bias: float32 [H, L] with L >= every seq_len, see DecodeArgs::bias.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                                  int64_t window, const c10::optional<at::Tensor>& bias = c10::nullopt) {
-  TORCH_CHECK(has_avx512_bf16(), "paged_decode_attention needs AVX512-BF16");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, KvH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16, "paged_decode_attention: q and the caches must be bf16");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.stride(1) == 1 &&
-                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
-              "block_table and seq_lens must be int64");
-  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
-              "head shapes do not match (or head_dim is not a multiple of 32 up to 256)");
-  TORCH_CHECK(block_table.size(0) >= num_reqs && seq_lens.numel() >= num_reqs, "one table row per request");
-  DecodeArgs a{num_kv_heads, num_heads / num_kv_heads, head_dim, k_cache.size(1),
-               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-               block_table.stride(0), window, static_cast<float>(scale)};
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 2 && b.size(0) == num_heads &&
-                    (b.stride(1) == 1 || b.size(1) == 1),
-                "bias must be float32 [H, L] with contiguous rows");
-    TORCH_CHECK(seq_lens.narrow(0, 0, num_reqs).max().item<int64_t>() <= b.size(1),
-                "bias is shorter than the longest sequence");
-    a.bias = b.data_ptr<float>(), a.bias_stride = b.stride(0), a.bias_len = b.size(1);
-  }
-  at::Tensor out = at::empty({num_reqs, num_heads * head_dim}, q.options());
-  decode_attention_bf16(a, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
-                        block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_reqs,
-                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  return out;
-}
-
-}  // namespace kvserve
+}  // namespace kvserve::avx512

@@ -1,18 +1,7 @@
-// kvserve::quant_linear: the int8 / int4 linear (see ops.cpp and models/quantization.py).
-#pragma once
+// The int8 / int4 linear on VNNI dot products (see kernels.h and models/quantization.py).
+#include "avx512.h"
 
-#include "common.h"
-
-// VNNI code (vpdpbusd) also converts fp16 scales and writes bf16: it needs all of these.
-#define KV_AVX512_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")))
-
-namespace kvserve {
-
-inline bool has_avx512_vnni() {
-  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
+namespace kvserve::avx512 {
 
 // ---- y[M, N] = x[M, K] @ (W[N, K] in groups of G along K).T (+ bias) ----------------------
 // Weights: w = (u - offset) * scale[n, g], u unsigned (int8: u = q + 128, offset 128;
@@ -28,8 +17,8 @@ inline bool has_avx512_vnni() {
 constexpr int kQuantTileM = 3;         // rows per register tile: 12 int32 + 12 fp32 accumulators
 constexpr int64_t kQuantBlockM = 96;   // rows per work item
 
-KV_AVX512_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-KV_AVX512_VNNI inline __m512 load16(const uint16_t* p) { return load_bf16_as_float(p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return load_bf16_as_float(p); }
 
 // One row's groups: q_x (int8), the scale, and -offset * sum(q_x).
 template <typename T>
@@ -57,7 +46,7 @@ template <typename T>
 void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t group, int32_t offset, int8_t* q,
                    float* d, int32_t* corr) {
   const int64_t groups = k / group;
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * ldx, k, group, offset, q + r * k, d + r * groups, corr + r * groups);
   });
@@ -143,27 +132,10 @@ QuantTileFn pick_quant_tile(int64_t bits, bool halves, int mr) {
   return halves ? quant_tile_fn<4, 2>(mr) : quant_tile_fn<4, 4>(mr);
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t bits, int64_t group) {
-  TORCH_CHECK(has_avx512_vnni(), "quant_linear needs a CPU with AVX512-VNNI and AVX512-BF16");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x must be [M, K] bf16 or float32 rows");
-  const int64_t step_bytes = bits == 8 ? 256 : 128;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == step_bytes && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte,
-              "packed weight must be uint8 [N/64, K/4, ", step_bytes, "]");
-  const int64_t m = x.size(0), k = x.size(1), col_blocks = packed.size(0);
-  TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "group ", group, " must be a multiple of 16 dividing K=", k);
-  TORCH_CHECK(packed.size(1) * 4 == k, "x has ", k, " features, the weight ", packed.size(1) * 4);
-  TORCH_CHECK(n <= 64 * col_blocks && n > 64 * (col_blocks - 1), "n=", n, " does not match the packed weight");
+void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp,
+                  const uint16_t* sp, int64_t bits, int64_t group, const float* bias_ptr, void* y, int64_t n,
+                  int64_t col_blocks) {
   const int64_t groups = k / group;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == col_blocks && scales.size(1) == groups && scales.size(2) == 64,
-              "scales must be float16 [N/64, K/G, 64]");
-  const float* bias_ptr = linear_bias(bias, n);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
   // The activations, quantized once for all column blocks, into this calling thread's scratch
   // (kept between calls: an allocation per call costs as much as a small matrix's work at batch 1).
   thread_local std::vector<int32_t> scratch;
@@ -173,24 +145,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   float* xdp = reinterpret_cast<float*>(scratch.data() + q_words);
   int32_t* xcp = scratch.data() + q_words + m * groups;
   const int32_t offset = bits == 8 ? 128 : 8;
-  if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), m, k, group, offset,
-                  xqp, xdp, xcp);
+  if (x_bf16)
+    quantize_rows(static_cast<const uint16_t*>(x), ldx, m, k, group, offset, xqp, xdp, xcp);
   else
-    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, group, offset, xqp, xdp, xcp);
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const bool y_bf16 = y.scalar_type() == at::kBFloat16;
-  char* yp = static_cast<char*>(y.data_ptr());
-  const int64_t y_item = y.element_size();
+    quantize_rows(static_cast<const float*>(x), ldx, m, k, group, offset, xqp, xdp, xcp);
+  const bool y_bf16 = x_bf16;
+  char* yp = static_cast<char*>(y);
+  const int64_t y_item = y_bf16 ? 2 : 4, step_bytes = bits == 8 ? 256 : 128;
   // Work items (block of rows, 64-column block), as in linear_bf16; a matrix with fewer column
   // blocks than about 8 per thread, not a multiple of the thread count, is cut into halves.
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
   const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
   const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
-  at::parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r0 = (item % row_items) * rows_per_item, ci = item / row_items;
       const int64_t cb = halves ? ci / 2 : ci;
@@ -205,7 +174,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
       }
     }
   });
-  return y;
 }
 
-}  // namespace kvserve
+}  // namespace kvserve::avx512

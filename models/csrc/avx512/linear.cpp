@@ -1,24 +1,19 @@
-// kvserve::linear_amx: linear_bf16 on AMX tiles (Intel CPUs with AMX-BF16), for row counts
-// where the tile multiply beats AVX512-BF16's dot products; same packed weights, same result
-// up to the order of fp32 additions.
-#pragma once
-
+// The bf16 linear on pre-packed weights: 6x64 register tiles of vdpbf16ps, and AMX tiles from
+// a few rows on where the CPU has them.
 #include <sys/syscall.h>
-
-#include <atomic>
 #include <unistd.h>
 
-#include "common.h"
+#include <atomic>
 
-#define KV_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#include "avx512.h"
 
-namespace kvserve {
+namespace kvserve::avx512 {
 
 // True when the CPU has AMX-BF16 and Linux lets this process use the tile registers (their
 // state is opt-in per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
 inline bool has_amx_bf16() {
   static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") || !has_avx512_bf16())
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
       return false;
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
@@ -105,7 +100,7 @@ struct AmxLinear {
 
 // Work items [begin, end) of `a`: (row block, 64-column block), row blocks in multiples of 32;
 // the last rows of x, when fewer than 32, are read from a zero-padded copy. (A function of its
-// own: the lambda of at::parallel_for does not take the AMX target attribute.)
+// own: the lambda of parallel_for does not take the AMX target attribute.)
 KV_AMX inline void linear_amx_items(const AmxLinear& a, int64_t begin, int64_t end) {
   TileConfig cfg;
   _tile_loadconfig(&cfg);
@@ -141,7 +136,91 @@ inline void linear_amx(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_
                        int64_t col_blocks, const float* bias, uint16_t* yp, int64_t n) {
   const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, 32, 128);
   const AmxLinear a{xp, ldx, m, wp, half_k, bias, yp, n, rows_per_item, (m + rows_per_item - 1) / rows_per_item};
-  at::parallel_for(0, a.row_items * col_blocks, 1, [&](int64_t begin, int64_t end) { linear_amx_items(a, begin, end); });
+  parallel_for(0, a.row_items * col_blocks, 1, [&](int64_t begin, int64_t end) { linear_amx_items(a, begin, end); });
 }
 
-}  // namespace kvserve
+// ---- linear: y[M, N] = x[M, K] @ W[N, K].T (+ bias) ------------------------------
+// Packed layout (built by models/cpu_ops.py): wp[N / 64][K / 2][64][2], i.e. for each
+// block of 64 output columns, each pair of input features holds the 64 columns' two
+// weights side by side: a 64-byte load feeds one vdpbf16ps (16 columns) with a
+// broadcast x pair, and a tile reads its weights as one sequential stream.
+
+constexpr int kTileM = 6;       // rows of x per register tile
+constexpr int kTileN = 4;       // 16-column groups per register tile = one 64-column block
+constexpr int64_t kBlockM = 96;   // rows per work item: their slice of x stays in L2
+
+// One MR x 64 tile over all input features, then the bias, written as bf16 to y. The
+// tile streams its column block's weights from L2 (the item's first tile brings them in);
+// no K blocking: splitting K to keep weights in L1 cost more in partial-sum traffic than
+// it saved (benchmarks/bench_kernels.py).
+template <int MR>
+KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t half_k,
+                                const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
+  constexpr int NR = kTileN;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kh = 0; kh < half_k; ++kh) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * kh, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = col0 + 16 * j;
+    const int64_t width = std::min<int64_t>(16, n - col);
+    if (width <= 0) break;
+    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+      _mm256_mask_storeu_epi16(y + i * ldy + col, mask, out);
+    }
+  }
+}
+
+using TileFn = decltype(&linear_tile<1>);
+
+TileFn tile_fn(int mr) {
+  switch (mr) {
+    case 1: return linear_tile<1>;
+    case 2: return linear_tile<2>;
+    case 3: return linear_tile<3>;
+    case 4: return linear_tile<4>;
+    case 5: return linear_tile<5>;
+    default: return linear_tile<6>;
+  }
+}
+
+void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp, int64_t half_k, int64_t col_blocks,
+                 const float* bias_ptr, uint16_t* yp, int64_t n) {
+  if (m >= kAmxMinRows && half_k % 16 == 0 && use_amx()) {
+    linear_amx(xp, ldx, m, wp, half_k, col_blocks, bias_ptr, yp, n);
+    return;
+  }
+  // Work items: (block of rows, 64-column block).
+  const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kTileM, kBlockM);
+  const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
+  // Row blocks vary fastest, so each thread's contiguous share mixes full and short row
+  // blocks when a few column blocks are split by rows.
+  parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
+      const int64_t r1 = std::min(m, r0 + rows_per_item);
+      const uint16_t* w = wp + cb * half_k * 128;
+      for (int64_t r = r0; r < r1; r += kTileM) {
+        const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
+        tile_fn(mr)(xp + r * ldx, ldx, w, half_k, bias_ptr, yp + r * n, n, cb * 64, n);
+      }
+    }
+  });
+}
+
+bool has_amx() { return has_amx_bf16(); }
+bool set_amx(bool enabled) { return amx_enabled().exchange(enabled); }
+
+}  // namespace kvserve::avx512

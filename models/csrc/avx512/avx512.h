@@ -1,0 +1,93 @@
+// The AVX512-BF16 kernel set (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later):
+// bf16 dot products (vdpbf16ps), int8 dot products (vpdpbusd) and, where the CPU has them, AMX
+// tiles for the bf16 linear. Compiled with the flags of models/cpu_ops.py's "avx512" set; set.cpp
+// checks the CPU before handing the set out. Shared here: the vector helpers of the kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#include "../kernel_common.h"
+
+// The kernels were written as target-attributed functions in a library built for any x86-64;
+// the set is now compiled for its instructions as a whole, so the attributes are empty.
+#define KV_AVX512_BF16
+#define KV_AVX512_VNNI
+#define KV_AMX
+
+namespace kvserve::avx512 {
+
+// exp for x <= 0 (scores minus their max): Cephes' degree-6 polynomial after reducing by
+// ln 2, scaled back with vscalefps; about 1 ulp, like the vectorized exp SDPA uses.
+KV_AVX512_BF16 inline __m512 exp_nonpositive_unclamped(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  return exp_nonpositive_unclamped(_mm512_max_ps(x, _mm512_set1_ps(-104.f)));  // exp underflows to 0 before this
+}
+
+KV_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// bf16 rounding of fp32 lanes, kept in fp32 (the model-dtype rounding of one PyTorch op)
+KV_AVX512_BF16 inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// exp on any fp32 input: the same polynomial as exp_nonpositive, clamped to where fp32 exp is finite.
+KV_AVX512_BF16 inline __m512 exp_any(__m512 x) {
+  return exp_nonpositive_unclamped(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f)));
+}
+
+// One accumulated row (dims in unpack order: per 32-dim chunk, `lo` lane 4i+j is dim 8i+j
+// and `hi` lane 4i+j is dim 8i+4+j) times inv, written as bf16 in natural order.
+template <int CH>
+KV_AVX512_BF16 inline void store_pair_row(const float* acc, float inv, uint16_t* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < CH / 2; ++c) {
+    const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+    _mm256_storeu_si256((__m256i*)(out + 32 * c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale)));
+    _mm256_storeu_si256((__m256i*)(out + 32 * c + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale)));
+  }
+}
+
+
+// The kernels of the set (kernels.h's signatures), each family in its own translation unit.
+void linear_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* w, int64_t half_k, int64_t col_blocks,
+                 const float* bias, uint16_t* y, int64_t n);
+bool has_amx();
+bool set_amx(bool enabled);
+void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k, const uint8_t* w,
+                  const uint16_t* scales, int64_t bits, int64_t group, const float* bias, void* y, int64_t n,
+                  int64_t col_blocks);
+void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int64_t* table, const int64_t* seq_lens, int64_t num_reqs, uint16_t* out);
+void prefill_attention(const PrefillArgs& a, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                       const int64_t* table, int64_t num_kv_heads, int64_t lq, uint16_t* out, int64_t out_stride);
+void rms_norm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out, int64_t rows, int64_t n,
+                   float eps);
+void add_rms_norm_bf16(uint16_t* residual, const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,
+                       int64_t rows, int64_t n, float eps);
+void rotary_bf16(uint16_t* x, int64_t ldx, const uint16_t* cos_sin, int64_t rows, int64_t num_heads, int64_t d);
+void silu_and_mul_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t rows, int64_t n);
+void argmax_bf16(const uint16_t* logits, int64_t ld, int64_t rows, int64_t v, int64_t* out);
+void logprobs_topk(const void* x, bool x_bf16, int64_t ld, int64_t rows, int64_t v, const int64_t* tokens, int64_t k,
+                   float* sampled, float* top_vals, int64_t* top_ids);
+
+}  // namespace kvserve::avx512
