@@ -41,7 +41,7 @@ from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequa
                                          quantize_int4, quantize_int8, reference_linear)
 
 KERNELS = cpu_ops.load() and has_kernels()
-needs_kernels = pytest.mark.skipif(not KERNELS, reason="quant_linear needs a CPU kernel set")
+needs_kernels = pytest.mark.usefixtures("kernel_set")  # once per CPU kernel set this machine runs
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 QTYPE = {8: Q8_0, 4: Q4_0}

@@ -24,7 +24,7 @@ FAMILIES = {
 SOURCES = [[5, 17, 42, 99, 7, 250, 31], [120, 3], [11, 250, 31, 8, 77, 200, 19, 54, 23, 300, 64, 90, 12, 5, 6],
            [64, 64, 64, 9]]
 
-needs_bf16 = pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_fast_bf16(), reason="no CPU kernel set runs here")
+needs_bf16 = pytest.mark.usefixtures("kernel_set")  # once per CPU kernel set this machine runs
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -407,6 +407,7 @@ def test_abort_mid_speculation_frees_everything(llama_dir, forced, method):
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.usefixtures("kernel_set")
 def test_bf16_kernels_give_the_same_bits(tmp_path, forced, quantization):
     """Each token of a speculating chunk reaches attention as its own decode row, so on the CPU's bf16
     kernels (decoder stack, paged decode attention, int8 matmuls) every draft position is computed
@@ -415,8 +416,6 @@ def test_bf16_kernels_give_the_same_bits(tmp_path, forced, quantization):
     whether its step multiplies 8 rows or more, as `KVSERVE_CPU_AMX=0` documents.)"""
     from kvserve.models import cpu_ops
 
-    if not cpu_ops.load() or not cpu_ops.has_fast_bf16():
-        pytest.skip("no CPU kernel set runs here")
     amx = cpu_ops.set_amx(False)
     try:
         _same_bits(tmp_path, forced, quantization)
