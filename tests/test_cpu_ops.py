@@ -201,6 +201,7 @@ def test_pack_linear_weight_layout():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 300])  # 300: past FUSED_MAX_ROWS (bf16 AVX-512 path only)
 def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
+    torch.manual_seed(rows)
     from kvserve.models.cpu_model import CpuFusedOps
     from kvserve.models.layers import RMSNorm
 
@@ -212,7 +213,10 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
     got = torch.ops.kvserve.rms_norm(x, norm.weight, norm.eps)
     ref = F.rms_norm(x, (576,), norm.weight, norm.eps) if dtype == torch.float32 else (
         norm.weight * F.rms_norm(x, (576,), None, norm.eps))
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=1 / 128)
+    # bf16: the normalized value is rounded before the weight multiplies it, so a sum of squares
+    # added in another order can move it one bf16 step, which the product's rounding can make
+    # a little more than 1/128 relative
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=1 / 64)
     torch.testing.assert_close(got, ref, **tol)
     if dtype == torch.bfloat16:  # the module takes the fused op for few bf16 rows
         torch.testing.assert_close(norm(x), ref, **tol)
@@ -222,6 +226,7 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 9, 300])
 def test_add_and_norm_fuses_the_residual_add_exactly(rows):
+    torch.manual_seed(rows)
     from kvserve.models.cpu_model import CpuFusedOps
     from kvserve.models.layers import RMSNorm
 
@@ -234,9 +239,14 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
     expected_sum = residual + x
     normed, new_residual = norm.add_and_norm(x, residual.clone())
     assert torch.equal(new_residual, expected_sum)  # one bf16 rounding of the sum, as PyTorch's add
-    assert torch.equal(normed, torch.ops.kvserve.rms_norm(expected_sum, norm.weight, norm.eps))
+    # the module's own norm of the sum: the fused op where it applies (a kernel set, or few rows),
+    # else PyTorch's ops
+    fused = cpu_ops.use_fused_bf16_rows(x)
+    own = torch.ops.kvserve.rms_norm(expected_sum, norm.weight, norm.eps) if fused else (
+        norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps))
+    assert torch.equal(normed, own)
     torch.testing.assert_close(normed, norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps),
-                               atol=0, rtol=1 / 128)
+                               atol=0, rtol=1 / 64)  # one bf16 step (test_fused_rms_norm_matches_the_pytorch_path)
     # fp32 keeps PyTorch's ops (their sum order is HF's)
     norm32 = RMSNorm(576, eps=1e-5)
     norm32.ops = norm.ops

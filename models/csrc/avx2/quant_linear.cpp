@@ -1,0 +1,268 @@
+// The int8 / int4 linear on AVX2 integer dot products (see kernels.h and models/quantization.py).
+//
+// Weights: w = (u - offset) * scale[n, g], u unsigned (int8: u = q + 128; int4: u = q + 8 in
+// 0..15), one fp16 scale per output column and group of G inputs. Packed per block of 64 output
+// columns, per step of 4 inputs: int8: 256 bytes, each column's 4 bytes side by side, so a
+// 32-byte load is 8 columns (vector l = columns 8l..8l+7); int4: 128 bytes, where 32-byte load
+// l = 2h + t holds columns 32h + 8t.. in its low nibbles and 32h + 16 + 8t.. in its high ones.
+// Activations are quantized per row and group like llama.cpp's Q8_0 (scale amax/127, round to
+// nearest even), exactly as the AVX-512 set does.
+//
+// vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, saturating; vpmaddwd with ones
+// then sums the pairs into int32 (4 inputs per column and lane). int8 makes the weights signed
+// (q = u ^ 0x80) and multiplies |q| by x carrying q's sign (llama.cpp's trick): a pair is at most
+// 2 * 128 * 127, within int16, for any q. int4 takes u as the unsigned operand (a pair at most
+// 2 * 15 * 127, so 8 steps add up in int16 before one vpmaddwd) and takes back 8 * sum(x) per
+// group. Group sums are exact integers; each meets scale * x_scale in one FMA per group, in the
+// same order for every tile shape, so a row's result does not depend on the batch around it.
+#include "avx2.h"
+
+namespace kvserve::avx2 {
+namespace {
+
+constexpr int kQuantTileM = 4;        // rows per register tile
+constexpr int64_t kQuantBlockM = 96;  // rows per work item
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16(p); }
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// One row's groups: q_x (int8), the scale, and sum(q_x). group is a multiple of 16.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, int32_t* sums) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t g = 0; g < k / group; ++g) {
+    const T* src = x + g * group;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load8(src + i), abs_mask));
+    const float scale = hmax(amax) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale == 0.f ? 0.f : 1.f / scale);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < group; i += 16) {
+      const __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + i), inv));  // nearest even
+      const __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + i + 8), inv));
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(v0, v1));
+      // saturating packs (per 128-bit lane), then the lanes back in order
+      const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
+      const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+      _mm_storeu_si128((__m128i*)(q + g * group + i), p8);
+    }
+    d[g] = scale;
+    sums[g] = hsum_epi32(sum);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t group, int8_t* q, float* d,
+                   int32_t* sums) {
+  const int64_t groups = k / group;
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * ldx, k, group, q + r * k, d + r * groups, sums + r * groups);
+  });
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// y[at .. at + width) (bf16 or fp32) = the first `width` lanes of v.
+inline void store8(__m256 v, void* y, bool y_bf16, int64_t at, int64_t width) {
+  if (y_bf16) {
+    uint16_t* dst = static_cast<uint16_t*>(y) + at;
+    width == 8 ? store_bf16(dst, v) : store_bf16_partial(dst, v, width);
+  } else if (width == 8) {
+    _mm256_storeu_ps(static_cast<float*>(y) + at, v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(static_cast<float*>(y) + at, tmp, width * sizeof(float));
+  }
+}
+
+// The register arrays live in registers only when their loops are unrolled before allocation.
+#define KV_UNROLL _Pragma("GCC unroll 16")
+
+// MR rows x the columns of NL 32-byte weight loads from load l0 on (int8: NL vectors of 8
+// columns, int4: 2 NL), over all groups; then the bias, written to y (bf16 or fp32). Registers
+// in the step loop: the int32 (int8) or int16 (int4) sums, and either every row's broadcast
+// (loads outer) or every load's weights (ROWS_OUTER). PREFETCH: the tile that brings an item's
+// weights in prefetches whole steps a few KiB ahead (it may read only part of each line).
+template <int MR, int BITS, int NL, bool ROWS_OUTER, bool PREFETCH>
+void quant_tile(const int8_t* xq, int64_t k, const float* xd, const int32_t* xs, int64_t groups, const uint8_t* w,
+                const uint16_t* ws, int64_t group, const float* bias, void* y, bool y_bf16, int64_t ldy,
+                int64_t col0, int64_t n, int l0) {
+  constexpr int NV = BITS == 8 ? NL : 2 * NL;
+  constexpr int64_t kStepBytes = BITS == 8 ? 256 : 128, kAhead = 4096;
+  int vec[NV];  // the block's 8-column vector of each result
+  KV_UNROLL for (int l = 0; l < NL; ++l) {
+    if (BITS == 8) {
+      vec[l] = l0 + l;
+    } else {
+      const int h = (l0 + l) / 2, t = (l0 + l) % 2;
+      vec[2 * l] = 4 * h + t, vec[2 * l + 1] = 4 * h + 2 + t;
+    }
+  }
+  const int64_t steps = group / 4;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80), low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR][NV];
+  KV_UNROLL for (int i = 0; i < MR; ++i) {
+    KV_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * steps * kStepBytes;
+    const int8_t* xg = xq + g * group;
+    __m256i s[MR][NV];
+    KV_UNROLL for (int i = 0; i < MR; ++i) {
+      KV_UNROLL for (int j = 0; j < NV; ++j) s[i][j] = _mm256_set1_epi32(BITS == 8 ? 0 : -8 * xs[i * groups + g]);
+    }
+    if constexpr (BITS == 8) {
+      for (int64_t st = 0; st < steps; ++st) {
+        const uint8_t* ws8 = wg + st * kStepBytes;
+        if (PREFETCH)
+          for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)ws8 + kAhead + 64 * line, _MM_HINT_T0);
+        __m256i q[NL], aq[NL];
+        KV_UNROLL for (int l = 0; l < NL; ++l) {
+          q[l] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(ws8 + 32 * (l0 + l))), flip);
+          aq[l] = _mm256_abs_epi8(q[l]);
+          if (!ROWS_OUTER) {
+            KV_UNROLL for (int i = 0; i < MR; ++i) {
+              const __m256i p = _mm256_maddubs_epi16(aq[l], _mm256_sign_epi8(bcast4(xg + i * k + 4 * st), q[l]));
+              s[i][l] = _mm256_add_epi32(s[i][l], _mm256_madd_epi16(p, ones));
+            }
+          }
+        }
+        if (ROWS_OUTER) {
+          KV_UNROLL for (int i = 0; i < MR; ++i) {
+            const __m256i xb = bcast4(xg + i * k + 4 * st);
+            KV_UNROLL for (int l = 0; l < NL; ++l) {
+              const __m256i p = _mm256_maddubs_epi16(aq[l], _mm256_sign_epi8(xb, q[l]));
+              s[i][l] = _mm256_add_epi32(s[i][l], _mm256_madd_epi16(p, ones));
+            }
+          }
+        }
+      }
+    } else {
+      for (int64_t st0 = 0; st0 < steps; st0 += 8) {  // int16 sums of up to 8 steps
+        __m256i h[MR][NV];
+        KV_UNROLL for (int i = 0; i < MR; ++i) {
+          KV_UNROLL for (int j = 0; j < NV; ++j) h[i][j] = _mm256_setzero_si256();
+        }
+        for (int64_t st = st0; st < std::min(steps, st0 + 8); ++st) {
+          const uint8_t* ws4 = wg + st * kStepBytes;
+          if (PREFETCH)
+            for (int line = 0; line < 2; ++line) _mm_prefetch((const char*)ws4 + kAhead + 64 * line, _MM_HINT_T0);
+          KV_UNROLL for (int l = 0; l < NL; ++l) {
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(ws4 + 32 * (l0 + l)));
+            const __m256i lo = _mm256_and_si256(a, low4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+            KV_UNROLL for (int i = 0; i < MR; ++i) {
+              const __m256i xb = bcast4(xg + i * k + 4 * st);
+              h[i][2 * l] = _mm256_add_epi16(h[i][2 * l], _mm256_maddubs_epi16(lo, xb));
+              h[i][2 * l + 1] = _mm256_add_epi16(h[i][2 * l + 1], _mm256_maddubs_epi16(hi, xb));
+            }
+          }
+        }
+        KV_UNROLL for (int i = 0; i < MR; ++i) {
+          KV_UNROLL for (int j = 0; j < NV; ++j) s[i][j] = _mm256_add_epi32(s[i][j], _mm256_madd_epi16(h[i][j], ones));
+        }
+      }
+    }
+    KV_UNROLL for (int j = 0; j < NV; ++j) {
+      const __m256 wsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + g * 64 + 8 * vec[j])));
+      KV_UNROLL for (int i = 0; i < MR; ++i) {
+        const __m256 dx = _mm256_set1_ps(xd[i * groups + g]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), _mm256_mul_ps(wsv, dx), acc[i][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = col0 + 8 * vec[j], width = std::min<int64_t>(8, n - col);
+    if (width <= 0) continue;
+    alignas(32) float b[8] = {};
+    if (bias) std::memcpy(b, bias + col, width * sizeof(float));
+    for (int i = 0; i < MR; ++i) store8(_mm256_add_ps(acc[i][j], _mm256_load_ps(b)), y, y_bf16, i * ldy + col, width);
+  }
+}
+
+using QuantTileFn = decltype(&quant_tile<1, 8, 1, false, false>);
+
+// The tile for mr rows of an item whose steps it reads `item_loads` 32-byte loads of (all of a
+// block's, or half), and how many loads it covers: one row takes them all (a sequential stream),
+// more rows fewer at a time so that their sums fit the registers.
+template <int BITS, bool PREFETCH>
+QuantTileFn quant_tile_for(int mr, int item_loads, int* loads) {
+  constexpr int kFull = BITS == 8 ? 8 : 4, kHalf = kFull / 2, kQuarter = kFull / 4;
+  *loads = mr == 1 ? item_loads : mr == 2 ? kHalf : kQuarter;
+  switch (mr) {
+    case 1: return item_loads == kFull ? quant_tile<1, BITS, kFull, false, PREFETCH>
+                                       : quant_tile<1, BITS, kHalf, false, PREFETCH>;
+    case 2: return quant_tile<2, BITS, kHalf, false, PREFETCH>;
+    case 3: return quant_tile<3, BITS, kQuarter, BITS == 8, PREFETCH>;
+    default: return quant_tile<4, BITS, kQuarter, BITS == 8, PREFETCH>;
+  }
+}
+
+QuantTileFn pick_quant_tile(int64_t bits, bool prefetch, int mr, int item_loads, int* loads) {
+  if (bits == 8)
+    return prefetch ? quant_tile_for<8, true>(mr, item_loads, loads) : quant_tile_for<8, false>(mr, item_loads, loads);
+  return prefetch ? quant_tile_for<4, true>(mr, item_loads, loads) : quant_tile_for<4, false>(mr, item_loads, loads);
+}
+
+}  // namespace
+
+void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp,
+                  const uint16_t* sp, int64_t bits, int64_t group, const float* bias, void* y, int64_t n,
+                  int64_t col_blocks) {
+  if (m <= 0) return;
+  const int64_t groups = k / group;
+  // The activations, quantized once for all column blocks, into this calling thread's scratch
+  // (kept between calls: an allocation per call costs as much as a small matrix's work at batch 1).
+  thread_local std::vector<int32_t> scratch;
+  const int64_t q_words = (m * k + 3) / 4;
+  scratch.resize(std::max<size_t>(scratch.size(), q_words + 2 * m * groups));
+  int8_t* xq = reinterpret_cast<int8_t*>(scratch.data());
+  float* xd = reinterpret_cast<float*>(scratch.data() + q_words);
+  int32_t* xs = scratch.data() + q_words + m * groups;
+  if (x_bf16)
+    quantize_rows(static_cast<const uint16_t*>(x), ldx, m, k, group, xq, xd, xs);
+  else
+    quantize_rows(static_cast<const float*>(x), ldx, m, k, group, xq, xd, xs);
+  char* yp = static_cast<char*>(y);
+  const int64_t y_item = x_bf16 ? 2 : 4, step_bytes = bits == 8 ? 256 : 128, block_loads = step_bytes / 32;
+  // Work items (block of rows, 64-column block), as in linear_bf16; a matrix with fewer column
+  // blocks than about 8 per thread, not a multiple of the thread count, is cut into halves.
+  const int64_t threads = num_threads();
+  const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
+  const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
+  const int64_t item_loads = halves ? block_loads / 2 : block_loads;
+  const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
+  const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
+  parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item % row_items) * rows_per_item, ci = item / row_items;
+      const int64_t cb = halves ? ci / 2 : ci, l_begin = halves ? (ci % 2) * item_loads : 0;
+      const int64_t r1 = std::min(m, r0 + rows_per_item);
+      const uint8_t* w = wp + cb * (k / 4) * step_bytes;
+      const uint16_t* ws = sp + cb * groups * 64;
+      for (int64_t r = r0; r < r1; r += kQuantTileM) {
+        const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
+        for (int64_t l = l_begin; l < l_begin + item_loads;) {
+          int loads;  // the item's first tile brings its weights in
+          const QuantTileFn fn = pick_quant_tile(bits, r == r0 && l == l_begin, mr, (int)item_loads, &loads);
+          fn(xq + r * k, k, xd + r * groups, xs + r * groups, groups, w, ws, group, bias, yp + r * n * y_item,
+             x_bf16, n, cb * 64, n, (int)l);
+          l += loads;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kvserve::avx2
