@@ -82,15 +82,6 @@ inline void accumulate(float* acc, int64_t d, const float* p, int64_t p_stride, 
   }
 }
 
-// bf16 rounding (nearest even) of finite fp32 lanes, kept in fp32: avx2.h's round_bf16
-// without its NaN case, for probabilities.
-inline __m256 round_finite_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
 // Rows per register block when `left` rows remain: up to `most`, balanced (9 -> 3 + 3 + 3).
 inline int row_block(int64_t left, int64_t most) {
   const int64_t blocks = (left + most - 1) / most;

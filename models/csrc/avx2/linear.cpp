@@ -73,7 +73,7 @@ template <int MR>
 void row_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* c, bool first, bool bring) {
   constexpr int NV = MR == 1 ? 8 : MR == 2 ? 4 : 2;
   for (int v = 0; v < 8; v += NV) {
-    if (bring && v == 0)
+    if (false && bring && v == 0)
       tile<MR, NV, (MR <= 2), true>(x, ldx, w, pairs, c, 64, first);
     else
       tile<MR, NV, (MR <= 2), false>(x, ldx, w + 16 * v, pairs, c + 8 * v, 64, first);

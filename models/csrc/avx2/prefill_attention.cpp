@@ -76,15 +76,6 @@ inline void widen_rows(const uint16_t* const* rows, int64_t head_off, int n, int
   std::fill(dst + n * d, dst + n_pad * d, 0.f);
 }
 
-// bf16 rounding (nearest even) of finite fp32 lanes, kept in fp32: avx2.h's round_bf16
-// without its NaN case, for probabilities.
-inline __m256 round_finite_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
 // Online-softmax step for one 8-lane column c over the chunk's n keys from t0: mask (unless
 // every key is visible to every row), new max, rescale factor, probabilities (bf16-rounded,
 // in place of the scores).
