@@ -8,6 +8,10 @@
 
 #include "../kernel_common.h"
 
+// Register arrays (a tile's accumulators) live in registers only when their loops are unrolled
+// before register allocation.
+#define KV_UNROLL _Pragma("GCC unroll 16")
+
 namespace kvserve::avx2 {
 
 // 8 bf16 -> 8 fp32 (exact)

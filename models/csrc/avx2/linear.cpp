@@ -18,14 +18,11 @@ constexpr int kTileM = 4;             // rows per register tile
 constexpr int64_t kBlockM = 96;       // rows per work item
 constexpr int64_t kChunkPairs = 256;  // feature pairs per K chunk: 64 KiB of a block's weights
 
-// The register arrays live in registers only when their loops are unrolled before allocation.
-#define KV_UNROLL _Pragma("GCC unroll 16")
-
 // Rows [0, MR) x vectors [0, NV) (8 columns each) of c (fp32, rows ldc apart) += x[:, 2 kh0 ..]
 // @ the weights `w` (already offset to the chunk and the first column) over `pairs` pairs.
 // Registers: MR * NV accumulators, plus either every row's two broadcasts (ROWS_INNER: each
 // weight vector widened once, used by all rows) or every vector's widened weights (rows outer).
-template <int MR, int NV, bool ROWS_INNER, bool PREFETCH>
+template <int MR, int NV, bool ROWS_INNER>
 void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* c, int64_t ldc, bool first) {
   const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 acc[MR][NV];
@@ -37,8 +34,6 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* 
   for (int64_t kh = 0; kh < pairs; ++kh) {
     const uint16_t* wk = w + kh * 128;
     const float* xk = x + 2 * kh;
-    if (PREFETCH)  // the block's weights, a few KiB ahead: this tile reads a quarter of each line
-      for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(wk + 16 * 128 + 32 * line), _MM_HINT_T0);
     __m256 even[NV], odd[NV];
     KV_UNROLL for (int j = 0; j < NV; ++j) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(wk + 16 * j));
@@ -67,17 +62,11 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* 
 }
 
 // All 64 columns of mr rows: 1-2 rows take wide tiles (enough independent accumulators to hide
-// the FMA latency), 3-4 rows 16 columns at a time. The first tile of a chunk brings its weights
-// in: it prefetches them, as the hardware does not follow a stride of a quarter of the lines.
+// the FMA latency), 3-4 rows 16 columns at a time.
 template <int MR>
-void row_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* c, bool first, bool bring) {
+void row_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* c, bool first) {
   constexpr int NV = MR == 1 ? 8 : MR == 2 ? 4 : 2;
-  for (int v = 0; v < 8; v += NV) {
-    if (false && bring && v == 0)
-      tile<MR, NV, (MR <= 2), true>(x, ldx, w, pairs, c, 64, first);
-    else
-      tile<MR, NV, (MR <= 2), false>(x, ldx, w + 16 * v, pairs, c + 8 * v, 64, first);
-  }
+  for (int v = 0; v < 8; v += NV) tile<MR, NV, (MR <= 2)>(x, ldx, w + 16 * v, pairs, c + 8 * v, 64, first);
 }
 
 using RowTileFn = decltype(&row_tile<1>);
@@ -156,7 +145,7 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
         const int64_t pairs = std::min(kChunkPairs, half_k - kh0);
         for (int64_t r = r0; r < r1; r += kTileM) {
           const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
-          row_tile_fn(mr)(xf + r * k + 2 * kh0, k, w + kh0 * 128, pairs, c + (r - r0) * 64, kh0 == 0, r == r0);
+          row_tile_fn(mr)(xf + r * k + 2 * kh0, k, w + kh0 * 128, pairs, c + (r - r0) * 64, kh0 == 0);
         }
       }
       finish(c, r1 - r0, bias, yp + r0 * n, n, cb * 64, n);

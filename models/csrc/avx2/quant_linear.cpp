@@ -87,9 +87,6 @@ inline void store8(__m256 v, void* y, bool y_bf16, int64_t at, int64_t width) {
   }
 }
 
-// The register arrays live in registers only when their loops are unrolled before allocation.
-#define KV_UNROLL _Pragma("GCC unroll 16")
-
 // MR rows x the columns of NL 32-byte weight loads from load l0 on (int8: NL vectors of 8
 // columns, int4: 2 NL), over all groups; then the bias, written to y (bf16 or fp32). Registers
 // in the step loop: the int32 (int8) or int16 (int4) sums, and either every row's broadcast
