@@ -6,9 +6,5 @@ KV_EXPORT const kvserve::KernelSet* kvserve_kernels_avx2(const kvserve::Host* h)
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
     return nullptr;
   host() = h;
-  static const KernelSet set{kKernelAbi,          "avx2",           avx2::linear_bf16,       avx2::quant_linear,
-                             avx2::decode_attention, avx2::prefill_attention, avx2::rms_norm_bf16,
-                             avx2::add_rms_norm_bf16, avx2::rotary_bf16, avx2::silu_and_mul_bf16, avx2::argmax_bf16,
-                             avx2::logprobs_topk,  nullptr,          nullptr};
-  return &set;
+  return avx2::kernel_table("avx2");
 }

@@ -10,19 +10,5 @@ KV_EXPORT const kvserve::KernelSet* kvserve_kernels_avx512(const kvserve::Host* 
                   __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (!ok) return nullptr;
   host() = h;
-  static const KernelSet set{kKernelAbi,
-                             "avx512",
-                             avx512::linear_bf16,
-                             avx512::quant_linear,
-                             avx512::decode_attention,
-                             avx512::prefill_attention,
-                             avx512::rms_norm_bf16,
-                             avx512::add_rms_norm_bf16,
-                             avx512::rotary_bf16,
-                             avx512::silu_and_mul_bf16,
-                             avx512::argmax_bf16,
-                             avx512::logprobs_topk,
-                             avx512::has_amx,
-                             avx512::set_amx};
-  return &set;
+  return avx512::kernel_table("avx512", avx512::has_amx, avx512::set_amx);
 }

@@ -81,24 +81,6 @@ inline float32x4_t exp_any(float32x4_t x) {
   return exp_in_range(vminq_f32(vmaxq_f32(x, vdupq_n_f32(-104.f)), vdupq_n_f32(88.7f)));
 }
 
-// The kernels of the set (kernels.h's signatures), each family in its own translation unit.
-void linear_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* w, int64_t half_k, int64_t col_blocks,
-                 const float* bias, uint16_t* y, int64_t n);
-void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k, const uint8_t* w,
-                  const uint16_t* scales, int64_t bits, int64_t group, const float* bias, void* y, int64_t n,
-                  int64_t col_blocks);
-void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                      const int64_t* table, const int64_t* seq_lens, int64_t num_reqs, uint16_t* out);
-void prefill_attention(const PrefillArgs& a, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                       const int64_t* table, int64_t num_kv_heads, int64_t lq, uint16_t* out, int64_t out_stride);
-void rms_norm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out, int64_t rows, int64_t n,
-                   float eps);
-void add_rms_norm_bf16(uint16_t* residual, const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,
-                       int64_t rows, int64_t n, float eps);
-void rotary_bf16(uint16_t* x, int64_t ldx, const uint16_t* cos_sin, int64_t rows, int64_t num_heads, int64_t d);
-void silu_and_mul_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t rows, int64_t n);
-void argmax_bf16(const uint16_t* logits, int64_t ld, int64_t rows, int64_t v, int64_t* out);
-void logprobs_topk(const void* x, bool x_bf16, int64_t ld, int64_t rows, int64_t v, const int64_t* tokens, int64_t k,
-                   float* sampled, float* top_vals, int64_t* top_ids);
+#include "../set_kernels.h"
 
 }  // namespace kvserve::neon

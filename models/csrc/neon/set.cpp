@@ -25,19 +25,5 @@ KV_EXPORT const kvserve::KernelSet* kvserve_kernels_neon(const kvserve::Host* h)
   using namespace kvserve;
   if (!has_dotprod()) return nullptr;
   host() = h;
-  static const KernelSet set{kKernelAbi,
-                             "neon",
-                             neon::linear_bf16,
-                             neon::quant_linear,
-                             neon::decode_attention,
-                             neon::prefill_attention,
-                             neon::rms_norm_bf16,
-                             neon::add_rms_norm_bf16,
-                             neon::rotary_bf16,
-                             neon::silu_and_mul_bf16,
-                             neon::argmax_bf16,
-                             neon::logprobs_topk,
-                             nullptr,
-                             nullptr};
-  return &set;
+  return neon::kernel_table("neon");
 }
