@@ -80,6 +80,66 @@ RowTileFn row_tile_fn(int mr) {
   }
 }
 
+// The same tile on weights already widened (`widen_chunk`): no integer work in the loop, so the
+// FMA ports do nothing else; the same FMAs in the same order, so the same bits.
+template <int MR>
+void tile_wide(const float* x, int64_t ldx, const float* wf, int64_t pairs, float* c, int64_t ldc, bool first) {
+  constexpr int NV = 2;
+  __m256 acc[MR][NV];
+  KV_UNROLL for (int i = 0; i < MR; ++i) {
+    KV_UNROLL for (int j = 0; j < NV; ++j) {
+      acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * j);
+    }
+  }
+  for (int64_t kh = 0; kh < pairs; ++kh) {
+    const float* wk = wf + kh * 32;
+    const float* xk = x + 2 * kh;
+    __m256 even[NV], odd[NV];
+    KV_UNROLL for (int j = 0; j < NV; ++j) {
+      even[j] = _mm256_loadu_ps(wk + 8 * j);
+      odd[j] = _mm256_loadu_ps(wk + 16 + 8 * j);
+    }
+    KV_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(xk + i * ldx), xo = _mm256_broadcast_ss(xk + i * ldx + 1);
+      KV_UNROLL for (int j = 0; j < NV; ++j) {
+        acc[i][j] = _mm256_fmadd_ps(even[j], xe, acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(odd[j], xo, acc[i][j]);
+      }
+    }
+  }
+  KV_UNROLL for (int i = 0; i < MR; ++i) {
+    KV_UNROLL for (int j = 0; j < NV; ++j) _mm256_storeu_ps(c + i * ldc + 8 * j, acc[i][j]);
+  }
+}
+
+using TileWideFn = decltype(&tile_wide<1>);
+
+TileWideFn tile_wide_fn(int mr) {
+  switch (mr) {
+    case 1: return tile_wide<1>;
+    case 2: return tile_wide<2>;
+    case 3: return tile_wide<3>;
+    default: return tile_wide<4>;
+  }
+}
+
+// One chunk of a block's packed weights ([pairs][64][2] bf16) -> fp32 strips of 16 columns,
+// [4][pairs][even 16 | odd 16]: a strip (the weights of one column tile) is contiguous and small
+// enough to stay in L1 while every row tile of the item reads it.
+void widen_chunk(const uint16_t* w, int64_t pairs, float* out) {
+  const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t kh = 0; kh < pairs; ++kh)
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + kh * 128 + 16 * j));
+      float* dst = out + (j / 2) * pairs * 32 + kh * 32 + (j % 2) * 8;
+      _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_storeu_ps(dst + 16, _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask)));
+    }
+}
+
+// Rows of an item from which its weight chunks are widened once for all its row tiles.
+constexpr int64_t kWidenMinRows = 8;
+
 // c [rows][64] (+ bias) -> y columns [col0, col0 + 64) cut at n, rounded to bf16.
 void finish(const float* c, int64_t rows, const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
   for (int64_t v = 0; v < 64; v += 8) {
@@ -133,8 +193,9 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
   // Row blocks vary fastest (as in the AVX-512 set): a thread's contiguous share mixes full and
   // short row blocks when a few column blocks are split by rows.
   parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> c_scratch;  // fp32 sums of an item between K chunks
+    thread_local std::vector<float> c_scratch, w_scratch;  // an item's fp32 sums; a widened chunk
     c_scratch.resize(kBlockM * 64);
+    w_scratch.resize(kChunkPairs * 128);
     float* c = c_scratch.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
@@ -143,6 +204,16 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
       if (half_k == 0) std::fill(c, c + (r1 - r0) * 64, 0.f);
       for (int64_t kh0 = 0; kh0 < half_k; kh0 += kChunkPairs) {
         const int64_t pairs = std::min(kChunkPairs, half_k - kh0);
+        if (r1 - r0 >= kWidenMinRows) {  // each 16-column strip through every row tile
+          widen_chunk(w + kh0 * 128, pairs, w_scratch.data());
+          for (int v = 0; v < 4; ++v)
+            for (int64_t r = r0; r < r1; r += kTileM) {
+              const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
+              tile_wide_fn(mr)(xf + r * k + 2 * kh0, k, w_scratch.data() + v * pairs * 32, pairs,
+                               c + (r - r0) * 64 + 16 * v, 64, kh0 == 0);
+            }
+          continue;
+        }
         for (int64_t r = r0; r < r1; r += kTileM) {
           const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
           row_tile_fn(mr)(xf + r * k + 2 * kh0, k, w + kh0 * 128, pairs, c + (r - r0) * 64, kh0 == 0);
