@@ -68,6 +68,33 @@ inline float fp16_to_float(uint16_t h) {
   return f;
 }
 
+// An element of a row of logits as fp32 (bf16 widened exactly).
+inline float value_at(const float* x, int64_t i) { return x[i]; }
+inline float value_at(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
+
+// kernels.h's logprobs_topk over rows, given a set's row function
+// row(const T* x_row, v, k, float* log_norm, float* top_vals, int64_t* top_ids) for T = uint16_t
+// (bf16) and float: it finds the row's log-normalizer and its k largest values.
+template <typename RowFn>
+void logprobs_topk_rows(const void* x, bool x_bf16, int64_t ld, int64_t rows, int64_t v, const int64_t* tok, int64_t k,
+                        float* sp, float* tv, int64_t* ti, const RowFn& row_fn) {
+  auto run = [&](const auto* base) {
+    parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const auto* row = base + r * ld;
+        float norm;
+        row_fn(row, v, k, &norm, tv + r * k, ti + r * k);
+        sp[r] = value_at(row, tok[r]) - norm;
+        for (int64_t j = 0; j < k; ++j) tv[r * k + j] -= norm;
+      }
+    });
+  };
+  if (x_bf16)
+    run(static_cast<const uint16_t*>(x));
+  else
+    run(static_cast<const float*>(x));
+}
+
 // Where cached tokens t0 .. t0 + n - 1 (all KV heads) sit in a K or V cache.
 inline void token_rows(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t stride_block,
                        int64_t stride_token, int64_t t0, int n, const uint16_t** rows) {

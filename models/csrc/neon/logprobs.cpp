@@ -4,8 +4,6 @@
 
 namespace kvserve::neon {
 
-inline float value_at(const float* x, int64_t i) { return x[i]; }
-inline float value_at(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
 
 // 4 values from p as fp32 (bf16 widened exactly), the first n of them when n < 4 (`fill` after).
 inline float32x4_t load4(const float* p, int64_t n, float fill) {
@@ -60,26 +58,12 @@ void logprobs_row(const T* x, int64_t v, int64_t k, float* log_norm, float* top_
   *log_norm = row_max + std::log(vaddvq_f32(sum));
 }
 
-template <typename T>
-void logprobs_rows(const T* x, int64_t ld, int64_t rows, int64_t v, const int64_t* tok, int64_t k, float* sp,
-                   float* tv, int64_t* ti) {
-  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * ld;
-      float norm;
-      logprobs_row<T>(row, v, k, &norm, tv + r * k, ti + r * k);
-      sp[r] = value_at(row, tok[r]) - norm;
-      for (int64_t j = 0; j < k; ++j) tv[r * k + j] -= norm;
-    }
-  });
-}
-
 void logprobs_topk(const void* x, bool x_bf16, int64_t ld, int64_t rows, int64_t v, const int64_t* tokens, int64_t k,
                    float* sampled, float* top_vals, int64_t* top_ids) {
-  if (x_bf16)
-    logprobs_rows(static_cast<const uint16_t*>(x), ld, rows, v, tokens, k, sampled, top_vals, top_ids);
-  else
-    logprobs_rows(static_cast<const float*>(x), ld, rows, v, tokens, k, sampled, top_vals, top_ids);
+  logprobs_topk_rows(x, x_bf16, ld, rows, v, tokens, k, sampled, top_vals, top_ids,
+                     [](const auto* row, int64_t n, int64_t kk, float* norm, float* vals, int64_t* ids) {
+                       logprobs_row(row, n, kk, norm, vals, ids);
+                     });
 }
 
 }  // namespace kvserve::neon
