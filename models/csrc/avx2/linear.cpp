@@ -81,7 +81,10 @@ RowTileFn row_tile_fn(int mr) {
 }
 
 // The same tile on weights already widened (`widen_chunk`): no integer work in the loop, so the
-// FMA ports do nothing else; the same FMAs in the same order, so the same bits.
+// FMA ports do nothing else; the same FMAs in the same order, so the same bits. Up to 6 rows x 16
+// columns: 12 accumulators (enough independent FMAs in flight to cover their latency on both
+// ports), the even features' two weight vectors, then the odd ones', and one broadcast at a time
+// fit AVX2's 16 registers.
 template <int MR>
 void tile_wide(const float* x, int64_t ldx, const float* wf, int64_t pairs, float* c, int64_t ldc, bool first) {
   constexpr int NV = 2;
@@ -94,16 +97,12 @@ void tile_wide(const float* x, int64_t ldx, const float* wf, int64_t pairs, floa
   for (int64_t kh = 0; kh < pairs; ++kh) {
     const float* wk = wf + kh * 32;
     const float* xk = x + 2 * kh;
-    __m256 even[NV], odd[NV];
-    KV_UNROLL for (int j = 0; j < NV; ++j) {
-      even[j] = _mm256_loadu_ps(wk + 8 * j);
-      odd[j] = _mm256_loadu_ps(wk + 16 + 8 * j);
-    }
-    KV_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m256 xe = _mm256_broadcast_ss(xk + i * ldx), xo = _mm256_broadcast_ss(xk + i * ldx + 1);
-      KV_UNROLL for (int j = 0; j < NV; ++j) {
-        acc[i][j] = _mm256_fmadd_ps(even[j], xe, acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(odd[j], xo, acc[i][j]);
+    KV_UNROLL for (int half = 0; half < 2; ++half) {  // the even feature of the pair, then the odd one
+      const __m256 w0 = _mm256_loadu_ps(wk + 16 * half), w1 = _mm256_loadu_ps(wk + 16 * half + 8);
+      KV_UNROLL for (int i = 0; i < MR; ++i) {
+        const __m256 xb = _mm256_broadcast_ss(xk + i * ldx + half);
+        acc[i][0] = _mm256_fmadd_ps(w0, xb, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(w1, xb, acc[i][1]);
       }
     }
   }
@@ -112,6 +111,8 @@ void tile_wide(const float* x, int64_t ldx, const float* wf, int64_t pairs, floa
   }
 }
 
+constexpr int kWideTileM = 6;  // rows per tile on widened weights
+
 using TileWideFn = decltype(&tile_wide<1>);
 
 TileWideFn tile_wide_fn(int mr) {
@@ -119,7 +120,9 @@ TileWideFn tile_wide_fn(int mr) {
     case 1: return tile_wide<1>;
     case 2: return tile_wide<2>;
     case 3: return tile_wide<3>;
-    default: return tile_wide<4>;
+    case 4: return tile_wide<4>;
+    case 5: return tile_wide<5>;
+    default: return tile_wide<6>;
   }
 }
 
@@ -207,8 +210,8 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
         if (r1 - r0 >= kWidenMinRows) {  // each 16-column strip through every row tile
           widen_chunk(w + kh0 * 128, pairs, w_scratch.data());
           for (int v = 0; v < 4; ++v)
-            for (int64_t r = r0; r < r1; r += kTileM) {
-              const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
+            for (int64_t r = r0; r < r1; r += kWideTileM) {
+              const int mr = (int)std::min<int64_t>(kWideTileM, r1 - r);
               tile_wide_fn(mr)(xf + r * k + 2 * kh0, k, w_scratch.data() + v * pairs * 32, pairs,
                                c + (r - r0) * 64 + 16 * v, 64, kh0 == 0);
             }
