@@ -34,6 +34,9 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* 
   for (int64_t kh = 0; kh < pairs; ++kh) {
     const uint16_t* wk = w + kh * 128;
     const float* xk = x + 2 * kh;
+    if constexpr (MR == 1 && NV == 8) {  // one row streams the block: fetch a few KiB ahead
+      KV_UNROLL for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)wk + 4096 + 64 * line, _MM_HINT_T0);
+    }
     __m256 even[NV], odd[NV];
     KV_UNROLL for (int j = 0; j < NV; ++j) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(wk + 16 * j));
