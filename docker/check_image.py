@@ -215,22 +215,26 @@ def uid_of(pid: int) -> int:
     return int(line.split()[1])
 
 
-def kernels_digest(torch_version: str) -> str:
-    """The folder name kvserve's models/cpu_ops.py gives the binding built from this checkout."""
+# models/cpu_build.HOST_FLAGS: part of the host library's folder name
+HOST_FLAGS = "-O2 -std=c++17 -fPIC -fvisibility=hidden -fvisibility-inlines-hidden"
+
+
+def kernels_digest() -> str:
+    """The folder name kvserve's models/cpu_build.py gives the host library built from this checkout
+    (no torch in it: any torch shares it)."""
     csrc = REPO / "models" / "csrc"
-    paths = sorted([csrc / "ops.cpp", csrc / "decoder_stack.cpp", *csrc.glob("*.h")])
+    paths = sorted([*(csrc / "host").glob("*.cpp"), *(csrc / "host").glob("*.h"), *csrc.glob("*.h")])
     sources = b"".join(path.name.encode() + path.read_bytes() for path in paths)
-    return hashlib.sha256(sources + torch_version.encode()).hexdigest()[:16]
+    return "host-" + hashlib.sha256(sources + HOST_FLAGS.encode()).hexdigest()[:16]
 
 
 KERNEL_PROBE = """
 import json, torch
 from kvserve.models import cpu_ops
-folder = cpu_ops.binding_dir()
+library = cpu_ops.host_library()
 sets = ["avx512", "avx2"] if cpu_ops.cpu_isa.machine_arch() == "x86_64" else ["neon"]
-print(json.dumps({"torch": torch.__version__, "folder": str(folder),
-                  "prebuilt": (folder / "kvserve_cpu_ops.so").exists()
-                  and all(cpu_ops.set_library(isa).exists() for isa in sets),
+print(json.dumps({"torch": torch.__version__, "folder": str(library.parent),
+                  "prebuilt": library.exists() and all(cpu_ops.set_library(isa).exists() for isa in sets),
                   "loaded": cpu_ops.load(), "isa": cpu_ops.isa(),
                   "compiler": __import__("shutil").which("g++") is not None}))
 """
@@ -356,7 +360,7 @@ def check_run(image: Image, work: Path) -> None:
     probe = exec_in(["python", "-c", KERNEL_PROBE])
     need(probe.returncode == 0, f"kernel probe failed: {probe.stderr[-2000:]}")
     kernels = json.loads(probe.stdout.strip().splitlines()[-1])
-    expected = kernels_digest(kernels["torch"])
+    expected = kernels_digest()
     need(Path(kernels["folder"]).name == expected,
          f"the image's kernel sources differ from this checkout's ({kernels['folder']} vs {expected})")
     need(kernels["prebuilt"] and kernels["loaded"] and not kernels["compiler"],

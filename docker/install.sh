@@ -84,7 +84,7 @@ package)
 kernels)
     # The installed package's models/csrc, built where kvserve will look for
     # it (KVSERVE_CPU_OPS_DIR, in folders named by the sources' digests): the
-    # torch binding and every kernel set of this architecture (avx512 and avx2
+    # host library and every kernel set of this architecture (avx512 and avx2
     # on x86-64, neon on ARM64), so the image runs fast on any CPU, not only the
     # builder's. Fails loudly: an image that silently fell back to the PyTorch
     # path would be slower with nothing to say why.
@@ -99,7 +99,7 @@ kernels)
     esac
     KVSERVE_CPU_OPS_DIR=$out "$venv/bin/python" -c \
         "from kvserve.models import cpu_ops; print('kernel sets:', *cpu_ops.build_all())"
-    # Only the libraries are loaded: drop the objects and ninja's files.
+    # Only the libraries are loaded: drop anything else a build left.
     find "$out" -type f ! -name '*.so' -delete
     ;;
 *)

@@ -22,18 +22,25 @@ class CpuFusedOps(FusedOps):
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if cpu_ops.use_fused_bf16_rows(x):
             # one op, same roundings (in fp32 its sum order differs from HF's: keep PyTorch's)
-            return torch.ops.kvserve.rms_norm(x, weight, eps)
+            return cpu_ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         if cpu_ops.use_fused_bf16_rows(x) and residual.is_contiguous() and residual.dtype == x.dtype:
-            return torch.ops.kvserve.add_rms_norm_(residual, x, weight, eps), residual  # sum into residual
+            return cpu_ops.add_rms_norm_(residual, x, weight, eps), residual  # sum into residual
         return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         if cpu_ops.use_fused_bf16_rows(x) and cpu_ops.has_fast_bf16():  # (no scalar fallback)
-            return torch.ops.kvserve.silu_and_mul(x)  # one op, same roundings
+            return cpu_ops.silu_and_mul(x)  # one op, same roundings
         return super().silu_and_mul(x)
+
+    def rms_norm_heads_(self, heads: Tensor, weight: Tensor, eps: float) -> None:
+        if (heads.dtype == torch.bfloat16 and heads.is_cpu and heads.stride(2) == 1
+                and heads.stride(1) == heads.shape[2] and cpu_ops.has_fast_bf16()):
+            cpu_ops.rms_norm_heads_(heads, weight, eps)  # the set's row kernel, in place (as the decoder stack does)
+        else:
+            super().rms_norm_heads_(heads, weight, eps)
 
 
 class KernelLinear:

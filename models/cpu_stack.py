@@ -2,9 +2,10 @@
 
 At batch 1 a decode step reads every weight once, and with int8/int4 weights that read is
 short enough for the Python around the kernels (a dozen module calls and op dispatches per
-layer) to cost about as much again. `DecoderStack` (models/csrc/decoder_stack.cpp) runs the
-same kernels in the same order as the model's forward with the CPU backend, so its output
-is bit for bit the same; the runner calls it instead of the model when `build` returns one.
+layer) to cost about as much again. The host library's decoder stack
+(models/csrc/host/decoder_stack.cpp) runs the same kernels in the same order as the model's
+forward with the CPU backend, so its output is bit for bit the same; the runner calls it
+instead of the model when `build` returns one.
 
 A model qualifies when every piece of it is one the C++ loop knows: Llama, Mistral, Qwen2 or
 Qwen3 layers (silu MLP), bf16, one rank, the paged attention kernels, and every matmul on
@@ -34,7 +35,7 @@ _ATTENTION_FORWARDS = (LlamaAttention.forward, Qwen3Attention.forward)
 
 
 def why_not(model: nn.Module) -> str | None:
-    """None when `DecoderStack` can run `model`'s layers, else what stops it."""
+    """None when the C++ decoder stack can run `model`'s layers, else what stops it."""
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family model"
     if not cpu_ops.has_fast_bf16():
@@ -57,8 +58,9 @@ def _layer_why_not(layer: nn.Module) -> str | None:
         return f"{type(attn).__name__} has its own forward"
     if layer.mlp.act is not None:
         return "the MLP's activation is not silu"
+    norms = [getattr(attn, name) for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
     if not all(isinstance(m.ops, CpuFusedOps) for m in (layer.input_layernorm, layer.post_attention_layernorm,
-                                                        layer.mlp)):
+                                                        layer.mlp, *norms)):
         return "the fused ops are not the CPU's"
     backend = attn.attn.backend
     if not (getattr(backend, "paged_kernels", False) and backend.fused_write and backend.fused_rotary):
@@ -75,7 +77,7 @@ def _layer_why_not(layer: nn.Module) -> str | None:
 
 
 def _kernel_of(linear: Linear) -> tuple | None:
-    """(packed, scales, bias, n, bits, group) for `DecoderStack.add_linear`, or None."""
+    """(packed, scales, bias, n, bits, group) of a matmul the stack runs, or None."""
     packed = linear.packed
     if isinstance(packed, KernelLinear):
         return packed.weight, None, packed.bias, packed.out_features, 16, 0
@@ -86,30 +88,31 @@ def _kernel_of(linear: Linear) -> tuple | None:
 
 
 class CpuDecoderStack:
-    """`model(input_ids, positions)` for the runner, through one `DecoderStack` call per step.
+    """`model(input_ids, positions)` for the runner, through one C++ call per step.
 
-    The C++ object holds the layers' KV caches; it is rebuilt if the runner gives the layers new ones."""
+    The C++ stack holds pointers to the layers' weights and KV caches (this object keeps the
+    tensors alive); it is rebuilt if the runner gives the layers new caches."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.inner = model.model
         self.attention: list[Attention] = [layer.self_attn.attn for layer in self.inner.layers]
         self._caches: list[Tensor | None] = []
-        self._stack = None
+        self._stack: cpu_ops.DecoderStack | None = None
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:  # -> [T, hidden]
         if any(a.kv_cache is not c for a, c in zip(self.attention, self._caches)) or not self._caches:
             self._stack = self._build()
         inner = self.inner
-        x = inner.embed_tokens(input_ids)
-        cos_sin = inner.rotary_emb.cos_sin_cache.index_select(0, positions.long())
+        x = inner.embed_tokens(input_ids)  # [T, hidden]: the residual stream, overwritten in place
+        cos_sin = inner.rotary_emb.cos_sin_cache.index_select(0, positions.long())  # [T, 2, D]
         return self._stack.forward(x, inner.norm.weight, cos_sin, meta.slot_mapping, meta.block_table, meta.seq_lens,
                                    meta.query_lens_cpu, meta.seq_lens_cpu)
 
-    def _build(self):
+    def _build(self) -> cpu_ops.DecoderStack:
         self._caches = [a.kv_cache for a in self.attention]
         if any(c is None for c in self._caches):
             raise RuntimeError("the CPU decoder stack needs the layers' KV caches (assign Attention.kv_cache first)")
-        stack = torch.classes.kvserve.DecoderStack(self.inner.norm.eps)
+        stack = cpu_ops.DecoderStack(self.inner.norm.eps)
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

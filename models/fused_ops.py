@@ -33,5 +33,9 @@ class FusedOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def rms_norm_heads_(self, heads: Tensor, weight: Tensor, eps: float) -> None:
+        """`rms_norm` of each head of heads [T, H, D] (a view into qkv), written back in place."""
+        heads.copy_(self.rms_norm(heads, weight, eps))
+
 
 TORCH_OPS = FusedOps()

@@ -116,6 +116,10 @@ class RMSNorm(nn.Module):
         model dtype as `residual + x` is (fused ops may write it into `residual`)."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def norm_heads_(self, heads: Tensor) -> None:
+        """The norm of each head of heads [T, H, D] (a view into qkv: Qwen3's q/k norms), in place."""
+        self.ops.rms_norm_heads_(heads, self.weight, self.eps)
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The rope settings of an HF config as one dict with `rope_type` and `rope_theta`.

@@ -9,7 +9,7 @@ the exact values of a Q8_0 or Q4_0 file gives back that file's blocks.
 
 Each `Linear` is quantized once its weight is loaded (`Quantizer`); `QuantizedLinear` replaces
 its matmul. With a CPU kernel set loaded (models/cpu_ops: AVX-512 VNNI, AVX2, NEON) the weight is packed for
-`torch.ops.kvserve.quant_linear`, which also quantizes the activations per row and group
+`cpu_ops.quant_linear`, which also quantizes the activations per row and group
 (as llama.cpp does) and multiplies in int8 (`reference_linear` is its exact definition in
 float64). Elsewhere the weight stays plain ([N, K] int8, or int4 two to a byte): on CUDA the
 Triton weight-only kernel multiplies it (models/kernels/triton_quant.py); otherwise, and as the
@@ -197,7 +197,7 @@ def quantize_activations(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
 
 
 def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
-    """What `torch.ops.kvserve.quant_linear` computes, in float64: x [M, K] -> [M, N]."""
+    """What `cpu_ops.quant_linear` computes, in float64: x [M, K] -> [M, N]."""
     qx, dx = quantize_activations(x, weight.group)
     qw, dw = weight.unpack()
     g = weight.group
@@ -258,13 +258,13 @@ class QuantizedLinear:
             full = dequantize(w.full_q(), w.scales, w.group).to(x.dtype)
             return F.linear(x, full, None if self.bias is None else self.bias.to(x.dtype))
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:  # the model's case: no reshapes
-            return torch.ops.kvserve.quant_linear(x, w.data, w.scales, self.bias, w.n, w.bits, w.group)
+            return cpu_ops.quant_linear(x, w.data, w.scales, self.bias, w.n, w.bits, w.group)
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype not in (torch.bfloat16, torch.float32):  # fp16: the kernel reads bf16 or fp32
             flat = flat.float()
         elif flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = torch.ops.kvserve.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group).to(x.dtype)
+        y = cpu_ops.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 

@@ -37,8 +37,8 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KvH) * D]
         q, k, _ = self.attn.split_qkv(qkv)
-        q.copy_(self.q_norm(q))  # per head, before the rotary embedding; written back into qkv
-        k.copy_(self.k_norm(k))
+        self.q_norm.norm_heads_(q)  # per head, before the rotary embedding; in place in qkv
+        self.k_norm.norm_heads_(k)
         return self.o_proj(self.attn(qkv))
 
 

@@ -52,11 +52,11 @@ def kernel_set(request):
 
 @pytest.fixture(params=[*[s for s in _kernel_sets() if s != "none"], "none"])
 def kernel_set_or_none(request):
-    """`kernel_set`, plus a run with no set loaded (the binding's plain loops)."""
+    """`kernel_set`, plus a run with no set loaded (the host library's plain loops)."""
     from kvserve.models import cpu_ops
 
     if not cpu_ops.load():
-        pytest.skip("kvserve's CPU binding could not be built here")
+        pytest.skip("kvserve's CPU host library could not be built here")
     previous = cpu_ops.use_isa(request.param)
     try:
         yield request.param

@@ -210,7 +210,7 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
     with torch.no_grad():
         norm.weight.normal_()
     x = (torch.randn(rows, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
-    got = torch.ops.kvserve.rms_norm(x, norm.weight, norm.eps)
+    got = cpu_ops.rms_norm(x, norm.weight, norm.eps)
     ref = F.rms_norm(x, (576,), norm.weight, norm.eps) if dtype == torch.float32 else (
         norm.weight * F.rms_norm(x, (576,), None, norm.eps))
     # bf16: the normalized value is rounded before the weight multiplies it, so a sum of squares
@@ -242,7 +242,7 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
     # the module's own norm of the sum: the fused op where it applies (a kernel set, or few rows),
     # else PyTorch's ops
     fused = cpu_ops.use_fused_bf16_rows(x)
-    own = torch.ops.kvserve.rms_norm(expected_sum, norm.weight, norm.eps) if fused else (
+    own = cpu_ops.rms_norm(expected_sum, norm.weight, norm.eps) if fused else (
         norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps))
     assert torch.equal(normed, own)
     torch.testing.assert_close(normed, norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps),
@@ -270,10 +270,10 @@ def test_write_kv_cache_matches_index_copy(dtype):
     ref = cache.clone()
     ref[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     ref[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-    torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots)
+    cpu_ops.write_kv_cache(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, ref)
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.kvserve.write_kv_cache(k, v, cache[0], cache[1], slots + 160)
+        cpu_ops.write_kv_cache(k, v, cache[0], cache[1], slots + 160)
 
 
 @pytest.mark.usefixtures("kernel_set_or_none")
@@ -289,7 +289,7 @@ def test_fused_rotary_matches_apply_rotary(dtype):
     qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim).to(dtype)
     ref = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(5, heads + kv_heads, head_dim), cos_sin)
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    torch.ops.kvserve.rotary_(qkv, cos_sin, heads + kv_heads, head_dim)
+    cpu_ops.rotary_(qkv, cos_sin, heads + kv_heads, head_dim)
     torch.testing.assert_close(qkv[:, : (heads + kv_heads) * head_dim], ref.flatten(1), atol=0, rtol=0)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # values untouched
 
@@ -357,7 +357,7 @@ def test_fused_silu_and_mul_matches_pytorch(rows, inter):
     x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated and zero gates
     gate, up = x.chunk(2, dim=-1)
     ref = F.silu(gate) * up
-    got = torch.ops.kvserve.silu_and_mul(x)
+    got = cpu_ops.silu_and_mul(x)
     # ~1-ulp exp differences may flip a bf16 rounding: at most one bf16 step apart
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-6, rtol=1 / 128)
     torch.testing.assert_close(TORCH_OPS.silu_and_mul(x), got)
@@ -371,7 +371,7 @@ def test_fused_rotary_avx512_path_is_bitwise_pytorch():
     cos_sin = rope(torch.tensor([3, 1000, 2047]))
     x = torch.randn(3, 6 * 128).bfloat16()
     ref = apply_rotary(x.view(3, 6, 128), cos_sin).flatten(1)
-    torch.ops.kvserve.rotary_(x, cos_sin, 6, 128)
+    cpu_ops.rotary_(x, cos_sin, 6, 128)
     assert torch.equal(x, ref)
 
 
@@ -419,3 +419,234 @@ def test_logprobs_topk_matches_torch(dtype, rows, vocab, k):
     assert torch.equal(raw.gather(1, ids), values) and ids.dtype == torch.int64
     if k >= 2:
         assert ids[0, :2].tolist() == [vocab // 3, vocab // 2]
+
+
+# ---- the host library: no torch headers, torch's threads, errors as exceptions -------------------
+
+
+def test_host_library_sources_have_no_torch_or_python_headers():
+    """It compiles in seconds because nothing in models/csrc includes torch's (or Python's) headers."""
+    for path in [*cpu_ops.cpu_build.CSRC.rglob("*.cpp"), *cpu_ops.cpu_build.CSRC.rglob("*.h")]:
+        includes = [line for line in path.read_text().splitlines() if line.startswith("#include")]
+        assert not [i for i in includes if any(w in i for w in ("torch", "ATen", "c10", "Python.h", "pybind"))], path
+
+
+def test_the_image_check_names_the_host_library_folder_as_the_build_does():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_image", cpu_ops.cpu_build.CSRC.parents[1] / "docker"
+                                                  / "check_image.py")
+    check_image = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_image)
+    assert check_image.kernels_digest() == cpu_ops.host_library().parent.name
+    assert check_image.HOST_FLAGS == " ".join(cpu_ops.cpu_build.HOST_FLAGS)
+
+
+def test_a_failed_build_is_an_exception_per_library(tmp_path, monkeypatch):
+    from kvserve.models import cpu_build
+
+    monkeypatch.setenv("KVSERVE_CPU_OPS_DIR", str(tmp_path))
+    (result,) = cpu_build.build([cpu_build.host_target()], compiler=str(tmp_path / "no-such-compiler"))
+    assert isinstance(result, OSError)
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    target = cpu_build.Target("broken", tmp_path / "broken" / "broken.so", [bad], ["-std=c++17"], [])
+    (result,) = cpu_build.build([target])
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler on this machine")
+    assert isinstance(result, RuntimeError) and "building the broken CPU library failed" in str(result)
+    assert list((tmp_path / "broken").iterdir()) == []  # nothing half-built left behind
+
+
+@needs_kernels
+def test_a_kernel_set_that_cannot_load_is_an_error_not_a_crash(tmp_path):
+    with pytest.raises(RuntimeError, match="cannot load the CPU kernel set"):
+        cpu_ops._load_set(tmp_path / "missing.so", "avx2")
+    if cpu_ops.isa() != "none":
+        with pytest.raises(RuntimeError, match="has no kernel set named neon"):
+            cpu_ops._load_set(cpu_ops.set_library(cpu_ops.isa()), "neon")
+    assert cpu_ops._lib.kv_kernel_set().decode() == (cpu_ops.isa() if cpu_ops.isa() != "none" else "")
+
+
+@needs_kernels
+def test_without_a_set_the_scalar_fallbacks_run_and_the_rest_says_why_not():
+    torch.manual_seed(0)
+    previous = cpu_ops.use_isa("none")
+    try:
+        assert cpu_ops.isa() == "none" and not cpu_ops.has_fast_bf16() and not cpu_ops.has_amx()
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(5, 96).to(dtype), torch.randn(96).to(dtype)
+            ref = F.rms_norm(x, (96,), w, 1e-6) if dtype == torch.float32 else w * F.rms_norm(x, (96,), None, 1e-6)
+            torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1 / 64)
+        residual, x = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+        expected = residual + x
+        ones = torch.ones(64).bfloat16()
+        normed = cpu_ops.add_rms_norm_(residual, x, ones, 1e-6)
+        assert torch.equal(residual, expected) and torch.equal(normed, cpu_ops.rms_norm(expected, ones, 1e-6))
+        with pytest.raises(RuntimeError, match="no CPU kernel set is loaded"):
+            cpu_ops.silu_and_mul(torch.zeros(2, 64).bfloat16())
+        with pytest.raises(RuntimeError, match="no CPU kernel set is loaded"):
+            cpu_ops.linear_bf16(ones[None], cpu_ops.pack_linear_weight(torch.zeros(8, 64).bfloat16()), None, 8)
+        assert cpu_ops.logprobs_topk(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 1) is None
+        assert torch.equal(cpu_ops.greedy_argmax(torch.eye(3).bfloat16()), torch.arange(3))  # torch.argmax
+    finally:
+        cpu_ops.use_isa(previous)
+
+
+@needs_kernels
+def test_the_kernels_use_torchs_thread_pool_or_one_thread_without_it():
+    """torch_parallel_for / torch_get_num_threads are torch's C shim (torch >= 2.10); a torch
+    without them (null pointers here) leaves a serial host: the same results on one thread."""
+    parallel_for, num_threads = cpu_ops.torch_thread_pool()
+    assert parallel_for and num_threads  # this torch has them
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_ops._lib.kv_num_threads() == 1  # torch's setting, read through the shim
+    finally:
+        torch.set_num_threads(before)
+    assert cpu_ops._lib.kv_num_threads() == before
+    x, w = (torch.randn(300, 576) * 3).bfloat16(), torch.randn(576).bfloat16()
+    threaded = cpu_ops.rms_norm(x, w, 1e-5)
+    slots = torch.randperm(64)[:40]
+    k = torch.randn(40, 2, 32)
+    try:
+        assert not cpu_ops.init_threads(None, None)
+        assert cpu_ops._lib.kv_num_threads() == 1
+        assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), threaded)
+        cache = torch.zeros(2, 4, 16, 2, 32)
+        cpu_ops.write_kv_cache(k, k, cache[0], cache[1], slots)
+        assert torch.equal(cache[0].view(-1, 2, 32)[slots], k)
+    finally:
+        assert cpu_ops.init_threads(parallel_for, num_threads)
+
+
+@needs_kernels
+def test_bad_arguments_raise_clear_errors():
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="rms_norm: x"):
+        cpu_ops.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="supports float32 and bfloat16"):
+        cpu_ops.rms_norm(x.half(), torch.ones(64).half(), 1e-6)
+    with pytest.raises(RuntimeError, match="rotary_: cos_sin"):
+        cpu_ops.rotary_(x, torch.zeros(4, 2, 16).bfloat16(), 2, 16)
+    with pytest.raises(RuntimeError, match="add_rms_norm_ supports bfloat16"):
+        cpu_ops.add_rms_norm_(x.clone(), x, torch.ones(64), 1e-6)
+    cache = torch.zeros(2, 4, 16, 2, 32)
+    k = torch.randn(3, 2, 32)
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        cpu_ops.write_kv_cache(k, k, cache[0], cache[1], torch.arange(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.write_kv_cache(k, k, cache[0], cache[1], torch.tensor([0, -1, 2]))
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        cpu_ops.write_kv_cache(k, k, cache[0][:, :8], cache[1][:, :8], torch.arange(3))
+    with pytest.raises(RuntimeError, match="bitmask must be"):
+        cpu_ops.apply_token_bitmask_(torch.zeros(2, 40), torch.zeros(2, 2, dtype=torch.int64), torch.tensor([0]))
+
+
+@needs_bf16
+def test_linear_and_stack_arguments_are_checked():
+    packed = cpu_ops.pack_linear_weight(torch.randn(70, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="features"):
+        cpu_ops.linear_bf16(torch.zeros(2, 32).bfloat16(), packed, None, 70)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        cpu_ops.linear_bf16(torch.zeros(2, 64).bfloat16(), packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        cpu_ops.linear_bf16(torch.zeros(2, 64).bfloat16(), packed, torch.zeros(70).bfloat16(), 70)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_ops.linear_bf16(torch.zeros(2, 64), packed, None, 70)
+    with pytest.raises(RuntimeError, match="argmax_bf16"):
+        cpu_ops.argmax_bf16(torch.zeros(2, 8))
+    stack = cpu_ops.DecoderStack(1e-6)
+    with pytest.raises(RuntimeError, match="add four linears before each layer"):
+        stack.add_layer(*[torch.ones(64).bfloat16()] * 2, None, None, *torch.zeros(2, 4, 16, 2, 32).bfloat16(), 2, 2,
+                        32, 0, 1.0, 1e-6)
+    with pytest.raises(RuntimeError, match="bits must be 16, 8 or 4"):
+        stack.add_linear(torch.zeros(1, 2, 256, dtype=torch.uint8), torch.zeros(1, 1, 64).half(), None, 64, 2, 8)
+    with pytest.raises(RuntimeError, match="has no layers"):
+        stack.forward(torch.zeros(1, 0).bfloat16(), torch.zeros(0).bfloat16(), torch.zeros(1, 2, 0).bfloat16(),
+                      torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                      torch.ones(1, dtype=torch.long), [1], [1])
+
+
+@needs_bf16
+def test_stack_rejects_query_lengths_that_do_not_add_up():
+    hidden, heads, kv_heads, d, inter = 64, 2, 2, 32, 96
+    stack = cpu_ops.DecoderStack(1e-6)
+    for n, k in ((heads * d + 2 * kv_heads * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)):
+        stack.add_linear(cpu_ops.pack_linear_weight(torch.randn(n, k).bfloat16() * 0.1), None, None, n, 16, 0)
+    cache = torch.zeros(2, 4, 16, kv_heads, d).bfloat16()
+    stack.add_layer(torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16(), None, None, cache[0], cache[1], heads,
+                    kv_heads, d, 0, d**-0.5, 1e-6)
+    args = (torch.ones(hidden).bfloat16(), torch.ones(3, 2, d).bfloat16(), torch.tensor([1, 2, 3]),
+            torch.tensor([[1, 2]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="add up to 2, not 3 rows"):
+        stack.forward(torch.randn(3, hidden).bfloat16(), *args, [2], [3])
+    with pytest.raises(RuntimeError, match="out of range"):
+        stack.forward(torch.randn(3, hidden).bfloat16(), *args[:2], torch.tensor([1, 2, 999]), *args[3:], [3], [3])
+    out = stack.forward(torch.randn(3, hidden).bfloat16(), *args, [3], [3])  # one prefill of three tokens
+    assert out.shape == (3, hidden) and torch.isfinite(out.float()).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_heads_normalizes_each_head_in_place(rows):
+    """Qwen3's q/k norms, in place in qkv: each head is the set's rms_norm of that head's row,
+    the other columns untouched."""
+    heads, kv_heads, d = 4, 2, 64
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * d) * 3).bfloat16()
+    w = torch.randn(d).bfloat16()
+    before = qkv.clone()
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d)
+    cpu_ops.rms_norm_heads_(k, w, 1e-6)
+    expected = cpu_ops.rms_norm(before[:, heads * d : (heads + kv_heads) * d].reshape(-1, d), w, 1e-6)
+    assert torch.equal(k.reshape(-1, d), expected)
+    assert torch.equal(qkv[:, : heads * d], before[:, : heads * d])
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
+    torch.testing.assert_close(k, w * F.rms_norm(before[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d),
+                                                 (d,), None, 1e-6), atol=0, rtol=1 / 64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_token_bitmask_in_every_logits_dtype(dtype):
+    logits = torch.randn(3, 100).to(dtype)
+    bitmask = torch.full((3, 4), -1, dtype=torch.int32)
+    bitmask[1, 0] = 0b101  # tokens 0 and 2 of the first word allowed
+    bitmask[1, 1:3] = 0  # 32..95 banned
+    before = logits.clone()
+    assert cpu_ops.apply_token_bitmask_(logits, bitmask, torch.tensor([1]))
+    allowed = torch.zeros(100, dtype=torch.bool)
+    allowed[[0, 2]] = True
+    allowed[96:] = True
+    assert torch.equal(logits[1][allowed], before[1][allowed])
+    assert (logits[1][~allowed] == float("-inf")).all()
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+
+
+def test_concurrent_builds_into_one_cache_compile_once(tmp_path, monkeypatch):
+    """The server's processes load the kernels at the same time: they take turns (a file lock), and
+    the ones that wait find the library built."""
+    import threading
+
+    from kvserve.models import cpu_build
+
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler on this machine")
+    monkeypatch.setenv("KVSERVE_CPU_OPS_DIR", str(tmp_path))
+    source = tmp_path / "tiny.cpp"
+    source.write_text("extern \"C\" int tiny() { return 1; }\n")
+    log = tmp_path / "compiles.log"
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nsleep 0.5\nexec {shutil.which('c++') or 'g++'} \"$@\"\n")
+    compiler.chmod(0o755)
+    target = cpu_build.Target("tiny", tmp_path / "tiny" / "tiny.so", [source], ["-fPIC"], [])
+    results = []
+    threads = [threading.Thread(target=lambda: results.extend(cpu_build.build([target], str(compiler))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target.library] * 3
+    assert sum(" -c " in line for line in log.read_text().splitlines()) == 1

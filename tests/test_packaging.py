@@ -24,7 +24,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_installs_one_top_level_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"kvserve"}
-    assert "kvserve/__init__.py" in names and "kvserve/models/csrc/ops.cpp" in names
+    assert "kvserve/__init__.py" in names and "kvserve/models/csrc/host/ops.cpp" in names
     assert not any(n.startswith(("kvserve/tests/", "kvserve/benchmarks/", "kvserve/docs/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvserve = kvserve.server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

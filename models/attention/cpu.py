@@ -33,8 +33,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def rotate(self, layer: Attention, context: ForwardContext, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if layer.rotary is None or not self._rotates_in_place(layer, qkv):
             return super().rotate(layer, context, qkv)
-        torch.ops.kvserve.rotary_(qkv, cos_sin_of(layer, context), layer.num_heads + layer.num_kv_heads,
-                                  layer.head_dim)
+        cpu_ops.rotary_(qkv, cos_sin_of(layer, context), layer.num_heads + layer.num_kv_heads, layer.head_dim)
         return layer.split_qkv(qkv)
 
     def _rotates_in_place(self, layer: Attention, qkv: Tensor) -> bool:
@@ -46,7 +45,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv(self, layer: Attention, k: Tensor, v: Tensor, slots: Tensor) -> None:
         heads_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
         if self.fused_write and heads_contiguous:
-            torch.ops.kvserve.write_kv_cache(k, v, *layer.kv, slots)
+            cpu_ops.write_kv_cache(k, v, *layer.kv, slots)
         else:
             super().write_kv(layer, k, v, slots)
 

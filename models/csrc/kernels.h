@@ -1,7 +1,8 @@
-// The interface between the torch binding (ops.cpp, decoder_stack.cpp) and one kernel set
-// (avx512/, avx2/, neon/). A set is a shared library of plain C++ (no torch headers, so it
-// compiles in seconds, cross-compiles, and runs in a test driver without torch); the binding
-// checks shapes and dtypes, allocates, and calls the set's kernels on raw pointers.
+// The interface between the host library (host/: the ops' C API and the decoder stack) and one
+// kernel set (avx512/, avx2/, neon/). Both are shared libraries of plain C++ (no torch headers, so
+// they compile in seconds, cross-compile, and a set runs in a test driver without torch);
+// models/cpu_ops.py checks shapes and dtypes and allocates, and the host calls the set's kernels
+// on raw pointers.
 //
 // Conventions for every kernel:
 //  * bf16 is passed as uint16_t (its bits); arithmetic is fp32; results are rounded to bf16
@@ -9,14 +10,14 @@
 //  * rows are `ld` elements apart; a row's elements are contiguous.
 //  * work is split over the host's threads with kvserve::parallel_for (kernel_common.h).
 //  * no kernel allocates per call on the hot path beyond thread-local scratch, none throws,
-//    none checks its arguments (the binding did).
+//    none checks its arguments (models/cpu_ops.py did).
 #pragma once
 
 #include <cstdint>
 
 namespace kvserve {
 
-// What the host gives a kernel set: its thread pool (ATen's in the binding, a serial loop in
+// What the host gives a kernel set: its thread pool (torch's in the host library, a serial loop in
 // the C++ test driver).
 struct Host {
   void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, void (*body)(void* ctx, int64_t b, int64_t e),
