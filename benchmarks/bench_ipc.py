@@ -2,9 +2,9 @@
 
     python -m benchmarks.bench_ipc [--iters 2000]
 
-1. Encoding + decoding one step's message (`engine.messages`, pickle protocol 5) with
-   B = 1 and 64 requests, each delta one token (and with 5 logprobs per token), and, if
-   msgspec is installed, the same records as msgspec msgpack structs for comparison.
+1. Encoding + decoding one step's message (`engine.messages`: msgspec structs as MessagePack,
+   decoded with type checks) with B = 1 and 64 requests, each delta one token (and with 5
+   logprobs per token).
 2. Round trip of a small message between two processes over a `multiprocessing` pipe
    (what kvserve uses) and, if pyzmq is installed, a ZeroMQ PAIR socket over ipc://.
 Prints microseconds per operation (median of 5 batches).
@@ -23,11 +23,17 @@ from kvserve.engine.outputs import CompletionDelta, EngineStats, Logprob, Reques
 
 
 def step_message(num_requests: int, num_logprobs: int) -> messages.StepOutputs:
-    entry = {i: Logprob(-0.1 * i, i + 1, f"t{i}") for i in range(num_logprobs)} if num_logprobs else None
-    deltas = [RequestDelta(f"cmpl-{i:032x}-0", [CompletionDelta(0, " word", [1234], [entry] if entry else None,
-                                                                 -1.5 if entry else None)],
-                           False, RequestMetrics(1.0, 1.1, 1.2, 1.3, None), 0) for i in range(num_requests)]
-    return messages.StepOutputs(deltas, EngineStats(num_requests, 0, 0.1, 1000, 900, 10, 10, 0, 0, 0))
+    entry = {i: Logprob(logprob=-0.1 * i, rank=i + 1, decoded_token=f"t{i}") for i in range(num_logprobs)}
+    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.1, first_token_time=1.2, last_token_time=1.3)
+    deltas = [RequestDelta(request_id=f"cmpl-{i:032x}-0",
+                           outputs=[CompletionDelta(index=0, text=" word", token_ids=[1234],
+                                                    logprobs=[entry] if entry else None,
+                                                    cumulative_logprob=-1.5 if entry else None)],
+                           finished=False, metrics=metrics, num_cached_tokens=0) for i in range(num_requests)]
+    stats = EngineStats(num_running=num_requests, num_waiting=0, kv_cache_usage=0.1, num_kv_blocks_total=1000,
+                        num_kv_blocks_free=900, prompt_tokens_total=10, generation_tokens_total=10,
+                        prefix_cache_queries_total=0, prefix_cache_hits_total=0, num_preemptions_total=0)
+    return messages.StepOutputs(deltas=deltas, stats=stats)
 
 
 def per_op_us(fn, iters: int) -> float:
@@ -46,41 +52,8 @@ def bench_codec(iters: int) -> None:
             message = step_message(num_requests, num_logprobs)
             data = messages.encode(message)
             us = per_op_us(lambda: messages.decode(messages.encode(message)), iters)
-            print(f"pickle   B={num_requests:3d} logprobs={num_logprobs}: {us:8.1f} us encode+decode, {len(data)} bytes")
-            msgspec_us = _msgspec_codec(num_requests, num_logprobs, iters)
-            if msgspec_us is not None:
-                print(f"msgspec  B={num_requests:3d} logprobs={num_logprobs}: {msgspec_us[0]:8.1f} us encode+decode, "
-                      f"{msgspec_us[1]} bytes")
-
-
-try:  # optional: only to compare codecs
-    import msgspec
-
-    class _Delta(msgspec.Struct, array_like=True):
-        index: int
-        text: str
-        token_ids: list[int]
-        logprobs: list[dict[int, tuple[float, int, str]]] | None
-        cumulative_logprob: float | None
-
-    class _Request(msgspec.Struct, array_like=True):
-        request_id: str
-        outputs: list[_Delta]
-        finished: bool
-        metrics: tuple[float, float, float, float, float | None]
-except ImportError:
-    msgspec = None
-
-
-def _msgspec_codec(num_requests: int, num_logprobs: int, iters: int) -> tuple[float, int] | None:
-    if msgspec is None:
-        return None
-    entry = {i: (-0.1 * i, i + 1, f"t{i}") for i in range(num_logprobs)} if num_logprobs else None
-    batch = [_Request(f"cmpl-{i:032x}-0", [_Delta(0, " word", [1234], [entry] if entry else None, -1.5)], False,
-                      (1.0, 1.1, 1.2, 1.3, None)) for i in range(num_requests)]
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[_Request])
-    data = encoder.encode(batch)
-    return per_op_us(lambda: decoder.decode(encoder.encode(batch)), iters), len(data)
+            print(f"msgpack  B={num_requests:3d} logprobs={num_logprobs}: {us:8.1f} us encode+decode, "
+                  f"{len(data)} bytes")
 
 
 def _echo_pipe(conn) -> None:

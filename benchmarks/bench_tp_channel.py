@@ -1,7 +1,7 @@
 """How fast can rank 0 hand a step to a tensor-parallel worker? A pipe against a shared-memory buffer.
 
-Each round trip pickles a `(STEP, StepRecord, sampled ids)` message as engine/executor.py does,
-sends it, lets the other process unpickle it, and waits for a one-byte reply (in the engine
+Each round trip encodes a `WorkerStep` (the `StepRecord` and the sampled ids) as engine/executor.py
+does (engine/messages.py), sends it, lets the other process decode it, and waits for a one-byte reply (in the engine
 the reply is the step's first collective). Shared memory: the bytes go into a
 `multiprocessing.shared_memory` buffer and two POSIX semaphores signal each way (no spinning:
 the machine has fewer cores than busy processes).
@@ -13,29 +13,30 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import pickle
 import statistics
 import struct
 import time
 from multiprocessing import shared_memory
 
+from kvserve.engine import messages as wire
 from kvserve.engine.step_record import StepRecord
 
 _SHM_BYTES = 1 << 22
 
 
-def decode_record(batch_size: int, step: int) -> tuple:
+def decode_record(batch_size: int, step: int) -> wire.WorkerStep:
     """A decode step of `batch_size` running requests and the previous step's samples."""
     req_ids = tuple(f"cmpl-{i:08x}#0" for i in range(batch_size))
-    record = StepRecord((), (), (), req_ids, tuple(500 + step for _ in req_ids), (1,) * batch_size,
-                        {req_ids[0]: (1000 + step,)} if step % 16 == 0 else {})
-    return ("step", record, tuple(range(batch_size)))
+    record = StepRecord(finished_req_ids=(), preempted_req_ids=(), new_requests=(), req_ids=req_ids,
+                        num_computed_tokens=tuple(500 + step for _ in req_ids), num_scheduled_tokens=(1,) * batch_size,
+                        new_block_ids={req_ids[0]: (1000 + step,)} if step % 16 == 0 else {})
+    return wire.WorkerStep(record=record, prev_sampled_token_ids=tuple(range(batch_size)))
 
 
 def _pipe_child(conn) -> None:
     while True:
-        message = pickle.loads(conn.recv_bytes())
-        if message[0] == "stop":
+        message = wire.decode(conn.recv_bytes())
+        if isinstance(message, wire.Stop):
             return
         conn.send_bytes(b"k")
 
@@ -46,15 +47,15 @@ def _shm_child(name: str, ready, done) -> None:
         while True:
             ready.acquire()
             (size,) = struct.unpack_from("<I", shm.buf, 0)
-            message = pickle.loads(shm.buf[4:4 + size])
+            message = wire.decode(shm.buf[4:4 + size])
             done.release()
-            if message[0] == "stop":
+            if isinstance(message, wire.Stop):
                 return
     finally:
         shm.close()
 
 
-def bench_pipe(messages: list[tuple]) -> list[float]:
+def bench_pipe(messages: list[wire.WorkerStep]) -> list[float]:
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=_pipe_child, args=(child_conn,))
@@ -62,15 +63,15 @@ def bench_pipe(messages: list[tuple]) -> list[float]:
     times = []
     for message in messages:
         start = time.perf_counter()
-        conn.send_bytes(pickle.dumps(message, protocol=5))
+        conn.send_bytes(wire.encode(message))
         conn.recv_bytes()
         times.append(time.perf_counter() - start)
-    conn.send_bytes(pickle.dumps(("stop",)))
+    conn.send_bytes(wire.encode(wire.Stop()))
     process.join()
     return times
 
 
-def bench_shm(messages: list[tuple]) -> list[float]:
+def bench_shm(messages: list[wire.WorkerStep]) -> list[float]:
     ctx = multiprocessing.get_context("spawn")
     shm = shared_memory.SharedMemory(create=True, size=_SHM_BYTES)
     ready, done = ctx.Semaphore(0), ctx.Semaphore(0)
@@ -78,9 +79,9 @@ def bench_shm(messages: list[tuple]) -> list[float]:
     process.start()
     times = []
     try:
-        for message in [*messages, ("stop",)]:
+        for message in [*messages, wire.Stop()]:
             start = time.perf_counter()
-            data = pickle.dumps(message, protocol=5)
+            data = wire.encode(message)
             struct.pack_into("<I", shm.buf, 0, len(data))
             shm.buf[4:4 + len(data)] = data
             ready.release()
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for batch_size in (1, 32, 256):
         messages = [decode_record(batch_size, step) for step in range(args.steps)]
-        size = len(pickle.dumps(messages[1], protocol=5))
+        size = len(wire.encode(messages[1]))
         row = [f"{batch_size}", f"{size}"]
         for bench in (bench_pipe, bench_shm):
             times = sorted(bench(messages)[100:])  # after warm-up

@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs, RuntimeInfo
@@ -43,6 +44,9 @@ from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models import built_default_model
 from kvserve.models.heap import release_free_memory
+
+if TYPE_CHECKING:
+    from kvserve.engine.executor_protocol import ExecutorWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +65,13 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, wait: bool = True, max_consecutive_step_failures: int = 3) -> None:
+    def __init__(self, args: EngineArgs, wait: bool = True, max_consecutive_step_failures: int = 3,
+                 executor_wrapper: ExecutorWrapper | None = None) -> None:
         """Start the engine core process. With `wait=False` this returns at once (the core
         loads while the caller does other start-up work); call `wait_ready()` before use.
-        After `max_consecutive_step_failures` failed steps in a row the core declares itself dead."""
+        After `max_consecutive_step_failures` failed steps in a row the core declares itself dead.
+        `executor_wrapper` (picklable) wraps the core's executor once it has warmed up: a test
+        double's hook (faults on chosen steps)."""
         args.validate()
         if isinstance(max_consecutive_step_failures, bool) or not isinstance(max_consecutive_step_failures, int) \
                 or max_consecutive_step_failures < 1:
@@ -75,7 +82,7 @@ class AsyncLLM:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=_core_main, name="kvserve-core", args=(
-            args, child_conn, logging.getLogger().level, max_consecutive_step_failures))
+            args, child_conn, logging.getLogger().level, max_consecutive_step_failures, executor_wrapper))
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
@@ -121,8 +128,8 @@ class AsyncLLM:
         match messages.decode(self._conn.recv_bytes()):
             case Ready(info, stats):
                 return info, stats
-            case StartFailed(error):
-                raise error if isinstance(error, BaseException) else EngineDeadError(error)
+            case StartFailed() as failed:
+                raise failed.to_exception()
             case other:
                 raise EngineDeadError(f"the engine core sent {type(other).__name__} instead of Ready")
 
@@ -176,7 +183,7 @@ class AsyncLLM:
             if not self.is_healthy:  # it died after the check above, maybe after failing every stream
                 is_finished = True
                 raise self._not_running() from self._error
-            self._send(AddRequest(request_id, processed, arrival))
+            self._send(AddRequest(request_id=request_id, prompt=processed, arrival_time=arrival))
             while not is_finished:
                 if not builder.has_news and stream.error is None:
                     await stream.wakeup.wait()
@@ -304,8 +311,9 @@ def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
         stream.wakeup.set()
 
 
-def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int) -> None:
+def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int,
+               executor_wrapper: ExecutorWrapper | None) -> None:
     from kvserve.engine.core import run_engine_core
 
-    run_engine_core(args, conn, log_level, max_consecutive_step_failures)
+    run_engine_core(args, conn, log_level, max_consecutive_step_failures, executor_wrapper)
 

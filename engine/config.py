@@ -79,14 +79,21 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/scheduler.py)
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +153,9 @@ class EngineArgs:
     block_size: int = option(16, "Tokens per KV-cache block.")
     max_num_seqs: int = option(256, "Most sequences in one running batch.")
     max_num_batched_tokens: int = option(2048, "Token budget of one engine step.")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: first come, first served; priority: requests' `priority` orders the queue (lower first, "
+        "then by arrival) and preemption takes the lowest priority first.", choices=SCHEDULING_POLICIES)
     kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.",
                                          metavar="BYTES", unit="bytes")
     num_kv_blocks: int | None = option(None, "Exact number of KV blocks (overrides --kv-cache-memory).")
@@ -197,15 +207,17 @@ class EngineArgs:
                                    "together.")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, self.tokenizer, self.dtype, self.device, self.seed, self.max_model_len,
-                           self.attention_backend, self.enforce_eager, self.gpu_memory_utilization,
-                           self.quantization, self.quantization_group_size)
+        return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+                           seed=self.seed, max_model_len=self.max_model_len, attention_backend=self.attention_backend,
+                           enforce_eager=self.enforce_eager, gpu_memory_utilization=self.gpu_memory_utilization,
+                           quantization=self.quantization, quantization_group_size=self.quantization_group_size)
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.block_size, self.kv_cache_memory, self.num_kv_blocks, self.enable_prefix_caching)
+        return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                           num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
@@ -214,11 +226,13 @@ class EngineArgs:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
-        limits = GrammarLimits(self.max_schema_properties, self.max_schema_depth, self.max_schema_enum_values,
-                               self.max_schema_string_chars, self.max_regex_chars, self.max_grammar_chars,
-                               self.max_choices, self.max_choice_chars)
-        return StructuredOutputsConfig(limits, self.grammar_compile_timeout_s, self.max_grammar_queue,
-                                       self.grammar_compile_threads)
+        limits = GrammarLimits(
+            max_schema_properties=self.max_schema_properties, max_schema_depth=self.max_schema_depth,
+            max_schema_enum_values=self.max_schema_enum_values, max_schema_string_chars=self.max_schema_string_chars,
+            max_regex_chars=self.max_regex_chars, max_grammar_chars=self.max_grammar_chars,
+            max_choices=self.max_choices, max_choice_chars=self.max_choice_chars)
+        return StructuredOutputsConfig(limits=limits, compile_timeout_s=self.grammar_compile_timeout_s,
+                                       max_queue=self.max_grammar_queue, compile_threads=self.grammar_compile_threads)
 
     def validate(self) -> None:
         """Raise ValueError for any bad value (each sub-config checks its own fields)."""

@@ -8,7 +8,7 @@ encoding hold in the server process.
 
 Two threads: the main thread drains commands, runs `LLMEngine.step_deltas()` and sends
 each step's message itself (a few KB; an output thread measured no better and adds a GIL
-hand-off per step); an input thread receives and unpickles commands into a queue, so a
+hand-off per step); an input thread receives and decodes commands into a queue, so a
 large prompt arriving never stalls a step.
 
 The core ignores SIGINT and SIGTERM: a Ctrl-C or a service manager signals the whole
@@ -18,8 +18,7 @@ exits at once, so nothing is left behind even after a SIGKILL of the server).
 
 A step that raises fails only its own requests; `max_consecutive_step_failures` failed
 steps in a row (a sticky device error) mean the engine is dead: the core sends DEAD and
-exits with code 1. `KVSERVE_FAULT_STEPS` (read once here, for tests and drills) makes the
-runner raise on chosen steps; see `parse_fault_steps`.
+exits with code 1.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from multiprocessing.connection import Connection
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.errors import EngineOverloadedError, StepFailed
+from kvserve.engine.executor_protocol import Executor, ExecutorWrapper
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
 
@@ -42,53 +42,43 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking again
 _EXIT_GRACE_S = 5.0  # after the server vanished, how long a running step may take before we exit anyway
-FAULT_ENV = "KVSERVE_FAULT_STEPS"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the runner on the steps `KVSERVE_FAULT_STEPS` names (a simulated device error)."""
 
 
 class EngineDied(RuntimeError):
     """Too many consecutive steps failed: the engine is treated as broken."""
 
 
-def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
-                    max_consecutive_step_failures: int = 3) -> None:
-    """Process entry point (spawned by `AsyncLLM`)."""
+def run_engine_core(args: EngineArgs, conn: Connection, log_level: int, max_consecutive_step_failures: int = 3,
+                    executor_wrapper: ExecutorWrapper | None = None) -> None:
+    """Process entry point (spawned by `AsyncLLM`). `executor_wrapper`, if given, wraps the
+    engine's executor once it has warmed up (tests inject faults so)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     try:
-        fault_steps = parse_fault_steps(os.environ.get(FAULT_ENV, ""))
         from kvserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
         warm_up(engine.runner)
-        if fault_steps is not None:
-            inject_step_faults(engine.runner, *fault_steps)
+        if executor_wrapper is not None:
+            engine.runner = executor_wrapper(engine.runner)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it
         logger.exception("engine start-up failed")
-        conn.send_bytes(messages.encode(StartFailed(_picklable(e))))
+        conn.send_bytes(messages.encode(StartFailed.from_exception(e)))
         conn.close()
         os._exit(1)
-    conn.send_bytes(messages.encode(Ready(engine.info, engine.stats())))
+    conn.send_bytes(messages.encode(Ready(info=engine.info, stats=engine.stats())))
     threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
                      daemon=True).start()
     EngineCore(engine, conn, max_consecutive_step_failures).run()
 
 
-def warm_up(runner) -> None:
+def warm_up(executor: Executor) -> None:
     """One dummy step before the core reports ready, so that no request pays the first step's
-    one-time costs (`ModelRunner.warm_up`). Not with tensor parallelism: the executor forwards
-    attributes to rank 0's runner, whose step alone would wait for the other ranks forever."""
-    from kvserve.engine.runner import ModelRunner
-
-    if type(runner) is not ModelRunner:
-        return
+    one-time costs (`Executor.warm_up`)."""
     start = time.perf_counter()
-    runner.warm_up()
-    logger.info("engine warm-up step %.2f s", time.perf_counter() - start)
+    if executor.warm_up():
+        logger.info("engine warm-up step %.2f s", time.perf_counter() - start)
 
 
 def _prefault_when_idle(layers) -> None:
@@ -102,41 +92,6 @@ def _prefault_when_idle(layers) -> None:
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         pass
     prefault(layers)
-
-
-def parse_fault_steps(spec: str) -> tuple[int, int | None] | None:
-    """`KVSERVE_FAULT_STEPS`: `N` fails step N (steps count from 1), `N-M` steps N to M, `N+` step N
-    and every later one; empty: no faults. Returns (first, last or None)."""
-    spec = spec.strip()
-    if not spec:
-        return None
-    try:
-        if spec.endswith("+"):
-            steps = (int(spec[:-1]), None)
-        else:
-            first, dash, last = spec.partition("-")
-            steps = (int(first), int(last) if dash else int(first))
-    except ValueError:
-        steps = (0, 0)
-    if steps[0] < 1 or (steps[1] is not None and steps[1] < steps[0]):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected N, N-M or N+ with 1 <= N <= M")
-    return steps
-
-
-def inject_step_faults(runner, first: int, last: int | None) -> None:
-    """Make `runner.execute` raise `InjectedFault` on steps first..last (None: forever)."""
-    execute = runner.execute
-    num_steps = 0
-
-    def faulty_execute(record, *args):
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps >= first and (last is None or num_steps <= last):
-            raise InjectedFault(f"injected fault in step {num_steps} ({FAULT_ENV})")
-        return execute(record, *args)
-
-    runner.execute = faulty_execute
-    logger.warning("%s is set: steps %d to %s will raise", FAULT_ENV, first, "the end" if last is None else last)
 
 
 class EngineCore:
@@ -190,7 +145,8 @@ class EngineCore:
             deltas = self.engine.step_deltas()
         except StepFailed as e:
             logger.exception("step failed; failing its requests: %s", e.request_ids)
-            failed = StepFailedRequests(e.request_ids, f"internal error: {e.__cause__!r}", self.engine.stats())
+            failed = StepFailedRequests(request_ids=e.request_ids, message=f"internal error: {e.__cause__!r}",
+                                        stats=self.engine.stats())
             num_failures = self.engine.num_consecutive_step_failures
             if self.engine.dead_reason is not None:  # no later step can succeed
                 self._send(failed)
@@ -201,7 +157,7 @@ class EngineCore:
                                  f"(max_consecutive_step_failures={self.max_consecutive_step_failures}); "
                                  f"the last with {e.__cause__!r}") from e
             return failed
-        return StepOutputs(deltas, self.engine.stats())
+        return StepOutputs(deltas=deltas, stats=self.engine.stats())
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued command; True if any was applied."""
@@ -251,13 +207,3 @@ class EngineCore:
         except OSError:  # the server is gone; _receive stops the loop
             pass
 
-
-def _picklable(error: BaseException) -> BaseException:
-    """The error itself if it survives pickling, else a RuntimeError with its text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(error).__name__}: {error}")

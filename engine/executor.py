@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,10 @@ from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.step_record import GrammarBitmask, StepRecord
 from kvserve.engine.worker import WorkerArgs, run_worker
 from kvserve.models.parallel import ParallelState, new_group
+
+if TYPE_CHECKING:
+    from kvserve.models.attention.layer import Attention, AttentionBackend
+    from kvserve.models.quantization import QuantizationReport
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,8 @@ def threads_per_rank(size: int) -> int:
 
 
 class TensorParallelExecutor:
-    """Runs steps on `size` ranks; looks like a `ModelRunner` to the engine (its attributes are
-    rank 0's runner's, and `execute` has the same signature)."""
+    """Runs steps on `size` ranks: an `Executor` (engine/executor_protocol.py) whose model facts
+    (device, dtype, KV pool, attention backend, weights) are rank 0's runner's."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  model_path: str, hf_config, max_model_len: int, size: int,
@@ -89,9 +94,11 @@ class TensorParallelExecutor:
         ctx = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
-                args = WorkerArgs(rank, size, self._store.port, devices[rank], self._num_threads, timeout_s,
-                                  model_config, cache_config, scheduler_config, model_path, hf_config,
-                                  max_model_len, logging.getLogger().level)
+                args = WorkerArgs(rank=rank, size=size, store_port=self._store.port, device=devices[rank],
+                                  num_threads=self._num_threads, timeout_s=timeout_s, model_config=model_config,
+                                  cache_config=cache_config, scheduler_config=scheduler_config,
+                                  model_path=model_path, hf_config=hf_config, max_model_len=max_model_len,
+                                  log_level=logging.getLogger().level)
                 conn, child_conn = ctx.Pipe(duplex=True)
                 process = ctx.Process(target=run_worker, args=(args, child_conn), name=f"kvserve-tp{rank}",
                                       daemon=True)
@@ -121,9 +128,10 @@ class TensorParallelExecutor:
                     try:
                         message = messages.decode(conn.recv_bytes())
                     except (EOFError, OSError):
-                        message = StartFailed("exited without a word")
+                        message = None
                     if not isinstance(message, WorkerLoaded):
-                        why = message.error if isinstance(message, StartFailed) else type(message).__name__
+                        why = (message.text if isinstance(message, StartFailed) else "exited without a word"
+                               if message is None else type(message).__name__)
                         raise TensorParallelError(f"tensor-parallel worker {process.name} failed to start: {why}")
                     del waiting[conn]
                 elif process.sentinel in ready:
@@ -133,10 +141,38 @@ class TensorParallelExecutor:
                 raise TensorParallelError(f"tensor-parallel workers did not load in {_START_TIMEOUT_S:.0f} s")
         self.parallel.group = new_group(self._store, 0, self.size, self.parallel.device, self.timeout_s)
 
-    def __getattr__(self, name: str):  # dtype, device, num_kv_blocks, attn_backend, batch, ...
-        if name == "driver":
-            raise AttributeError(name)
-        return getattr(self.driver, name)
+    # ---- what the engine reads: rank 0's ----------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.driver.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.driver.dtype
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.driver.num_kv_blocks
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self.driver.attn_backend
+
+    @property
+    def attn_layers(self) -> list[Attention]:
+        return self.driver.attn_layers
+
+    @property
+    def has_cuda_graphs(self) -> bool:
+        return self.driver.has_cuda_graphs
+
+    @property
+    def weights_report(self) -> QuantizationReport:
+        return self.driver.weights_report
+
+    def warm_up(self) -> bool:
+        """Nothing: rank 0's warm-up step alone would wait for the other ranks forever."""
+        return False
 
     # ---- one step ----------------------------------------------------------
     def execute(self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
@@ -146,7 +182,8 @@ class TensorParallelExecutor:
         if reason is not None:
             raise TensorParallelError(reason)
         try:
-            message = messages.encode(WorkerStep(step, self._prev_sampled, self._prev_num_accepted))
+            message = messages.encode(WorkerStep(record=step, prev_sampled_token_ids=self._prev_sampled,
+                                                 prev_num_accepted=self._prev_num_accepted))
             for conn in self._conns:
                 conn.send_bytes(message)
             out = self.driver.execute(step, grammar_bitmask)

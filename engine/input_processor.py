@@ -20,7 +20,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,7 +45,7 @@ _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Unic
 
 
 # A prompt: text, token ids, or (as vLLM takes them) a dict {"prompt": text} or
-# {"prompt_token_ids": [...]}, optionally with "cache_salt".
+# {"prompt_token_ids": [...]}, optionally with "cache_salt" and "priority".
 PromptType = str | Sequence[int] | dict[str, Any]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
@@ -62,12 +62,14 @@ class ProcessedPrompt:
     cache_salt: str | None = None
     # encoder-decoder models: `prompt_token_ids` are the encoder's input, these the decoder's first tokens
     decoder_prompt_token_ids: list[int] | None = None
+    priority: int = 0  # the priority scheduling policy runs lower values first
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""
         p = self.params
-        return RequestOutputBuilder(request_id, self.prompt, self.prompt_token_ids, p.n, p.logprobs is not None,
-                                    p.prompt_logprobs is not None, arrival_time)
+        return RequestOutputBuilder(request_id=request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                                    n=p.n, has_logprobs=p.logprobs is not None,
+                                    has_prompt_logprobs=p.prompt_logprobs is not None, arrival_time=arrival_time)
 
 
 def check_cache_salt(cache_salt: Any) -> str | None:
@@ -82,10 +84,10 @@ def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
     if not isinstance(prompt, dict):
         return prompt, None
     given = _PROMPT_KEYS & prompt.keys()
-    unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt", "decoder_prompt_token_ids"}
+    unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt", "decoder_prompt_token_ids", "priority"}
     if len(given) != 1 or unknown:
         raise ValueError(f"a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', and optionally "
-                         f"'cache_salt' (and, for an encoder-decoder model, 'decoder_prompt_token_ids'); "
+                         f"'cache_salt', 'priority' (and, for an encoder-decoder model, 'decoder_prompt_token_ids'); "
                          f"got {sorted(map(str, prompt))}")
     (key,) = given
     value = prompt[key]
@@ -101,6 +103,15 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
     (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing."""
     decoder_prompt = prompt.get("decoder_prompt_token_ids") if isinstance(prompt, dict) else None
+    priority = prompt.get("priority", 0) if isinstance(prompt, dict) else 0
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    processed = _process_prompt(tokenizer, info, prompt, params, decoder_prompt, max_chars_per_token)
+    return replace(processed, priority=priority) if priority else processed
+
+
+def _process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
+                    decoder_prompt: list[int] | None, max_chars_per_token: int | None) -> ProcessedPrompt:
     prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -135,7 +146,8 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
     if num_prompt + max_tokens > capacity:
         raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-    return ProcessedPrompt(text, token_ids, params, max_tokens, cache_salt)
+    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+                           cache_salt=cache_salt)
 
 
 def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: SamplingParams,
@@ -167,7 +179,8 @@ def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: Samp
     if num_source + len(decoder_prompt) + max_tokens > capacity:
         raise ValueError(f"source ({num_source} tokens) + max_tokens ({max_tokens}) can never fit in the KV "
                          f"cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-    return ProcessedPrompt(text, token_ids, params, max_tokens, cache_salt, decoder_prompt)
+    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+                           cache_salt=cache_salt, decoder_prompt_token_ids=decoder_prompt)
 
 
 def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,

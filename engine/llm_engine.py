@@ -3,8 +3,10 @@
 One step = schedule (plain Python) -> run the model and sample (one sync) ->
 update the scheduler -> detokenize and check stop strings -> outputs.
 Not thread-safe: `AsyncLLM` drives it from one background thread.
-With `tensor_parallel_size` > 1 the runner is a `TensorParallelExecutor` (engine/executor.py):
-rank 0 here, the other ranks in worker processes; `shutdown()` stops them.
+The runner is an `Executor` (engine/executor_protocol.py): a `ModelRunner`, or with
+`tensor_parallel_size` > 1 a `TensorParallelExecutor` (engine/executor.py), rank 0 here and
+the other ranks in worker processes; `shutdown()` stops them. Importing this module imports
+no torch: the executor does, when the engine is built.
 """
 
 from __future__ import annotations
@@ -14,23 +16,20 @@ import os
 import time
 from functools import partial
 
-import torch
-
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import StepFailed
+from kvserve.engine.executor_protocol import Executor
 from kvserve.engine.grammar_limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
 from kvserve.engine.kv_cache import BlockManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode import Proposer
 from kvserve.engine.structured_output import StructuredOutputManager, fill_threads_for
 from kvserve.engine.tokenizer import load_model_files
-from kvserve.models.parallel import check_tensor_parallel
 from kvserve.models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
@@ -41,6 +40,12 @@ _SEED_MASK = 2**63 - 1
 def _host_cores() -> int:
     """The cores this process may run on (the affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _torch_threads() -> int:
+    import torch  # (loaded by the executor by now)
+
+    return torch.get_num_threads()
 
 
 def compile_threads_for(host_cores: int) -> int:
@@ -80,11 +85,15 @@ class LLMEngine:
         tp_size = args.parallel_config().tensor_parallel_size
         if files.decoder_start_token_id is not None:
             _check_encoder_decoder(args, tp_size)
+        self.runner: Executor
         if tp_size == 1:
+            from kvserve.engine.runner import ModelRunner
+
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
                                       files.hf_config, files.max_model_len)
         else:
             from kvserve.engine.executor import TensorParallelExecutor
+            from kvserve.models.parallel import check_tensor_parallel
 
             hf = files.hf_config
             check_tensor_parallel(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None)
@@ -102,10 +111,10 @@ class LLMEngine:
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=cache_config.block_size,
             attention_backend=self.runner.attn_backend.name,
-            cuda_graphs=self.runner.graphs is not None,
+            cuda_graphs=self.runner.has_cuda_graphs,
             tensor_parallel_size=tp_size,
-            quantization=self.runner.model.weights_report.method,
-            weight_bytes=self.runner.model.weights_report.weight_bytes,
+            quantization=self.runner.weights_report.method,
+            weight_bytes=self.runner.weights_report.weight_bytes,
             decoder_start_token_id=files.decoder_start_token_id,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
@@ -119,7 +128,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
             max_workers=so_config.compile_threads or compile_threads_for(_host_cores()),
-            fill_threads=fill_threads_for(self.runner.device.type, torch.get_num_threads(), _host_cores()),
+            fill_threads=fill_threads_for(self.runner.device.type, _torch_threads(), _host_cores()),
             compile_timeout_s=so_config.compile_timeout_s, max_queue=so_config.max_queue)
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
@@ -134,7 +143,7 @@ class LLMEngine:
                     files.model_path, self.info.architecture, self.info.device, self.info.dtype,
                     self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
                     self.info.max_model_len, self.info.kv_capacity_tokens,
-                    self.runner.model.weights_report.describe())
+                    self.runner.weights_report.describe())
 
     # ---- requests ----------------------------------------------------------
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
@@ -162,7 +171,7 @@ class LLMEngine:
                 request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids)
+                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:
@@ -296,13 +305,11 @@ class LLMEngine:
     @property
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel worker died); None while it can."""
-        return getattr(self.runner, "dead_reason", None)
+        return self.runner.dead_reason
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; nothing to do otherwise)."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -1,11 +1,14 @@
 """What crosses a process boundary: typed messages between the server and the engine core, and
 between rank 0 and the tensor-parallel workers.
 
-Each message is a frozen dataclass whose `kind` (a `MessageKind`) names it; receivers dispatch
-with `match` on the class, never on a position in a tuple. Contents are plain data only:
-`ProcessedPrompt` (token ids, `SamplingParams`, cache salt) in, `RequestDelta`s (only what is
-new) and an `EngineStats` snapshot out, a `StepRecord` to each worker. One codec serves both
-pipes: pickle protocol 5, one frame per message (`benchmarks/bench_ipc.py` measures it).
+Each message is a frozen `msgspec.Struct` in one tagged union (`Message`): on the wire it is a
+MessagePack array whose first element is the message's tag and the rest its fields in order.
+`decode` checks the whole frame against the union's types, nested records included, so a
+malformed or unknown frame is an error naming what and where, never a wrong object; receivers
+dispatch with `match` on the class. Contents are plain data only: `ProcessedPrompt` (token ids,
+`SamplingParams`, cache salt) in, `RequestDelta`s (only what is new) and an `EngineStats`
+snapshot out, a `StepRecord` to each worker. Errors cross as text (`StartFailed`). No array
+crosses: a step's record is ids and numbers, its outputs token ids and logprobs.
 
 server -> core     AddRequest, AbortRequest, Stop
 core -> server     Ready or StartFailed (once, after loading), then StepOutputs after every step,
@@ -17,169 +20,166 @@ worker -> rank 0   WorkerLoaded or StartFailed (once, after loading its shard)
 
 from __future__ import annotations
 
-import enum
-import operator
-import pickle
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+import builtins
+import importlib
+import numbers
+import traceback as traceback_module
 
-if TYPE_CHECKING:
-    from kvserve.engine.config import RuntimeInfo
-    from kvserve.engine.input_processor import ProcessedPrompt
-    from kvserve.engine.outputs import EngineStats, RequestDelta
-    from kvserve.engine.step_record import StepRecord
+import msgspec
 
-
-class MessageKind(enum.Enum):
-    ADD = "add"
-    ABORT = "abort"
-    STOP = "stop"
-    READY = "ready"
-    START_FAILED = "start_failed"
-    STEP_OUTPUTS = "step_outputs"
-    STATS = "stats"
-    REJECTED = "rejected"
-    OVERLOADED = "overloaded"
-    STEP_FAILED = "step_failed"
-    DEAD = "dead"
-    WORKER_STEP = "worker_step"
-    WORKER_LOADED = "worker_loaded"
+from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.input_processor import ProcessedPrompt
+from kvserve.engine.outputs import EngineStats, RequestDelta
+from kvserve.engine.step_record import StepRecord
 
 
-_BY_KIND: dict[str, type] = {}  # MessageKind value -> message class
-
-
-def _message(cls):
-    """A frozen, slotted dataclass, registered for the codec under its `kind`."""
-    cls = dataclass(frozen=True, slots=True)(cls)
-    names = [f.name for f in fields(cls)]
-    if len(names) > 1:
-        cls.field_values = operator.attrgetter(*names)  # -> a tuple (not a descriptor: no binding)
-    else:  # attrgetter of one name returns the bare value
-        cls.field_values = staticmethod(lambda message, names=names: tuple(getattr(message, n) for n in names))
-    _BY_KIND[cls.kind.value] = cls
-    return cls
+class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Base of every message: the subclass's `tag` is the frame's first element."""
 
 
 # ---- server -> core ------------------------------------------------------------------------
-@_message
-class AddRequest:
-    kind: ClassVar = MessageKind.ADD
+class AddRequest(_Message, tag="add"):
     request_id: str
     prompt: ProcessedPrompt
     arrival_time: float
 
 
-@_message
-class AbortRequest:
+class AbortRequest(_Message, tag="abort"):
     """The client has gone: the core drops the request and frees its blocks."""
 
-    kind: ClassVar = MessageKind.ABORT
     request_id: str
 
 
-@_message
-class Stop:
+class Stop(_Message, tag="stop"):
     """Finish the current step and exit (server -> core, and rank 0 -> worker)."""
-
-    kind: ClassVar = MessageKind.STOP
 
 
 # ---- core -> server ------------------------------------------------------------------------
-@_message
-class Ready:
-    kind: ClassVar = MessageKind.READY
+class Ready(_Message, tag="ready"):
     info: RuntimeInfo
     stats: EngineStats
 
 
-@_message
-class StartFailed:
-    """Loading failed (core -> server, worker -> rank 0): the exception, or its text."""
+class StartFailed(_Message, tag="start_failed"):
+    """Loading failed (core -> server, worker -> rank 0). The exception crosses as text: its type
+    (`module.QualName`), its message and the traceback where it was raised."""
 
-    kind: ClassVar = MessageKind.START_FAILED
-    error: BaseException | str
+    error_type: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, error: BaseException) -> StartFailed:
+        kind = type(error)
+        return cls(error_type=f"{kind.__module__}.{kind.__qualname__}", message=str(error),
+                   traceback="".join(traceback_module.format_exception(error)))
+
+    @property
+    def text(self) -> str:
+        return f"{self.error_type.rpartition('.')[2]}: {self.message}"
+
+    def to_exception(self) -> BaseException:
+        """The error to raise on this side: the same class for Python's own exceptions and
+        kvserve's; otherwise a RuntimeError naming the type. The far side's traceback is a note."""
+        error = _rebuild(self.error_type, self.message)
+        if self.traceback:
+            error.add_note(f"raised in the engine process:\n{self.traceback.rstrip()}")
+        return error
 
 
-@_message
-class StepOutputs:
-    kind: ClassVar = MessageKind.STEP_OUTPUTS
+def _rebuild(error_type: str, message: str) -> BaseException:
+    module_name, _, name = error_type.rpartition(".")
+    cls = None
+    if module_name == "builtins":
+        cls = getattr(builtins, name, None)
+    elif module_name.startswith("kvserve.") and "." not in name:  # never import anything else
+        try:
+            cls = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            cls = None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        try:
+            return cls(message)
+        except Exception:  # noqa: BLE001 - a constructor that wants more than a message
+            pass
+    return RuntimeError(f"{name}: {message}")
+
+
+class StepOutputs(_Message, tag="step_outputs"):
     deltas: list[RequestDelta]
     stats: EngineStats
 
 
-@_message
-class Stats:
-    kind: ClassVar = MessageKind.STATS
+class Stats(_Message, tag="stats"):
     stats: EngineStats
 
 
-@_message
-class Rejected:
+class Rejected(_Message, tag="rejected"):
     """The request is invalid (a ValueError: a bad grammar, a limit): the client gets a 400."""
 
-    kind: ClassVar = MessageKind.REJECTED
     request_id: str
     message: str
 
 
-@_message
-class Overloaded:
+class Overloaded(_Message, tag="overloaded"):
     """The request was refused for now (the grammar compile queue is full): retry later."""
 
-    kind: ClassVar = MessageKind.OVERLOADED
     request_id: str
     message: str
 
 
-@_message
-class StepFailedRequests:
+class StepFailedRequests(_Message, tag="step_failed"):
     """A step raised; its requests are aborted, the engine goes on."""
 
-    kind: ClassVar = MessageKind.STEP_FAILED
     request_ids: list[str]
     message: str
     stats: EngineStats
 
 
-@_message
-class Dead:
+class Dead(_Message, tag="dead"):
     """The loop died; the core process exits."""
 
-    kind: ClassVar = MessageKind.DEAD
     message: str
 
 
 # ---- rank 0 <-> tensor-parallel workers ----------------------------------------------------
-@_message
-class WorkerStep:
-    kind: ClassVar = MessageKind.WORKER_STEP
+class WorkerStep(_Message, tag="worker_step"):
     record: StepRecord
     prev_sampled_token_ids: tuple[int | None, ...]  # rank 0's samples of the step before (None: no sample)
     # speculative decoding: how many of each request's drafts rank 0 accepted the step before
     prev_num_accepted: tuple[int, ...] = ()
 
 
-@_message
-class WorkerLoaded:
-    kind: ClassVar = MessageKind.WORKER_LOADED
+class WorkerLoaded(_Message, tag="worker_loaded"):
+    pass
 
 
 Message = (AddRequest | AbortRequest | Stop | Ready | StartFailed | StepOutputs | Stats | Rejected | Overloaded
            | StepFailedRequests | Dead | WorkerStep | WorkerLoaded)
-MESSAGE_TYPES = Message.__args__
+MESSAGE_TYPES: tuple[type[_Message], ...] = Message.__args__
+
+
+def _plain_number(value: object) -> int | float:
+    """A numpy scalar that slipped into a record crosses as the Python number it equals."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{type(value).__name__} cannot cross a process boundary: {value!r}")
+
+
+# both are thread-safe: the server sends from several threads
+_encoder = msgspec.msgpack.Encoder(enc_hook=_plain_number)
+_decoder = msgspec.msgpack.Decoder(Message)
 
 
 def encode(message: Message) -> bytes:
-    """On the wire a message is the tuple (kind, *field values): unpickling a class reference
-    per message would cost more than the rest of a small step message (`benchmarks/bench_ipc.py`)."""
-    return pickle.dumps((message.kind.value, *message.field_values(message)), protocol=5)
+    return _encoder.encode(message)
 
 
 def decode(data: bytes) -> Message:
-    """The message in `data`; TypeError if the frame holds anything but a message."""
-    frame = pickle.loads(data)
-    cls = _BY_KIND.get(frame[0]) if isinstance(frame, tuple) and frame else None
-    if cls is None:
-        raise TypeError(f"not a kvserve message: {type(frame).__name__} {str(frame)[:80]}")
-    return cls(*frame[1:])
+    """The message in `data`; TypeError naming the problem if the frame is not a well-formed message."""
+    try:
+        return _decoder.decode(data)
+    except (ValueError, TypeError) as e:  # msgspec's (a wrong tag, field type or count) or a record's own check
+        raise TypeError(f"not a kvserve message: {e}") from None

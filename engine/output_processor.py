@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.runner import RunnerOutput, TokenLogprobs
 from kvserve.engine.scheduler import FinishedRequest, StepPlan
+
+if TYPE_CHECKING:
+    from kvserve.engine.runner import RunnerOutput, TokenLogprobs
 
 
 @dataclass(slots=True)

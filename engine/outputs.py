@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(slots=True)
-class Logprob:
+
+class _Record(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What the engine core sends each step (engine/messages.py): a MessagePack array of its fields."""
+
+
+class Logprob(_Record, gc=False):
     logprob: float
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
@@ -38,8 +43,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class RequestMetrics:
+class RequestMetrics(_Record, gc=False):
     """time.monotonic() timestamps of a request's life."""
 
     arrival_time: float
@@ -61,8 +65,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
+class EngineStats(_Record, frozen=True, gc=False):
     """A snapshot of the engine for metrics and logs (counters are cumulative)."""
 
     num_running: int
@@ -93,8 +96,7 @@ class EngineStats:
 # ---- what the engine core emits each step: deltas only, plain data ----
 
 
-@dataclass(slots=True)
-class CompletionDelta:
+class CompletionDelta(_Record):
     """What one of the n samples produced since its previous delta."""
 
     index: int
@@ -106,8 +108,7 @@ class CompletionDelta:
     stop_reason: int | str | None = None
 
 
-@dataclass(slots=True)
-class RequestDelta:
+class RequestDelta(_Record):
     """One step's news for one user request; the engine core sends these across processes.
 
     `outputs` holds only the samples that changed. Nothing cumulative is repeated, so a

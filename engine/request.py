@@ -39,6 +39,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
+        "priority",
     )
 
     def __init__(
@@ -54,6 +55,7 @@ class Request:
         arrival_time: float | None = None,
         prefix_root: bytes = ROOT_DIGEST,
         encoder_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -84,6 +86,12 @@ class Request:
         self.spec_backoff = 0  # 0: the first pause (spec_decode.FIRST_BACKOFF_STEPS)
         # encoder-decoder models: the encoder's input; `prompt_token_ids` are then the decoder's
         self.encoder_token_ids = encoder_token_ids
+        self.priority = priority  # lower runs first under the priority scheduling policy
+
+    @property
+    def schedule_key(self) -> tuple[int, float]:
+        """The order of the priority policy: lower priority value first, then earlier arrival."""
+        return self.priority, self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

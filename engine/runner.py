@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,11 +31,15 @@ from kvserve.engine.memory_profile import MemoryProfile, profile_kv_budget
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.spec_verify import SpecRows, accept, expand_sampling, spec_rows
 from kvserve.engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
-from kvserve.models import cpu_stack, load_model
+from kvserve.models import cpu_stack
 from kvserve.models.cpu_stack import CpuDecoderStack
+from kvserve.models.loader import load_model
 from kvserve.models.attention import Attention, AttentionMetadata, forward_context
 from kvserve.models.parallel import ParallelState
 from kvserve.models.timing import phase
+
+if TYPE_CHECKING:
+    from kvserve.models.quantization import QuantizationReport
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """The whole model in this process: an `Executor` (engine/executor_protocol.py), and rank 0's
+    part of a tensor-parallel one."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int,
                  parallel: ParallelState | None = None, join_group: Callable[[], None] | None = None) -> None:
@@ -118,17 +126,34 @@ class ModelRunner:
                 and not self.is_encoder_decoder):
             self.cpu_stack = cpu_stack.build(self.model)
 
+    # ---- the rest of the Executor protocol ----------------------------------
+    @property
+    def has_cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
+    @property
+    def weights_report(self) -> QuantizationReport:
+        return self.model.weights_report
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None  # a step that fails here fails alone; the next one may succeed
+
+    def shutdown(self) -> None:
+        pass  # nothing runs outside this process
+
     # ---- warm-up -----------------------------------------------------------
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Run one dummy step, a prefill row beside a decode row, and forget both, so that the
         first real step pays no first-use cost: on the CPU, the page faults of the KV blocks the
         block manager hands out first (its free list starts at block 1); on CUDA, the kernel
         variants a mixed prefill + decode step compiles. The block manager never sees it; the
         batch and the global RNG are left as they were. The blocks written are free and hold no
-        cached prefix (a request writes a block's slots before it reads them)."""
+        cached prefix (a request writes a block's slots before it reads them). False if it cannot
+        run one (too small an engine, an encoder-decoder model)."""
         num_tokens = min(self.block_size + 1, self.max_model_len, self.max_num_batched_tokens - 1)
         if num_tokens < 2 or self.is_encoder_decoder:  # (its requests need an encoder input)
-            return
+            return False
         num_usable = self.num_kv_blocks - 1  # block 0 is the null block: never written
         blocks_per_row = -(-num_tokens // self.block_size)
         token_ids = tuple(i % self.vocab_size for i in range(num_tokens))
@@ -139,19 +164,24 @@ class ModelRunner:
         for name, num_computed in (("prefill", 0), ("decode", num_tokens - 1))[:min(2, self.max_num_seqs)]:
             first = len(rows) * blocks_per_row
             block_ids = tuple(1 + (first + i) % num_usable for i in range(blocks_per_row))
-            rows.append(NewRequestData(f"kvserve-warm-up-{name}", token_ids, (), block_ids, greedy))
+            rows.append(NewRequestData(req_id=f"kvserve-warm-up-{name}", prompt_token_ids=token_ids,
+                                       output_token_ids=(), block_ids=block_ids, sampling=greedy))
             computed.append(num_computed)  # the decode row's earlier K/V: whatever its block holds
             scheduled.append(num_tokens - num_computed)
         req_ids = tuple(row.req_id for row in rows)
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         try:
-            self.execute(StepRecord((), (), tuple(rows), req_ids, tuple(computed), tuple(scheduled), {}))
+            self.execute(StepRecord(finished_req_ids=(), preempted_req_ids=(), new_requests=tuple(rows),
+                                    req_ids=req_ids, num_computed_tokens=tuple(computed),
+                                    num_scheduled_tokens=tuple(scheduled), new_block_ids={}))
         finally:
-            self.batch.update(StepRecord(req_ids, (), (), (), (), (), {}))
+            self.batch.update(StepRecord(finished_req_ids=req_ids, preempted_req_ids=(), new_requests=(), req_ids=(),
+                                         num_computed_tokens=(), num_scheduled_tokens=(), new_block_ids={}))
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
+        return True
 
     # ---- one step ----------------------------------------------------------
     @torch.inference_mode()

@@ -52,10 +52,10 @@ class StructuredOutputs:
     `any_whitespace=False` (the default) makes JSON compact (`{"a": 1, "b": [2, 3]}`), which
     keeps a model from padding the output with whitespace until max_tokens."""
 
-    json: dict | str | None = None
+    json: dict | str | bool | None = None  # (a JSON Schema may be true or false)
     json_object: bool = False
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
+    choice: tuple[str, ...] | None = None  # a list is taken too, and kept as a tuple
     grammar: str | None = None
     any_whitespace: bool = False
 

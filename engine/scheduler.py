@@ -11,6 +11,11 @@ are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its generated tokens are kept; prefix caching usually gives most of the
 recompute back).
 
+Under the `priority` policy (vLLM's `--scheduling-policy priority`) both queues are kept in
+`Request.schedule_key` order (lower priority value first, then earlier arrival): the head of
+`waiting` is admitted first, and the last running request, the one preempted, is the lowest
+priority. Under `fcfs` that order is arrival order, which appending already keeps.
+
 Each `StepPlan` carries two views of the same step: `scheduled` (live `Request`s,
 for the engine's output processing) and `record`, a plain-data `StepRecord` for
 the runner (engine/step_record.py): new requests in full, known ones as deltas,
@@ -19,6 +24,7 @@ and the ids to drop.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +33,10 @@ from kvserve.engine.kv_cache import BlockManager
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.spec_decode import Proposer
 from kvserve.engine.step_record import NewRequestData, StepRecord
+
+
+def _schedule_key(request: Request) -> tuple[int, float]:
+    return request.schedule_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +110,13 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, request, key=_schedule_key)
+        else:
+            self.waiting.append(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks; unknown ids are ignored."""
@@ -199,7 +215,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            self._enqueue(request)   # its arrival puts it ahead of later requests of its priority
+        else:
+            self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
                        new_requests: list[NewRequestData]) -> int:
@@ -230,7 +249,10 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.config.policy == "priority":   # the lowest priority stays last: the one preempted
+                bisect.insort(self.running, request, key=_schedule_key)
+            else:
+                self.running.append(request)
             scheduled.append(self._plan(request, num_new))
             # new to the runner (a resumed request too: its old row was dropped with its blocks)
             new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id),

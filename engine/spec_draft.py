@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_GREEDY = SamplingInputs(0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, 0, (), None, None)
+_GREEDY = SamplingInputs(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0, seed=None, min_tokens=0,
+                         suppressed_token_ids=(), num_logprobs=None, num_prompt_logprobs=None)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -50,7 +52,8 @@ class DraftModelProposer(Proposer):
         # room for twice the sequences that may speculate at once, each at its full length plus the
         # drafts (a request holds its draft K/V until it finishes; when the pool is full, no drafts)
         blocks_per_seq = -(-(max_model_len + MAX_SPECULATIVE_TOKENS) // block_size)
-        cache = CacheConfig(block_size, None, 2 * config.max_batch_size * blocks_per_seq + 1, False)
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=None,
+                            num_kv_blocks=2 * config.max_batch_size * blocks_per_seq + 1, enable_prefix_caching=False)
         sched = SchedulerConfig(max_num_seqs, max_model_len + MAX_SPECULATIVE_TOKENS)
         self.runner = ModelRunner(draft_config, cache, sched, files.model_path, files.hf_config, max_model_len)
         self.blocks = BlockManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching=False)
@@ -66,16 +69,19 @@ class DraftModelProposer(Proposer):
         if self.blocks.allocate(rid, n + k - 1) is None:
             return []  # the draft's pool is full: no drafts this step
         prompt = request.num_prompt_tokens
-        new = NewRequestData(rid, tuple(tokens[:prompt]), tuple(tokens[prompt:]), tuple(self.blocks.block_ids(rid)),
-                             _GREEDY)
+        new = NewRequestData(req_id=rid, prompt_token_ids=tuple(tokens[:prompt]),
+                             output_token_ids=tuple(tokens[prompt:]), block_ids=tuple(self.blocks.block_ids(rid)),
+                             sampling=_GREEDY)
         # the runner takes the request anew each time (its tokens changed since), computing from `valid`
         drop, self._released = (*self._released, rid), []
-        record = StepRecord(drop, (), (new,), (rid,), (valid,), (n - valid,), {})
+        record = StepRecord(finished_req_ids=drop, preempted_req_ids=(), new_requests=(new,), req_ids=(rid,),
+                            num_computed_tokens=(valid,), num_scheduled_tokens=(n - valid,), new_block_ids={})
         drafts = []
         for i in range(k):
             token = self.runner.execute(record).sampled_token_ids[0]
             drafts.append(token)
-            record = StepRecord((), (), (), (rid,), (n + i,), (1,), {})
+            record = StepRecord(finished_req_ids=(), preempted_req_ids=(), new_requests=(), req_ids=(rid,),
+                                num_computed_tokens=(n + i,), num_scheduled_tokens=(1,), new_block_ids={})
         self.computed[rid] = tokens + drafts[:-1]
         return drafts
 

@@ -1,8 +1,8 @@
 """The scheduler -> runner contract: one plain-data `StepRecord` per step (no torch, no live objects).
 
-Everything here is ints, floats, strs, tuples and dicts of those: a record pickles
-as-is, and the same contract carries each step to the tensor-parallel workers
-(engine/worker.py). It carries deltas, not histories:
+Everything here is ints, floats, strs, tuples and dicts of those, in `msgspec.Struct`s: the
+same record carries each step to the tensor-parallel workers as a MessagePack frame
+(engine/messages.py, engine/worker.py). It carries deltas, not histories:
 
 - a request new to the runner (first scheduled, or resumed after a preemption)
   comes once as `NewRequestData`: its tokens so far, block table and sampling inputs;
@@ -18,8 +18,10 @@ a chunked prefill only advances `num_computed_tokens` over tokens it already has
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,8 +29,11 @@ if TYPE_CHECKING:
     from kvserve.engine.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingInputs:
+class _Record(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A field of the step's record: on the wire, an array of its fields in order."""
+
+
+class SamplingInputs(_Record, gc=False):
     """One sequence's sampling settings as plain numbers, sent once when it joins the runner."""
 
     temperature: float
@@ -51,17 +56,18 @@ class SamplingInputs:
         # a constrained sequence ends when its grammar says so (suppressing EOS could leave no token)
         suppressed = () if p.min_tokens == 0 or p.structured_outputs is not None else (
             *(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
-        return cls(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                   p.frequency_penalty, request.seed, p.min_tokens, tuple(suppressed), p.logprobs,
-                   p.prompt_logprobs, tuple(sorted((p.logit_bias or {}).items())))
+        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                   repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                   frequency_penalty=p.frequency_penalty, seed=request.seed, min_tokens=p.min_tokens,
+                   suppressed_token_ids=tuple(suppressed), num_logprobs=p.logprobs,
+                   num_prompt_logprobs=p.prompt_logprobs, logit_bias=tuple(sorted((p.logit_bias or {}).items())))
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class NewRequestData:
+class NewRequestData(_Record):
     """A sequence the runner does not hold: first scheduled, or resumed after a preemption."""
 
     req_id: str
@@ -78,9 +84,11 @@ class NewRequestData:
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int], cross_block_ids: list[int] = (),
                      encode: bool = False) -> NewRequestData:
-        return cls(request.request_id, tuple(request.prompt_token_ids), tuple(request.output_token_ids),
-                   tuple(block_ids), SamplingInputs.from_request(request), tuple(cross_block_ids),
-                   len(request.encoder_token_ids), tuple(request.encoder_token_ids) if encode else ())
+        return cls(req_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+                   output_token_ids=tuple(request.output_token_ids), block_ids=tuple(block_ids),
+                   sampling=SamplingInputs.from_request(request), cross_block_ids=tuple(cross_block_ids),
+                   cross_len=len(request.encoder_token_ids),
+                   encoder_token_ids=tuple(request.encoder_token_ids) if encode else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +102,7 @@ class GrammarBitmask:
     expanded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
+class StepRecord(_Record):
     """What the runner needs for one step. Apply in field order: drop, add, then run.
 
     `req_ids` is the order of `StepPlan.scheduled` (the runner's outputs follow it);
@@ -111,7 +118,7 @@ class StepRecord:
     new_block_ids: dict[str, tuple[int, ...]]  # held requests that got blocks: ids to append
     # speculative decoding: a request's draft tokens, scheduled after its last token (the runner
     # verifies them and reports the accepted ones); they are not the request's tokens until accepted
-    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    spec_token_ids: dict[str, tuple[int, ...]] = {}
     # copy-on-write of kept partly filled blocks (engine/kv_cache.py): (source block, destination
     # block, slots), copied in every layer's cache before anything else of the step writes
     block_copies: tuple[tuple[int, int, int], ...] = ()

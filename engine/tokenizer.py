@@ -8,13 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.config import ModelConfig
 from kvserve.engine.input_processor import load_tokenizer
-from kvserve.models import (
-    ensure_default_model,
-    get_decoder_start_token_id,
-    get_eos_token_ids,
-    get_max_model_len,
-    resolve_model_path,
-)
+from kvserve.models import ensure_default_model
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.timing import phase
 
@@ -35,6 +29,10 @@ class ModelFiles:
 
 
 def load_model_files(config: ModelConfig) -> ModelFiles:
+    # (the loader imports torch: here, so that importing the engine does not)
+    from kvserve.models.loader import (get_decoder_start_token_id, get_eos_token_ids, get_max_model_len,
+                                       resolve_model_path)
+
     with phase("model files"):
         if config.model is None:
             model_path = ensure_default_model()
@@ -52,6 +50,7 @@ def load_model_files(config: ModelConfig) -> ModelFiles:
     eos = list(get_eos_token_ids(model_path, hf_config))
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    return ModelFiles(model_path, hf_config, tokenizer, max_model_len, tuple(eos),
-                      get_decoder_start_token_id(model_path, hf_config))
+    return ModelFiles(model_path=model_path, hf_config=hf_config, tokenizer=tokenizer, max_model_len=max_model_len,
+                      eos_token_ids=tuple(eos),
+                      decoder_start_token_id=get_decoder_start_token_id(model_path, hf_config))
 

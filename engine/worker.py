@@ -10,9 +10,10 @@ of the sequences, then runs the same forward as rank 0, meeting it in every coll
 (the all-reduces, and the LM head's gather for the sampled and prompt-logprob rows).
 
 Start-up: load the shard, send `WorkerLoaded`, join the process group. A failure before that
-is sent as `StartFailed(text)`. A worker exits when told (`Stop`), when its pipe closes (rank 0's
-process is gone, even SIGKILLed), or when a step fails (a collective timing out or a peer
-vanishing included): rank 0 sees the exit and declares the engine dead. It ignores SIGINT:
+is sent as `StartFailed` (the error's type, message and traceback). A worker exits when told
+(`Stop`), when its pipe closes (rank 0's process is gone, even SIGKILLed), or when a step
+fails (a collective timing out or a peer vanishing included): rank 0 sees the exit and
+declares the engine dead. It ignores SIGINT:
 a Ctrl-C reaches the whole process group, and rank 0 decides when workers stop.
 """
 
@@ -36,7 +37,6 @@ from kvserve.engine.step_record import StepRecord
 from kvserve.models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         logger.exception("tensor-parallel worker start-up failed")
         try:
-            conn.send_bytes(messages.encode(StartFailed(f"{type(e).__name__}: {e}")))
+            conn.send_bytes(messages.encode(StartFailed.from_exception(e)))
         except OSError:
             pass
         os._exit(1)

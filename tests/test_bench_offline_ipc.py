@@ -35,4 +35,4 @@ def test_bench_offline_rejects_bad_sizes(capsys):
 def test_bench_ipc_runs(capsys):
     assert bench_ipc.main(["--iters", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "pickle   B= 64" in printed and "multiprocessing pipe round trip" in printed
+    assert "msgpack  B= 64" in printed and "multiprocessing pipe round trip" in printed

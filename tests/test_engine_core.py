@@ -4,7 +4,6 @@ what happens when either process dies or is signalled."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import pickle
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from server_fixtures import ServerProcess
 
@@ -64,8 +64,8 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 def _every_field_set(cls, **values):
-    """An instance of dataclass `cls` in which every field not given holds a value of its own (no defaults)."""
-    for i, field in enumerate(dataclasses.fields(cls)):
+    """An instance of struct `cls` in which every field not given holds a value of its own (no defaults)."""
+    for i, field in enumerate(msgspec.structs.fields(cls)):
         if field.name not in values:
             values[field.name] = i + 0.25 if "float" in str(field.type) else i + 1
     return cls(**values)
@@ -88,24 +88,33 @@ def _one_of_each_message() -> list:
                             stop=["x"], stop_token_ids=[4], seed=3, logprobs=2, prompt_logprobs=1,
                             repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3,
                             logit_bias={5: 1.5}, structured_outputs=StructuredOutputs(json={"type": "object"}))
-    prompt = ProcessedPrompt("hi", [1, 2, 3], params, 7, cache_salt="tenant-a")
-    info = RuntimeInfo("/m", "LlamaForCausalLM", "bfloat16", "cpu", 100, 64, (0, 2), 9, 4, "cpu", True, 2)
-    sampling = SamplingInputs(0.5, 5, 0.9, 0.1, 1.1, 0.2, 0.3, 3, 1, (0, 2), 2, 1, ((5, 1.5),))
-    record = StepRecord(("f",), ("p",), (NewRequestData("r-0#0", (1, 2, 3), (4,), (1, 2), sampling),),
-                        ("r-0#0", "r-1#0"), (0, 5), (3, 1), {"r-1#0": (6,)})
+    prompt = ProcessedPrompt(prompt="hi", prompt_token_ids=[1, 2, 3], params=params, max_tokens=7,
+                             cache_salt="tenant-a", priority=2)
+    info = RuntimeInfo(model_path="/m", architecture="LlamaForCausalLM", dtype="bfloat16", device="cpu",
+                       vocab_size=100, max_model_len=64, eos_token_ids=(0, 2), num_kv_blocks=9, block_size=4,
+                       attention_backend="cpu", cuda_graphs=True, tensor_parallel_size=2, decoder_start_token_id=3)
+    sampling = SamplingInputs(temperature=0.5, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
+                              presence_penalty=0.2, frequency_penalty=0.3, seed=3, min_tokens=1,
+                              suppressed_token_ids=(0, 2), num_logprobs=2, num_prompt_logprobs=1,
+                              logit_bias=((5, 1.5),))
+    new = NewRequestData(req_id="r-0#0", prompt_token_ids=(1, 2, 3), output_token_ids=(4,), block_ids=(1, 2),
+                         sampling=sampling, cross_block_ids=(3,), cross_len=2, encoder_token_ids=(7, 8))
+    record = StepRecord(finished_req_ids=("f",), preempted_req_ids=("p",), new_requests=(new,),
+                        req_ids=("r-0#0", "r-1#0"), num_computed_tokens=(0, 5), num_scheduled_tokens=(3, 1),
+                        new_block_ids={"r-1#0": (6,)}, spec_token_ids={"r-1#0": (9, 10)}, block_copies=((1, 2, 3),))
     return [
         messages.AddRequest("r-0", prompt, 12.5),
         messages.AbortRequest("r-0"),
         messages.Stop(),
         messages.Ready(info, stats),
-        messages.StartFailed("ValueError: bad checkpoint"),
+        messages.StartFailed(error_type="builtins.ValueError", message="bad checkpoint", traceback="Traceback ..."),
         messages.StepOutputs([delta], stats),
         messages.Stats(stats),
         messages.Rejected("r-0", "structured_outputs.regex is empty"),
         messages.Overloaded("r-0", "the grammar compile queue is full"),
         messages.StepFailedRequests(["r-0", "r-1"], "internal error", stats),
         messages.Dead("engine loop died"),
-        messages.WorkerStep(record, (5, None)),
+        messages.WorkerStep(record, (5, None), (1, 0)),
         messages.WorkerLoaded(),
     ]
 
@@ -113,16 +122,56 @@ def _one_of_each_message() -> list:
 def test_codec_round_trips_every_message_and_field():
     sent = _one_of_each_message()
     assert {type(m) for m in sent} == set(messages.MESSAGE_TYPES)   # a new message type needs a case here
-    assert len({m.kind for m in sent}) == len(messages.MessageKind)
+    assert len({type(m).__struct_config__.tag for m in sent}) == len(sent)
     for message in sent:
         assert messages.decode(messages.encode(message)) == message
-    error = messages.decode(messages.encode(messages.StartFailed(ValueError("bad"))))
-    assert type(error.error) is ValueError and error.error.args == ("bad",)
 
 
-def test_codec_refuses_anything_but_a_message():
-    with pytest.raises(TypeError, match="not a kvserve message: tuple"):
-        messages.decode(pickle.dumps(("step", [], None)))
+class _NotAnError:  # a type the receiving side must never import
+    pass
+
+
+@pytest.mark.parametrize(("error", "expected_type", "text"), [
+    (ValueError("bad"), ValueError, "bad"),
+    (FileNotFoundError("no such file"), FileNotFoundError, "no such file"),
+    (EngineDeadError("gone"), EngineDeadError, "gone"),
+    (json.JSONDecodeError("Expecting value", "x", 0), RuntimeError, "JSONDecodeError: Expecting value"),
+])
+def test_start_failed_carries_an_error_as_text(error, expected_type, text):
+    try:
+        raise error
+    except Exception as e:  # (a traceback to carry)
+        sent = messages.StartFailed.from_exception(e)
+    received = messages.decode(messages.encode(sent))
+    assert received == sent and "Traceback" in received.traceback
+    raised = received.to_exception()
+    assert type(raised) is expected_type and text in str(raised)
+    assert any("raised in the engine process" in note for note in raised.__notes__)
+    odd = messages.StartFailed(error_type=f"{__name__}._NotAnError", message="x").to_exception()
+    assert type(odd) is RuntimeError and str(odd) == "_NotAnError: x"
+
+
+@pytest.mark.parametrize("frame", [
+    pickle.dumps(("step", [], None)),                                   # not MessagePack
+    msgspec.msgpack.encode(("step", [], None)),                          # an unknown tag
+    msgspec.msgpack.encode({"abort": "r-0"}),                            # not an array
+    msgspec.msgpack.encode(("abort",)),                                  # a field missing
+    msgspec.msgpack.encode(("abort", "r-0", "extra")),                   # a field too many
+    msgspec.msgpack.encode(("abort", 7)),                                # a field of the wrong type
+    msgspec.msgpack.encode(("stats", [1, 0, 0.5, 9, 8, 10, 5, 0, 0, "0"])),   # deep inside
+])
+def test_codec_refuses_anything_but_a_message(frame):
+    with pytest.raises(TypeError, match="not a kvserve message"):
+        messages.decode(frame)
+
+
+def test_codec_checks_what_the_records_check():
+    """A prompt's sampling parameters are validated again when they arrive."""
+    message = _one_of_each_message()[0]
+    raw = msgspec.msgpack.decode(messages.encode(message))
+    raw[2]["params"]["temperature"] = -1.0
+    with pytest.raises(TypeError, match="not a kvserve message: temperature must be >= 0.0"):
+        messages.decode(msgspec.msgpack.encode(raw))
 
 
 # --------------------------------------------------------------------------- AsyncLLM across the boundary

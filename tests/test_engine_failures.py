@@ -1,4 +1,4 @@
-"""Engine failures: steps that raise (injected into the runner with `KVSERVE_FAULT_STEPS`), the
+"""Engine failures: steps that raise (a `FaultyExecutor` test double wraps the engine's executor), the
 core declaring itself dead after repeated failures, the server exiting (or staying up with
 `--keep-alive-on-engine-death`), a request racing the death, and error bodies that keep
 internal exception text in the log."""
@@ -14,13 +14,14 @@ import sys
 
 import httpx
 import pytest
+from faulty_executor import FaultyExecutor, InjectedFault, fault_server_launcher, faults, parse_fault_steps
 from server_fixtures import ServerProcess
 from test_engine_core import core_children, is_alive, wait_until
 
 from kvserve.engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 from kvserve.engine import async_llm, messages
-from kvserve.engine.core import FAULT_ENV, InjectedFault, inject_step_faults, parse_fault_steps
 from kvserve.engine.errors import StepFailed
+from kvserve.engine.executor_protocol import Executor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -36,9 +37,20 @@ def test_parse_fault_steps_rejects(spec):
         parse_fault_steps(spec)
 
 
+def test_executors_write_out_every_member_of_the_protocol():
+    from kvserve.engine.executor import TensorParallelExecutor
+
+    members = [name for name in vars(Executor) if not name.startswith("_")]
+    assert {"execute", "warm_up", "dead_reason", "shutdown", "num_kv_blocks"} <= set(members)
+    for cls in (TensorParallelExecutor, FaultyExecutor):   # (ModelRunner sets some in __init__: below)
+        assert "__getattr__" not in vars(cls) and all(name in vars(cls) for name in members), cls
+
+
 def test_consecutive_failures_are_counted_and_reset(llama_dir):
     engine = LLMEngine(EngineArgs(model=llama_dir, dtype="float32", device="cpu", block_size=4))
-    inject_step_faults(engine.runner, 2, 3)
+    assert isinstance(engine.runner, Executor) and engine.runner.dead_reason is None
+    engine.runner = FaultyExecutor(engine.runner, first=2, last=3)
+    assert isinstance(engine.runner, Executor)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     num_free = engine.block_manager.num_free_blocks
     engine.add_request("a", [5, 6, 7], params)
@@ -61,9 +73,9 @@ async def _collect(eng: AsyncLLM, request_id: str, params: SamplingParams = GREE
     return [out async for out in eng.generate([5, 6, 7], params, request_id)]
 
 
-def test_repeated_step_failures_kill_the_engine(llama_dir, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "2+")   # step 1 works, every later one raises
-    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"), max_consecutive_step_failures=2)
+def test_repeated_step_failures_kill_the_engine(llama_dir):
+    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"), max_consecutive_step_failures=2,
+                   executor_wrapper=faults("2+"))   # step 1 works, every later one raises
 
     async def run() -> None:
         assert (await _collect(eng, "ok"))[-1].finished
@@ -134,7 +146,8 @@ def assert_hides_internals(error: dict) -> None:
 
 
 def test_server_exits_1_after_repeated_step_failures(server_checkpoint):
-    srv = ServerProcess(server_checkpoint, "--max-consecutive-step-failures", "2", env={FAULT_ENV: "1+"})
+    srv = ServerProcess(server_checkpoint, "--max-consecutive-step-failures", "2",
+                        launcher=fault_server_launcher("1+"))
     srv.wait_ready()
     try:
         [core] = core_children(srv.proc.pid)
@@ -153,7 +166,7 @@ def test_server_exits_1_after_repeated_step_failures(server_checkpoint):
 def test_error_bodies_name_a_request_id_not_the_exception(server_checkpoint):
     """Also `--keep-alive-on-engine-death`: the dead engine's server stays up, answering 503."""
     srv = ServerProcess(server_checkpoint, "--max-consecutive-step-failures", "2", "--keep-alive-on-engine-death",
-                        env={FAULT_ENV: "3+"}).wait_ready()
+                        launcher=fault_server_launcher("3+")).wait_ready()
     try:
         stream = post(srv.url, max_tokens=5, stream=True)   # steps 1 and 2 work, step 3 raises mid-stream
         events = [json.loads(line[6:]) for line in stream.text.splitlines()

@@ -23,7 +23,7 @@ from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
 from kvserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from kvserve.engine.input_processor import load_tokenizer
-from kvserve.models import load_model
+from kvserve.models.loader import load_model
 from kvserve.models.gguf_loader import iter_gguf_tensors
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.layers import rope_parameters

@@ -7,10 +7,10 @@ requests, and its sampling tensors must equal the from-scratch builder's.
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -104,7 +104,7 @@ def _walk(obj, path="record"):
             _walk(k, f"{path} key")
             _walk(v, f"{path}[{k!r}]")
     elif type(obj) in (StepRecord, NewRequestData, SamplingInputs):
-        for f in dataclasses.fields(obj):
+        for f in msgspec.structs.fields(obj):
             _walk(getattr(obj, f.name), f"{path}.{f.name}")
     else:
         raise AssertionError(f"{path} is a {type(obj).__name__}")

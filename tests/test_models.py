@@ -20,7 +20,8 @@ from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kvserve.models.attention import torch_ref
-from kvserve.models import SUPPORTED_ARCHITECTURES, get_eos_token_ids, get_max_model_len, get_model_class, load_model
+from kvserve.models.loader import get_eos_token_ids, get_max_model_len, load_model
+from kvserve.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 from kvserve.models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
 from kvserve.models.hf_config import CheckpointConfig, load_hf_config
 from kvserve.models.loader import resolve_model_path

@@ -3,7 +3,7 @@
 - formats: `quantize_int8` / `quantize_int4` are the gguf package's Q8_0 / Q4_0 blocks bit for
   bit (ties, zero groups), and the values of such blocks quantize back to the same blocks;
 - the packed kernel layout round-trips (`unpack`, `rows`) for odd row counts and any group;
-- `torch.ops.kvserve.quant_linear` equals `reference_linear` (its float64 definition) at batch 1,
+- `cpu_ops.quant_linear` equals `reference_linear` (its float64 definition) at batch 1,
   a few rows, prefill chunks, odd N and several groups, bf16 and fp32 (skipped without VNNI);
   the portable path (plain layout) equals x @ dequantized W.T everywhere;
 - models: int8 / int4 serve every family, say so in `RuntimeInfo`, are smaller, and stay close to
@@ -31,8 +31,9 @@ from test_models import PagedRunner, make_prompts
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.config import EngineArgs
-from kvserve.models import cpu_ops, load_model
+from kvserve.models import cpu_ops
 from kvserve.models import loader as loader_module
+from kvserve.models.loader import load_model
 from kvserve.models.attention import Attention
 from kvserve.models.gguf_loader import _unpermute, iter_gguf_tensors
 from kvserve.models.hf_config import load_hf_config
@@ -327,8 +328,8 @@ def test_kernel_refuses_mismatched_input():
     with pytest.raises(RuntimeError, match="features"):
         lin(torch.zeros(2, 96))
     with pytest.raises(RuntimeError, match="bf16 or float32"):
-        torch.ops.kvserve.quant_linear(torch.zeros(2, 128, dtype=torch.float16), lin.weight.data, lin.weight.scales,
-                                       None, 64, 8, 32)
+        cpu_ops.quant_linear(torch.zeros(2, 128, dtype=torch.float16), lin.weight.data, lin.weight.scales, None, 64, 8,
+                             32)
     y = lin(torch.ones(2, 128, dtype=torch.float16))  # fp16 goes through fp32
     assert y.dtype == torch.float16 and torch.equal(y, lin(torch.ones(2, 128)).half())
 

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from test_models import ATOL, PagedRunner, assert_close, hf_logits, make_meta, make_prompts  # noqa: E402
 
-from kvserve.models import load_model  # noqa: E402
+from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.attention import forward_context  # noqa: E402
 
 PROMPT_LENS = [1, 3, 9, 26]  # the interpreter is slow: few, short prompts (26 > Mistral's window of 24)

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from kvserve.engine import LLM  # noqa: E402
 from kvserve.engine.memory_profile import run_dummy_step  # noqa: E402
-from kvserve.models import load_model  # noqa: E402
+from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.attention import Attention  # noqa: E402
 
 SOURCES = [[5, 17, 42, 99, 7, 250, 31], [120, 3], [11, 250, 31, 8, 77, 200, 19, 54, 23]]  # the interpreter is slow
