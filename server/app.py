@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +26,26 @@ from kvserve.server import package_version
 from kvserve.server.chat import load_chat_template, render_chat
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_protocol import ModelInfo, ServingEngine
-from kvserve.server.errors import APIError, bad_request, install_error_handlers, internal_error, shutting_down
+from kvserve.server.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+    internal_error,
+    shutting_down,
+)
 from kvserve.server.logprobs import TokenText
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
+from kvserve.server import anthropic_messages
+from kvserve.server.anthropic_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    build_message,
+    messages_input_size,
+    messages_sse,
+)
+from kvserve.server.reasoning import resolve_reasoning_parser
 from kvserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -44,8 +60,17 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.server.openapi import errors, install_openapi, streamed
-from kvserve.server.serving import Admission, Serving, resolve_max_queue
+from kvserve.server.openapi import errors, install_openapi, named_events, streamed
+from kvserve.server.responses import (
+    as_responses_request,
+    build_response,
+    renamed_error,
+    responses_input_size,
+    responses_sse,
+    to_chat_request,
+)
+from kvserve.server.responses_protocol import ResponsesRequest
+from kvserve.server.serving import Admission, Serving, prepend, resolve_max_queue
 from kvserve.server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
 from kvserve.server.tokenizer_info import tokenizer_info
 from kvserve.server.validation import (
@@ -100,6 +125,8 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
         max_tools=config.max_tools, grammar_limits=config.grammar_limits(),
         is_encoder_decoder=model_config.decoder_start_token_id is not None,
         decoder_start_token_id=model_config.decoder_start_token_id,
+        reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, chat_template or engine.chat_template),
+        scheduling_policy=config.scheduling_policy,
     )
     metrics = ServerMetrics(engine, names[0])
     max_queue = resolve_max_queue(config.max_queue, config.max_num_seqs, engine.stats().num_kv_blocks_total)
@@ -119,6 +146,9 @@ def log_startup(state: AppState) -> None:
                 stats.num_kv_blocks_total, state.limits.kv_capacity_tokens, state.config.max_num_seqs,
                 "any number of" if state.admission.max_queue is None else state.admission.max_queue,
                 state.config.max_queue)
+    if state.limits.reasoning_parser is not None:
+        logger.info("reasoning parser: %s (--reasoning-parser %s)", state.limits.reasoning_parser.name,
+                    state.config.reasoning_parser)
     logger.info("serving on http://%s:%d (OpenAI base URL http://%s:%d/v1)", state.config.host, state.config.port,
                 state.config.host, state.config.port)
 
@@ -196,8 +226,16 @@ async def _exit_when_engine_dies(app: FastAPI, engine: ServingEngine, keep_alive
         request_exit()
 
 
-async def run_request(state: AppState, vreq: ValidatedRequest, request: Request) -> Response:
-    """Admit, start on the engine, and answer as JSON or SSE; abort if the client leaves."""
+CompleteFn = Callable[[ValidatedRequest, AsyncIterator[tuple[int, Any]]], Awaitable[dict[str, Any]]]
+EventsFn = Callable[[ValidatedRequest, Any, AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]
+
+
+async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
+                      complete: CompleteFn | None = None, events: EventsFn | None = None) -> Response:
+    """Admit, start on the engine, and answer as JSON or SSE; abort if the client leaves.
+    `complete` and `events` shape the body and the stream (default: OpenAI's completions and chat)."""
+    complete = complete or state.serving.complete
+    make_events = events or state.serving.events
     tenant = request.scope.get(TENANT_SCOPE_KEY)   # set by --cache-salt-per-api-key
     if tenant is not None:
         vreq = dataclasses.replace(vreq, cache_salt=tenant_cache_salt(tenant, vreq.cache_salt))
@@ -206,21 +244,21 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request)
     is_handed_over = False
     try:
         if not vreq.is_stream:
-            body = await run_until_disconnect(request.receive, state.serving.complete(vreq, outputs))
+            body = await run_until_disconnect(request.receive, complete(vreq, outputs))
             return JSONResponse(body)
 
         async def first_output() -> Any:
             return await anext(outputs, None)
 
         first = await run_until_disconnect(request.receive, first_output())   # engine refusals are still a 400
-        events = state.serving.events(vreq, first, outputs)
+        stream = make_events(vreq, first, outputs)
 
         async def release_after() -> AsyncIterator[str]:
             try:
-                async for event in events:
+                async for event in stream:
                     yield event
             finally:
-                await events.aclose()
+                await stream.aclose()
                 await outputs.aclose()
                 state.admission.release(num_seqs)
 
@@ -233,7 +271,7 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request)
         raise
     except Exception:   # fail this request only; the server goes on
         logger.exception("request %s failed", vreq.request_id)
-        return internal_error(vreq.request_id).response()
+        return error_response(internal_error(vreq.request_id), request.url.path)
     finally:
         if not is_handed_over:
             await outputs.aclose()
@@ -259,6 +297,44 @@ def _add_routes(app: FastAPI) -> None:
         state = kv(request)
         vreq = await run_off_loop(validate_chat, body, state.limits, state.tokenizer, num_chars=input_size(body))
         return await run_request(state, vreq, request)
+
+    @app.post("/v1/responses", responses={
+        **named_events("The response object (JSON), or with `stream: true` the Responses API's named events "
+                       "(`response.created` ... `response.completed`)"),
+        **errors(400, 404, 413, 500, 503)})
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        state = kv(request)
+        vreq = await run_off_loop(_validate_responses, state, body, num_chars=responses_input_size(body))
+
+        async def complete(vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+            return build_response(body, vreq, await state.serving.chat_response(vreq, outputs))
+
+        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+            return responses_sse(state.serving.chat_chunks(vreq, prepend(first, outputs)), body, vreq)
+
+        return await run_request(state, vreq, request, complete, events)
+
+    @app.post("/v1/messages", responses={
+        **named_events("The message (JSON), or with `stream: true` Anthropic's named events (`message_start` ... "
+                       "`message_stop`); errors in Anthropic's shape"),
+        **errors(400, 404, 413, 500, 503, anthropic=True)})
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        state = kv(request)
+        vreq = await run_off_loop(_validate_messages, state, body, num_chars=messages_input_size(body))
+
+        async def complete(vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+            return build_message(vreq, await state.serving.chat_response(vreq, outputs))
+
+        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+            return messages_sse(state.serving.chat_chunks(vreq, prepend(first, outputs)), vreq)
+
+        return await run_request(state, vreq, request, complete, events)
+
+    @app.post("/v1/messages/count_tokens", responses=errors(400, 404, 413, anthropic=True))
+    async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+        state = kv(request)
+        vreq = await run_off_loop(_validate_messages, state, body, num_chars=messages_input_size(body))
+        return {"input_tokens": len(vreq.prompts[0].token_ids)}
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -315,6 +391,24 @@ def _add_routes(app: FastAPI) -> None:
     async def get_tokenizer_info(request: Request) -> TokenizerInfoResponse:
         state = kv(request)
         return tokenizer_info(state.tokenizer, state.limits.chat_template, state.limits.max_model_len)
+
+
+def _validate_responses(state: AppState, body: ResponsesRequest) -> ValidatedRequest:
+    chat = to_chat_request(body)
+    try:
+        vreq = validate_chat(chat, state.limits, state.tokenizer)
+    except APIError as exc:
+        raise renamed_error(exc) from None
+    return as_responses_request(vreq)
+
+
+def _validate_messages(state: AppState, body: CountTokensRequest) -> ValidatedRequest:
+    chat = anthropic_messages.to_chat_request(body)
+    try:
+        vreq = validate_chat(chat, state.limits, state.tokenizer)
+    except APIError as exc:
+        raise anthropic_messages.renamed_error(exc) from None
+    return anthropic_messages.as_messages_request(vreq)
 
 
 def _tokenize(state: AppState, body: TokenizeRequest) -> list[int]:

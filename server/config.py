@@ -145,6 +145,9 @@ class ServerConfig(_EngineOptions):
         "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
         "<tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]); none: auto gives plain text "
         "(required and named choices are enforced by a grammar either way).")
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
+        "auto", description="How a thinking model's <think>...</think> text is split from its answer into "
+        "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
     max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
     max_chat_messages: int = Field(
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")

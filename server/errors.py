@@ -59,6 +59,30 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+# Anthropic's error types by status (its SDK reads `error.type`); /v1/messages answers in that shape.
+_ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                             429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
+def anthropic_error_body(status_code: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE_BY_STATUS.get(status_code, "api_error"),
+                                       "message": message}}
+
+
+def error_response(exc: APIError, path: str) -> JSONResponse:
+    """`exc` in the error shape of the API that `path` belongs to (OpenAI's, or Anthropic's on /v1/messages)."""
+    if is_anthropic_path(path):
+        return JSONResponse(anthropic_error_body(exc.status_code, exc.message), status_code=exc.status_code,
+                            headers=exc.headers)
+    return exc.response()
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -81,8 +105,10 @@ def shutting_down() -> APIError:
                     headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
-def error_bytes(status_code: int, message: str, code: str | None = None) -> bytes:
-    """A ready-to-send JSON error body (for the raw ASGI middlewares)."""
+def error_bytes(status_code: int, message: str, code: str | None = None, path: str = "") -> bytes:
+    """A ready-to-send JSON error body (for the raw ASGI middlewares), in the shape of `path`'s API."""
+    if is_anthropic_path(path):
+        return json.dumps(anthropic_error_body(status_code, message)).encode()
     body = error_body(message, _TYPE_BY_STATUS.get(status_code, "server_error"), None, code)
     return json.dumps(body).encode()
 
@@ -124,13 +150,13 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map every failure to an OpenAI-shaped JSON error."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return bad_request(message, param=param).response()
+        return error_response(bad_request(message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -142,7 +168,8 @@ def install_error_handlers(app: FastAPI) -> None:
             code = "method_not_allowed"
         else:
             message, code = str(exc.detail), None
-        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+        return error_response(APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)),
+                              request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -153,4 +180,4 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             logger.error("unhandled error in %s %s (request id %s)", request.method, request.url.path, request_id,
                          exc_info=exc)
-        return internal_error(request_id).response()
+        return error_response(internal_error(request_id), request.url.path)

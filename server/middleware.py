@@ -22,8 +22,8 @@ TENANT_SCOPE_KEY = "kvserve.tenant"
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = error_bytes(status, message, code)
+                     headers: list[tuple[bytes, bytes]] | None = None, path: str = "") -> None:
+    body = error_bytes(status, message, code, path)
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers + (headers or [])})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -61,18 +61,20 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        provided = b""
+        token = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                provided = value
+                token = bearer_token(value)
                 break
-        token, is_valid, tenant = bearer_token(provided), False, None
+            if name == b"x-api-key":   # how Anthropic's clients send the key (/v1/messages)
+                token = value
+        is_valid, tenant = False, None
         for expected, tag in self.expected:   # every key is compared: the time says nothing of which matched
             if hmac.compare_digest(token, expected):
                 is_valid, tenant = True, tag
         if not is_valid:
             await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
-                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")], path=scope["path"])
             return
         if tenant is not None:
             scope = {**scope, TENANT_SCOPE_KEY: tenant}
@@ -102,10 +104,10 @@ class BodyLimitMiddleware:
                 try:
                     length = int(value)
                 except ValueError:
-                    await send_error(send, 400, "invalid Content-Length header")
+                    await send_error(send, 400, "invalid Content-Length header", path=scope["path"])
                     return
                 if length > self.max_bytes:
-                    await self._too_large(send)
+                    await self._too_large(send, scope["path"])
                     return
         chunks: list[bytes] = []
         num_bytes = 0
@@ -116,14 +118,15 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             num_bytes += len(chunk)
             if num_bytes > self.max_bytes:
-                await self._too_large(send)
+                await self._too_large(send, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         if json_depth(body, self.max_json_depth) > self.max_json_depth:
-            await send_error(send, 400, too_deep_message(depth_limit=self.max_json_depth), code="json_too_deep")
+            await send_error(send, 400, too_deep_message(depth_limit=self.max_json_depth), code="json_too_deep",
+                             path=scope["path"])
             return
         is_replayed = False
 
@@ -136,6 +139,6 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, path: str) -> None:
         await send_error(send, 413, f"request body is larger than {self.max_bytes} bytes",
-                         code="request_too_large")
+                         code="request_too_large", path=path)

@@ -18,7 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server.protocol import ChatCompletionChunk, ErrorResponse
+from kvserve.server.errors import is_anthropic_path
+from kvserve.server.protocol import AnthropicErrorResponse, ChatCompletionChunk, ErrorResponse
 
 _DESCRIPTIONS = {
     400: "Invalid request (OpenAI error body; `param` names the field)",
@@ -29,16 +30,29 @@ _DESCRIPTIONS = {
     503: "Overloaded (`--max-queue`, with Retry-After), shutting down, or the engine is dead",
 }
 _UNPROTECTED_PATHS = ("/health", "/metrics")   # reachable without the API key
-_EXTRA_MODELS = (ChatCompletionChunk, ErrorResponse)   # referenced only from SSE event schemas
+_EXTRA_MODELS = (ChatCompletionChunk, ErrorResponse, AnthropicErrorResponse)   # referenced only from SSE events
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def errors(*status_codes: int) -> dict[int | str, dict[str, Any]]:
-    """`responses=` entries for these error statuses, each with the OpenAI error body."""
-    return {code: {"model": ErrorResponse, "description": _DESCRIPTIONS[code]} for code in status_codes}
+def errors(*status_codes: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for these error statuses, each with the OpenAI error body (Anthropic's
+    with `anthropic`: the /v1/messages routes)."""
+    model = AnthropicErrorResponse if anthropic else ErrorResponse
+    return {code: {"model": model, "description": _DESCRIPTIONS[code]} for code in status_codes}
+
+
+def named_events(description: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is a JSON object, or with `stream: true` named server-sent events
+    (`event: NAME` and `data: {json}`), as the Responses and Anthropic Messages APIs stream."""
+    event = {"type": "object", "required": ["event", "data"],
+             "properties": {"event": {"type": "string"},
+                            "data": {"type": "string", "contentMediaType": "application/json"}}}
+    return {200: {"description": description,
+                  "content": {"application/json": {"schema": {"type": "object"}},
+                              "text/event-stream": {"schema": event}}}}
 
 
 def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -72,8 +86,9 @@ def install_openapi(app: FastAPI, has_api_key: bool, protects_metrics: bool = Fa
 
 
 def _fix(schema: dict[str, Any], has_api_key: bool, open_paths: tuple[str, ...]) -> None:
-    error_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     for path, operations in schema.get("paths", {}).items():
+        model = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
+        error_ref = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)

@@ -192,6 +192,9 @@ class SamplingFields(_Request):
         description="Beam search: a hypothesis scores summed logprob / length ** length_penalty (default 1).")
     early_stopping: StrictBool | Literal["never"] | None = Field(
         None, description="Beam search: transformers' early_stopping (default false).")
+    priority: JsonInt | None = Field(
+        None, description="Scheduling priority (vLLM's): only 0 is accepted, the server schedules first come, "
+        "first served.")
     cache_salt: Annotated[Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)] = Field(
         None, description="Only requests with the same salt share cached prompt KV (and its faster first token); "
         "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).")
@@ -246,6 +249,9 @@ _TOOL_CHOICE_SCHEMA = {"anyOf": [
                     "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]}
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: json_int(ge=1) | None = None
@@ -258,6 +264,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="Passed to the chat template as `reasoning_effort` (templates that read it).")
 
 
 class TokenizeRequest(_Request):
@@ -275,10 +283,20 @@ class DetokenizeRequest(_Request):
 # ----------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache (not computed)
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0   # of completion_tokens, those of the reasoning (up to its end marker)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -335,6 +353,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None   # the thinking (--reasoning-parser), apart from the answer
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -343,6 +362,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended the choice
 
 
 class ChatCompletionResponse(BaseModel):
@@ -360,6 +380,7 @@ class ChatStreamChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -421,3 +442,15 @@ class ErrorResponse(BaseModel):
     """Every error body (OpenAI's shape)."""
 
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error body on /v1/messages (Anthropic's shape)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -34,12 +34,15 @@ from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     FunctionCallOut,
+    PromptTokensDetails,
     ToolCallOut,
     UsageInfo,
 )
 from kvserve.server.streaming import DONE_EVENT, sse_event
-from kvserve.server.tool_parsers import ToolStreamer, extract_tool_calls, new_call_id
+from kvserve.server.chat_output import ChoiceStreamer, read_choice
+from kvserve.server.tool_parsers import new_call_id
 from kvserve.server.validation import ValidatedRequest, param_for_message
 
 logger = logging.getLogger("kvserve.server")
@@ -101,7 +104,7 @@ class Admission:
         self.num_in_flight -= num_seqs
 
 
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     if first is not None:
         yield first
     async for item in rest:
@@ -181,10 +184,12 @@ class Serving:
         a beam's tokens), `token_ids` its source."""
         is_finished = False
         prompt: Any = token_ids
-        if vreq.cache_salt is not None or decoder_prompt is not None:
+        if vreq.cache_salt is not None or decoder_prompt is not None or vreq.priority:
             prompt = {"prompt_token_ids": token_ids}
             if vreq.cache_salt is not None:
                 prompt["cache_salt"] = vreq.cache_salt
+            if vreq.priority:
+                prompt["priority"] = vreq.priority
             if decoder_prompt is not None:
                 prompt["decoder_prompt_token_ids"] = decoder_prompt
         stream = self.engine.generate(prompt, params, request_id)
@@ -269,20 +274,19 @@ class Serving:
 
     async def complete(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
         """Run to the end and build the whole response body."""
+        if vreq.kind == "chat":
+            return (await self.chat_response(vreq, outputs)).model_dump(mode="json")
         choices: dict[tuple[int, int], Any] = {}
         prompt_logprobs: dict[int, Any] = {}
+        num_cached: dict[int, int] = {}
         async for i, out in outputs:
             for choice in out.outputs:
                 choices[(i, choice.index)] = choice
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
-        usage = self._usage(vreq, choices.values())
+            num_cached[i] = out.num_cached_tokens
+        usage = self._usage(vreq, choices.values(), sum(num_cached.values()))
         created = int(time.time())
-        if vreq.kind == "chat":
-            return ChatCompletionResponse(
-                id=vreq.request_id, created=created, model=vreq.model_name, usage=usage,
-                choices=[self._chat_choice(vreq, choices[key]) for key in sorted(choices)],
-            ).model_dump(mode="json")
         return CompletionResponse(
             id=vreq.request_id, created=created, model=vreq.model_name, usage=usage,
             choices=[self._completion_choice(vreq, i, c, prompt_logprobs.get(i), first=True, whole=True,
@@ -290,26 +294,51 @@ class Serving:
                      for (i, _), c in sorted(choices.items())],
         ).model_dump(mode="json")
 
-    def _usage(self, vreq: ValidatedRequest, choices: Any) -> UsageInfo:
+    async def chat_response(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
+                            ) -> ChatCompletionResponse:
+        """A chat request run to the end (also the base of /v1/responses and /v1/messages)."""
+        choices: dict[int, Any] = {}
+        num_cached = 0
+        async for _, out in outputs:
+            for choice in out.outputs:
+                choices[choice.index] = choice
+            num_cached = out.num_cached_tokens
+        results = [self._chat_choice(vreq, choices[key]) for key in sorted(choices)]
+        usage = self._usage(vreq, choices.values(), num_cached, sum(n for _, n in results))
+        return ChatCompletionResponse(id=vreq.request_id, created=int(time.time()), model=vreq.model_name,
+                                      usage=usage, choices=[c for c, _ in results])
+
+    def _usage(self, vreq: ValidatedRequest, choices: Any, num_cached: int = 0,
+               num_reasoning: int | None = None) -> UsageInfo:
+        """`num_cached`: prompt tokens found in the prefix cache (each prompt once, as prompt_tokens counts them)."""
         num_prompt = sum(len(p.token_ids) for p in vreq.prompts)
         num_completion = 0 if vreq.is_scoring_only else sum(len(c.token_ids) for c in choices)
+        details = None
+        if vreq.reasoning is not None and num_reasoning is not None:
+            details = CompletionTokensDetails(reasoning_tokens=num_reasoning)
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                         total_tokens=num_prompt + num_completion)
+                         total_tokens=num_prompt + num_completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+                         completion_tokens_details=details)
 
-    def _chat_choice(self, vreq: ValidatedRequest, choice: Any) -> ChatChoice:
+    def _decode(self, vreq: ValidatedRequest) -> Callable[[list[int]], str]:
+        skip = vreq.params.skip_special_tokens
+        return lambda token_ids: self.engine.tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+    def _chat_choice(self, vreq: ValidatedRequest, choice: Any) -> tuple[ChatChoice, int]:
+        """The choice and its number of reasoning tokens."""
         logprobs = None
         if vreq.num_logprobs is not None:
             logprobs = ChatLogprobs(content=chat_logprobs(choice.token_ids, choice.logprobs or [],
                                                           vreq.num_logprobs, self.token_text))
         finish_reason = _finish_reason(choice)
-        if vreq.tools is None:
-            return ChatChoice(index=choice.index, message=ChatMessageOut(content=choice.text), logprobs=logprobs,
-                              finish_reason=finish_reason)
-        content, calls = extract_tool_calls(choice.text, vreq.tools)
+        parts = read_choice(vreq, choice.text, choice.token_ids, self._decode(vreq))
         tool_calls = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                      for c in calls]
-        return ChatChoice(index=choice.index, message=ChatMessageOut(content=content, tool_calls=tool_calls or None),
-                          logprobs=logprobs, finish_reason="tool_calls" if calls else finish_reason)
+                      for c in parts.calls]
+        message = ChatMessageOut(content=parts.content, reasoning_content=parts.reasoning,
+                                 tool_calls=tool_calls or None)
+        return ChatChoice(index=choice.index, message=message, logprobs=logprobs, stop_reason=choice.stop_reason,
+                          finish_reason="tool_calls" if parts.calls else finish_reason), parts.num_reasoning_tokens
 
     def _completion_choice(self, vreq: ValidatedRequest, prompt_idx: int, choice: Any, prompt_logprobs: Any,
                            first: bool, whole: bool, offsets: TextOffsets) -> CompletionChoice:
@@ -346,11 +375,11 @@ class Serving:
     async def events(self, vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]
                      ) -> AsyncIterator[str]:
         """SSE events for a streaming request; errors after the start become an error event."""
-        chunks = self._chat_chunks if vreq.kind == "chat" else self._completion_chunks
+        chunks = self.chat_chunks if vreq.kind == "chat" else self._completion_chunks
         exclude = None if vreq.include_usage else {"usage"}
         try:
             async with aclosing(outputs):
-                async for chunk in chunks(vreq, _prepend(first, outputs)):
+                async for chunk in chunks(vreq, prepend(first, outputs)):
                     yield sse_event(chunk.model_dump_json(exclude=exclude))
         except APIError as exc:
             yield sse_event(exc.body())
@@ -366,7 +395,9 @@ class Serving:
         finals: dict[tuple[int, int], Any] = {}
         text_offsets: dict[tuple[int, int], TextOffsets] = {}
         prompt_logprobs: dict[int, Any] = {}
+        num_cached: dict[int, int] = {}
         async for i, out in outputs:
+            num_cached[i] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(i, out.prompt_logprobs)
             for choice in out.outputs:
@@ -386,10 +417,11 @@ class Serving:
                                              choices=[c])
         if vreq.include_usage:
             yield CompletionResponse(id=vreq.request_id, created=created, model=vreq.model_name, choices=[],
-                                     usage=self._usage(vreq, finals.values()))
+                                     usage=self._usage(vreq, finals.values(), sum(num_cached.values())))
 
-    async def _chat_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
-                           ) -> AsyncIterator[Any]:
+    async def chat_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
+                          ) -> AsyncIterator[ChatCompletionChunk]:
+        """A chat stream's chunks (also the base of /v1/responses' and /v1/messages' events)."""
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -399,8 +431,10 @@ class Serving:
         for index in range(vreq.num_choices):
             yield chunk([ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""})])
         finals: dict[int, Any] = {}
-        streamers: dict[int, ToolStreamer] = {}   # with tools: content that may start a call is held back
+        streamers: dict[int, ChoiceStreamer] = {}   # reasoning and tool calls: text that may start one is held back
+        num_cached = 0
         async for _, out in outputs:
+            num_cached = out.num_cached_tokens
             for choice in out.outputs:
                 if choice.index in finals:
                     continue
@@ -408,25 +442,23 @@ class Serving:
                 if vreq.num_logprobs is not None and choice.delta_token_ids:
                     logprobs = ChatLogprobs(content=chat_logprobs(choice.delta_token_ids, choice.delta_logprobs or [],
                                                                   vreq.num_logprobs, self.token_text))
-                content, call_deltas = choice.delta_text, []
-                if vreq.tools is not None:
-                    streamer = streamers.setdefault(choice.index, ToolStreamer(vreq.tools))
-                    content, call_deltas = streamer.feed(choice.delta_text)
-                if content or logprobs is not None:
-                    yield chunk([ChatStreamChoice(index=choice.index, delta={"content": content},
-                                                  logprobs=logprobs)])
-                for delta in call_deltas:
+                streamer = streamers.setdefault(choice.index, ChoiceStreamer(vreq))
+                deltas = streamer.feed(choice.delta_text)
+                if logprobs is not None:   # logprobs ride on the first delta (an empty content one if none)
+                    first = deltas[0] if deltas and "tool_calls" not in deltas[0] else {"content": ""}
+                    yield chunk([ChatStreamChoice(index=choice.index, delta=first, logprobs=logprobs)])
+                    deltas = deltas[1:] if deltas and deltas[0] is first else deltas
+                for delta in deltas:
                     yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
                 if choice.finish_reason is not None:
                     finals[choice.index] = choice
                     finish_reason = _finish_reason(choice)
-                    if vreq.tools is not None:
-                        rest, call_deltas, made_calls = streamers[choice.index].finish(choice.text)
-                        for delta in call_deltas:
-                            yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
-                        if rest:
-                            yield chunk([ChatStreamChoice(index=choice.index, delta={"content": rest})])
-                        finish_reason = "tool_calls" if made_calls else finish_reason
-                    yield chunk([ChatStreamChoice(index=choice.index, delta={}, finish_reason=finish_reason)])
+                    deltas, made_calls = streamer.finish(choice.token_ids, self._decode(vreq))
+                    for delta in deltas:
+                        yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
+                    finish_reason = "tool_calls" if made_calls else finish_reason
+                    yield chunk([ChatStreamChoice(index=choice.index, delta={}, finish_reason=finish_reason,
+                                                  stop_reason=choice.stop_reason)])
         if vreq.include_usage:
-            yield chunk([], usage=self._usage(vreq, finals.values()))
+            num_reasoning = sum(s.num_reasoning_tokens for s in streamers.values())
+            yield chunk([], usage=self._usage(vreq, finals.values(), num_cached, num_reasoning))

@@ -42,6 +42,11 @@ def sse_event(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def named_sse_event(name: str, payload: dict[str, Any]) -> str:
+    """An event with an `event:` line (the Responses and Anthropic Messages streams name each event)."""
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     """Return when the client disconnects (call only after the request body was read)."""
     while True:

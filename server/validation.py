@@ -30,6 +30,7 @@ from kvserve.server.protocol import (
     ResponseFormatJSONSchema,
     SamplingFields,
 )
+from kvserve.server.reasoning import ReasoningParser
 from kvserve.server.tool_parsers import TOOL_PARSERS, ToolPlan, plan_tools
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
@@ -69,6 +70,9 @@ class ValidatedRequest:
     beam: BeamSearchParams | None = None   # use_beam_search: the search's settings (n beams)
     # an encoder-decoder's decoder prefix for every prompt, start token first (None: the start token alone)
     decoder_prompt_token_ids: list[int] | None = None
+    reasoning: ReasoningParser | None = None   # chat: split the thinking from the answer
+    reasoning_state: Literal["open", "reasoning"] = "open"   # where the output starts (ReasoningParser)
+    priority: int = 0   # --scheduling-policy priority: lower runs first
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -95,6 +99,8 @@ class ModelLimits:
     # token, or `decoder_prompt`, plus max_tokens) is bounded separately
     is_encoder_decoder: bool = False
     decoder_start_token_id: int | None = None   # encoder-decoder models: the decoder's first token
+    reasoning_parser: ReasoningParser | None = None   # --reasoning-parser (None: no split)
+    scheduling_policy: str = "fcfs"   # --scheduling-policy: whether `priority` can be honoured
 
 
 def new_request_id(prefix: str) -> str:
@@ -121,6 +127,15 @@ def _check_common(req: SamplingFields, limits: ModelLimits) -> None:
         if not 0 <= token_id < limits.vocab_size:
             raise bad_request(f"stop_token_ids: {token_id} is outside the vocabulary [0, {limits.vocab_size})",
                               param="stop_token_ids")
+    check_priority(req.priority, limits)
+
+
+def check_priority(priority: int | None, limits: ModelLimits) -> None:
+    """Under `--scheduling-policy fcfs` a priority other than 0 cannot be honoured: a 400, not ignored."""
+    if priority and limits.scheduling_policy == "fcfs":
+        raise bad_request(f"priority {priority} cannot be honoured: the server schedules first come, first served "
+                          "(--scheduling-policy fcfs); send 0, or start it with --scheduling-policy priority",
+                          param="priority")
 
 
 def logit_bias(req: SamplingFields, limits: ModelLimits) -> dict[int, float] | None:
@@ -373,6 +388,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, cache_salt=req.cache_salt,
         beam=beam_params(req, max_tokens), decoder_prompt_token_ids=decoder_prompt_token_ids,
+        priority=req.priority or 0,
     )
 
 
@@ -421,8 +437,11 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     check_num_messages(req.messages, limits)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     text = render_chat(tokenizer, limits.chat_template, req.messages, bool(req.add_generation_prompt),
-                       req.chat_template_kwargs, tools=tools)
+                       template_kwargs, tools=tools)
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_chars(text, 1 if max_tokens is None else max_tokens, limits, "messages")
@@ -452,13 +471,17 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         max_tokens=max_tokens, logprobs=num_logprobs, logit_bias=logit_bias(req, limits),
         structured_outputs=constraint,
     )
+    reasoning = None if req.use_beam_search else limits.reasoning_parser
+    reasoning_state = "open" if reasoning is None else reasoning.initial_state(
+        text, is_constrained=params.structured_outputs is not None)
     return ValidatedRequest(
         kind="chat", request_id=new_request_id("chatcmpl"), model_name=model_name,
         prompts=[EnginePrompt(token_ids, text)], params=params, num_choices=req.n or 1,
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, tools=tool_plan, cache_salt=req.cache_salt,
-        beam=beam_params(req, max_tokens),
+        beam=beam_params(req, max_tokens), reasoning=reasoning, reasoning_state=reasoning_state,
+        priority=req.priority or 0,
     )
 
 

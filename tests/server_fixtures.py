@@ -32,12 +32,14 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m kvserve.server.cli serve ...` in a subprocess; `stop()` is idempotent."""
 
-    def __init__(self, model_dir: str, *extra_args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: str, *extra_args: str, env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = ("-m", "kvserve.server.cli")) -> None:
+        """`launcher`: what runs the CLI (tests/faulty_executor.py's `fault_server_launcher` injects faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model_dir, "--port", str(self.port),
+        cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--port", str(self.port),
                "--dtype", "float32", "--device", "cpu", "--log-level", "info", *extra_args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT)
@@ -137,5 +139,59 @@ def guarded_server(server_checkpoint: str):
     """A server with an API key, one sequence at a time, no queue, CORS for one origin."""
     srv = cached_server("guarded", server_checkpoint, "--api-key", "sekrit", "--max-num-seqs", "1",
                         "--max-queue", "0", "--cors-origin", "http://example.test")
+    yield srv
+    srv.stop()
+
+
+# Qwen3-style: ChatML, Hermes tool calls, thinking turned off by `enable_thinking: false` (an empty
+# think block in the prompt), `reasoning_effort` rendered into the system turn; `open_think: true`
+# opens a think block in the prompt as DeepSeek-R1's template does.
+THINKING_TEMPLATE = """\
+{%- if messages[0].role == 'system' or tools or reasoning_effort is defined %}<|im_start|>system
+{%- if messages[0].role == 'system' %}
+{{ messages[0].content }}{% endif %}
+{%- if reasoning_effort is defined %}
+Reasoning effort: {{ reasoning_effort }}{% endif %}
+{%- if tools %}
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>{% endif %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif open_think is defined and open_think %}<think>
+{% endif %}{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def thinking_server(server_checkpoint: str, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny checkpoint with THINKING_TEMPLATE (so `--reasoning-parser auto` picks qwen3) and the
+    hermes tool parser, served as `tiny`: the server of /v1/responses, /v1/messages and reasoning tests."""
+    template = tmp_path_factory.mktemp("thinking_template") / "template.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    srv = cached_server("thinking", server_checkpoint, "--chat-template", str(template), "--tool-call-parser",
+                        "hermes", "--served-model-name", "tiny")
     yield srv
     srv.stop()

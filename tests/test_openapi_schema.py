@@ -38,6 +38,9 @@ VALID_BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2},
     "/tokenize": {"prompt": "Hello"},
     "/detokenize": {"tokens": [1, 2]},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]},
 }
 
 
@@ -55,8 +58,9 @@ def test_errors_are_400_with_the_openai_body_not_422():
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
             assert "422" not in operation["responses"], (method, path)
-            if method == "post":
-                assert _error_ref(operation["responses"]["400"]) == "#/components/schemas/ErrorResponse"
+            if method == "post":   # /v1/messages answers in Anthropic's error shape
+                model = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
+                assert _error_ref(operation["responses"]["400"]) == f"#/components/schemas/{model}"
     error = doc["components"]["schemas"]["ErrorResponse"]
     assert error["required"] == ["error"]
 
@@ -92,7 +96,8 @@ def test_model_404_and_api_key_401_are_documented():
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model}"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("POST", "/v1/responses"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
@@ -135,7 +140,10 @@ def _bound(case: schemathesis.Case) -> None:
     # a generated value would be "valid" yet refused. They are tested where they are documented.
     for name in UNPUBLISHED_FIELDS:
         body.pop(name, None)
+    if "input" in body and not isinstance(body.get("max_output_tokens"), int):   # /v1/responses
+        body["max_output_tokens"] = MAX_GENERATED_TOKENS
     for name, limit in (("max_tokens", MAX_GENERATED_TOKENS), ("max_completion_tokens", MAX_GENERATED_TOKENS),
+                        ("max_output_tokens", MAX_GENERATED_TOKENS),
                         ("n", MAX_SEQS), ("best_of", MAX_SEQS), ("min_tokens", MAX_GENERATED_TOKENS)):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
