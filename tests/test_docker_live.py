@@ -1,7 +1,7 @@
 """kvserve running as the images run it, checked without a Docker engine.
 
 - every metric the Grafana dashboard queries is exported by a running `kvserve serve`;
-- slow: Dockerfile.cpu's builder steps (docker/install.sh) run into a fresh venv, then the
+- `-m image` (docker/check.sh runs it where buildah cannot build the image): Dockerfile.cpu's builder steps (docker/install.sh) run into a fresh venv, then the
   image's ENTRYPOINT starts with the image's ENV, /health answers 200 and the image's
   HEALTHCHECK command passes.
 
@@ -153,7 +153,7 @@ class ImageRoot:
         return {n for n in names if is_dockerignored(posixpath.normpath(posixpath.join(rel, n)))}
 
 
-@pytest.mark.slow
+@pytest.mark.image  # docker/check.sh's stand-in for the image build; not in the default run
 @pytest.mark.timeout(1200)
 def test_cpu_image_steps_install_and_serve(tmp_path: Path) -> None:
     """Dockerfile.cpu's builder COPY/RUN steps into a fresh venv, then its ENTRYPOINT with its ENV.
