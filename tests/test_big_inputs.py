@@ -376,7 +376,7 @@ def _bare_async_llm(tokenizer, max_model_len: int):
     llm.sent = []
 
     def send(message):
-        llm.sent.append(message.kind.value)
+        llm.sent.append(type(message).__struct_config__.tag)
         raise EngineDeadError("no core in this test")
 
     llm._send = send

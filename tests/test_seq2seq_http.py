@@ -85,7 +85,8 @@ def test_decoder_prompt_equals_offline(served):
             [entry[t].logprob for entry, t in zip(expected_choice.logprobs, expected_choice.token_ids)], abs=1e-5)
         # as offline: the prompt tokens are the source's; the decoder prefix is not counted
         assert result["usage"] == {"prompt_tokens": len(expected.prompt_token_ids), "completion_tokens": MAX_TOKENS,
-                                   "total_tokens": len(expected.prompt_token_ids) + MAX_TOKENS}
+                                   "total_tokens": len(expected.prompt_token_ids) + MAX_TOKENS,
+                                   "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": None}
         texts, usage = streamed_choices(client, body)
         assert texts == {0: expected_choice.text} and usage == result["usage"]
 
