@@ -50,7 +50,7 @@ setup() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH="$PYTHONPATH:/tmp/site"
   else
-    echo "no .whl/ wheels: the serve stage needs them (bash .ci/gpu_wheels.sh, carry .whl)"
+    echo "no .whl/ wheels: every stage needs them (msgspec; the web stack for serve): bash .ci/gpu_wheels.sh, carry .whl"
   fi
   {
     date -u; nvidia-smi || true; free -g; df -h /tmp
@@ -59,7 +59,7 @@ import importlib, sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| devices", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-for name in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "fastapi", "uvicorn", "pydantic"):
+for name in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "msgspec", "fastapi", "uvicorn", "pydantic"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as exc:  # report, do not stop

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the web-stack wheels (and xgrammar, for structured outputs) that the GPU machines' Python (3.12, torch, no network) lacks
+# Download the web-stack wheels (and xgrammar, for structured outputs; msgspec, for the engine) that the GPU machines' Python (3.12, torch, no network) lacks
 # into .whl/ (ignored through .git/info/exclude), for `kvserve serve` there: .ci/gpu_session.sh
 # installs them with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 # Versions are those of this checkout's .venv (what the tests ran with), else the pins below.
@@ -15,6 +15,7 @@ PINS=(
   typing-extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2   # structured outputs
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1  # its tests
+  msgspec==0.22.0   # the engine's process wire: every stage imports it
 )
 wanted=()
 for pin in "${PINS[@]}"; do
