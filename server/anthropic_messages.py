@@ -17,8 +17,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictFloat, StrictStr
 
+from kvserve.server.chat_output import chat_request
 from kvserve.server.errors import APIError, anthropic_error_body, bad_request, internal_error
 from kvserve.server.protocol import (
     ChatCompletionChunk,
@@ -177,12 +178,7 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         fields.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", param=_PARAMS.get(str(first["loc"][0]))) from None
+    return chat_request(fields, _PARAMS)
 
 
 def as_messages_request(vreq: ValidatedRequest) -> ValidatedRequest:

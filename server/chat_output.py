@@ -12,9 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.reasoning import ReasoningStreamer, num_reasoning_tokens, split_reasoning
 from kvserve.server.tool_parsers import FunctionCall, ToolStreamer, extract_tool_calls
 from kvserve.server.validation import ValidatedRequest
+
+
+def chat_request(fields: dict[str, Any], params: dict[str, str]) -> ChatCompletionRequest:
+    """Another API's request as the chat request it runs as (None fields left out); a validation
+    error is a 400 whose `param` is renamed through `params` to the route's own field name."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", param=params.get(str(first["loc"][0]))) from None
 
 
 @dataclass(frozen=True, slots=True)

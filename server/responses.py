@@ -17,8 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
+from kvserve.server.chat_output import chat_request
 from kvserve.server.errors import APIError, bad_request, internal_error
 from kvserve.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, UsageInfo
 from kvserve.server.responses_protocol import ResponsesRequest
@@ -153,12 +152,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
               "priority": req.priority, "cache_salt": req.cache_salt, "user": req.user,
               "chat_template_kwargs": req.chat_template_kwargs, "response_format": _response_format(req),
               "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", param=_PARAMS.get(str(first["loc"][0]))) from None
+    return chat_request(fields, _PARAMS)
 
 
 def as_responses_request(vreq: ValidatedRequest) -> ValidatedRequest:
