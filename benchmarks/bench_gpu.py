@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.engine.device import resolve_device
+from kvserve.engine.worker.device import resolve_device
 from benchmarks.bench_engine import left_pad
 from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
 

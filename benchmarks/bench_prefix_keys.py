@@ -7,7 +7,7 @@ Three measurements, old and new side by side, alternating within one run:
      registered chunk by chunk as prefill computes them, free);
   3. the same prompt again once it is cached (a full-prefix hit: keys and token checks);
 and with --engine, for scale, the whole prefill of a prompt on the embedded default model.
-The old block manager is `engine/kv_cache.py` at --old-rev, read with `git show`.
+The old block manager is `engine/core/kv_cache.py` at --old-rev, read with `git show`.
 
     python benchmarks/bench_prefix_keys.py --prompt-tokens 8192 --repeats 31 --engine
 """
@@ -28,11 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvserve.engine import kv_cache as new_kv  # noqa: E402
+from kvserve.engine.core import kv_cache as new_kv  # noqa: E402
 
 
 def load_old(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:engine/kv_cache.py"], cwd=REPO, check=True,
+    source = subprocess.run(["git", "show", f"{rev}:engine/core/kv_cache.py"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("old_kv_cache", loader=None)
     module = importlib.util.module_from_spec(spec)

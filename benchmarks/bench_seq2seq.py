@@ -85,7 +85,7 @@ def batches(sources, targets, batch: int, beam: int):
 def run_kvserve(path: Path, sources, targets, batch: int, dtype: str, beam: int = 1,
                 quantization: str | None = None, device: str = "cpu") -> float:
     from kvserve.engine import LLM, BeamSearchParams, SamplingParams
-    from kvserve.engine.kv_pool import prefault
+    from kvserve.engine.worker.kv_pool import prefault
 
     llm = LLM(str(path), dtype=dtype, device=device, max_num_seqs=max(batch * beam, 1), quantization=quantization)
     llm.generate([{"prompt_token_ids": sources[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

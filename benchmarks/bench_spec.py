@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine import spec_decode
+from kvserve.engine.spec_decode import proposer as spec_decode
 
 
 def run_once(model: str, spec: dict | None, prompts: list[list[int]], params: SamplingParams,

@@ -1,6 +1,6 @@
 """How fast can rank 0 hand a step to a tensor-parallel worker? A pipe against a shared-memory buffer.
 
-Each round trip encodes a `WorkerStep` (the `StepRecord` and the sampled ids) as engine/executor.py
+Each round trip encodes a `WorkerStep` (the `StepRecord` and the sampled ids) as engine/worker/executor.py
 does (engine/messages.py), sends it, lets the other process decode it, and waits for a one-byte reply (in the engine
 the reply is the step's first collective). Shared memory: the bytes go into a
 `multiprocessing.shared_memory` buffer and two POSIX semaphores signal each way (no spinning:
@@ -19,7 +19,7 @@ import time
 from multiprocessing import shared_memory
 
 from kvserve.engine import messages as wire
-from kvserve.engine.step_record import StepRecord
+from kvserve.engine.core.step_record import StepRecord
 
 _SHM_BYTES = 1 << 22
 

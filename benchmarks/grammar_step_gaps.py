@@ -6,7 +6,7 @@ with `--tools` realistic tools under tool_choice "required" (or `--schema props:
 string properties) waits for its grammar. Reports the step durations while the grammar compiles
 (each step is one token of the stream: its inter-token gap) against the steps just before, and
 how long the compile took. Runs alternate between the trees, `--rounds` times. A tree given as
-NAME=PATH:NICE runs its compile threads at that nice value (trees with engine/grammar_compile.py).
+NAME=PATH:NICE runs its compile threads at that nice value (trees with engine/structured_output/compile_threads.py).
 
     git archive 393ee78 | tar -x -C /tmp/base
     python benchmarks/grammar_step_gaps.py --tree base=/tmp/base --tree new=. --rounds 3

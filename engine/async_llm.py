@@ -1,6 +1,6 @@
 """AsyncLLM: the engine for asyncio servers, with the engine core in a process of its own.
 
-The core process (`engine.core`) owns the scheduler, KV cache, runner and detokenizer
+The core process (`engine.core.engine_core`) owns the scheduler, KV cache, runner and detokenizer
 and runs the step loop. This side, in the server's process, validates and tokenizes
 prompts, sends them over a pipe, and folds the deltas each step sends back into
 per-request `RequestOutput`s. It imports no torch.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
-from kvserve.engine.grammar_limits import check_limits
+from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
@@ -46,7 +46,7 @@ from kvserve.models import built_default_model
 from kvserve.models.heap import release_free_memory
 
 if TYPE_CHECKING:
-    from kvserve.engine.executor_protocol import ExecutorWrapper
+    from kvserve.engine.worker.executor_protocol import ExecutorWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
 
 def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int,
                executor_wrapper: ExecutorWrapper | None) -> None:
-    from kvserve.engine.core import run_engine_core
+    from kvserve.engine.core.engine_core import run_engine_core
 
     run_engine_core(args, conn, log_level, max_consecutive_step_failures, executor_wrapper)
 

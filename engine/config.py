@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.grammar_limits import GrammarLimits
-from kvserve.engine.spec_decode import SpeculativeConfig
+from kvserve.engine.structured_output.limits import GrammarLimits
+from kvserve.engine.spec_decode.proposer import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 
@@ -86,7 +86,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/scheduler.py)
+    # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -109,7 +109,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsConfig:
-    """Grammar compiling (engine/structured_output.py): how big a constraint may be, how long a
+    """Grammar compiling (engine/structured_output/grammar.py): how big a constraint may be, how long a
     request waits for its grammar, how many distinct grammars may be queued or compiling (None:
     no bound), and on how many threads (None: half the host's cores, 1 or 2)."""
 

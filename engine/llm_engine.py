@@ -3,8 +3,8 @@
 One step = schedule (plain Python) -> run the model and sample (one sync) ->
 update the scheduler -> detokenize and check stop strings -> outputs.
 Not thread-safe: `AsyncLLM` drives it from one background thread.
-The runner is an `Executor` (engine/executor_protocol.py): a `ModelRunner`, or with
-`tensor_parallel_size` > 1 a `TensorParallelExecutor` (engine/executor.py), rank 0 here and
+The runner is an `Executor` (engine/worker/executor_protocol.py): a `ModelRunner`, or with
+`tensor_parallel_size` > 1 a `TensorParallelExecutor` (engine/worker/executor.py), rank 0 here and
 the other ranks in worker processes; `shutdown()` stops them. Importing this module imports
 no torch: the executor does, when the engine is built.
 """
@@ -18,17 +18,17 @@ from functools import partial
 
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import StepFailed
-from kvserve.engine.executor_protocol import Executor
-from kvserve.engine.grammar_limits import check_limits
+from kvserve.engine.worker.executor_protocol import Executor
+from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
-from kvserve.engine.kv_cache import BlockManager, prefix_root
+from kvserve.engine.core.kv_cache import BlockManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.spec_decode import Proposer
-from kvserve.engine.structured_output import StructuredOutputManager, fill_threads_for
+from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.spec_decode.proposer import Proposer
+from kvserve.engine.structured_output.grammar import StructuredOutputManager, fill_threads_for
 from kvserve.engine.tokenizer import load_model_files
 from kvserve.models.timing import PhaseTimer, process_uptime
 
@@ -87,12 +87,12 @@ class LLMEngine:
             _check_encoder_decoder(args, tp_size)
         self.runner: Executor
         if tp_size == 1:
-            from kvserve.engine.runner import ModelRunner
+            from kvserve.engine.worker.runner import ModelRunner
 
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
                                       files.hf_config, files.max_model_len)
         else:
-            from kvserve.engine.executor import TensorParallelExecutor
+            from kvserve.engine.worker.executor import TensorParallelExecutor
             from kvserve.models.parallel import check_tensor_parallel
 
             hf = files.hf_config
@@ -157,7 +157,7 @@ class LLMEngine:
                       build_outputs: bool = True) -> None:
         """Queue a validated request. `build_outputs=False` (the engine core process) keeps no
         cumulative output here: the caller folds `step_deltas()` itself. Raises `EngineOverloadedError`
-        (engine/structured_output.py) when its grammar would overfill the compile queue."""
+        (engine/structured_output/grammar.py) when its grammar would overfill the compile queue."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
@@ -192,7 +192,7 @@ class LLMEngine:
         if spec is None:
             return None
         if spec.method == "draft_model":
-            from kvserve.engine.spec_draft import DraftModelProposer
+            from kvserve.engine.spec_decode.draft_model import DraftModelProposer
 
             return DraftModelProposer(spec, files.max_model_len, model_config, files.hf_config.vocab_size,
                                       args.block_size, args.max_num_seqs)

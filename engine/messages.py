@@ -30,7 +30,7 @@ import msgspec
 from kvserve.engine.config import RuntimeInfo
 from kvserve.engine.input_processor import ProcessedPrompt
 from kvserve.engine.outputs import EngineStats, RequestDelta
-from kvserve.engine.step_record import StepRecord
+from kvserve.engine.core.step_record import StepRecord
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

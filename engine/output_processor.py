@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.scheduler import FinishedRequest, StepPlan
+from kvserve.engine.core.request import Request, RequestStatus
+from kvserve.engine.core.scheduler import FinishedRequest, StepPlan
 
 if TYPE_CHECKING:
-    from kvserve.engine.runner import RunnerOutput, TokenLogprobs
+    from kvserve.engine.worker.runner import RunnerOutput, TokenLogprobs
 
 
 @dataclass(slots=True)

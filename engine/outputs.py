@@ -78,7 +78,7 @@ class EngineStats(_Record, frozen=True, gc=False):
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
     num_preemptions_total: int
-    # structured outputs (engine/structured_output.py)
+    # structured outputs (engine/structured_output/grammar.py)
     num_compiling: int = 0  # requests waiting for their grammar (in neither count above)
     structured_requests_total: int = 0
     grammar_compiles_total: int = 0  # cache misses

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.grammar_limits import walk_schema
+from kvserve.engine.structured_output.limits import walk_schema
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -122,7 +122,7 @@ class SamplingParams:
     `min_tokens` forbids EOS and `stop_token_ids` until that many tokens exist
     (stop *strings* are still honoured, as in vLLM).
     `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
-    (engine/structured_output.py; a dict is turned into `StructuredOutputs`); `logit_bias` maps
+    (engine/structured_output/grammar.py; a dict is turned into `StructuredOutputs`); `logit_bias` maps
     token ids to a bias in [-100, 100] added to their logits (ids are checked against the
     vocabulary when the request is added).
     """
@@ -147,7 +147,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
-    speculative: bool = True  # False: this request never speculates (engine/spec_decode.py)
+    speculative: bool = True  # False: this request never speculates (engine/spec_decode/proposer.py)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, BeforeValidator, ByteSize, Field, TypeAdap
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvserve.engine.config import EngineArgs
-from kvserve.engine.grammar_limits import GrammarLimits
+from kvserve.engine.structured_output.limits import GrammarLimits
 
 ENV_PREFIX = "KVSERVE_"
 

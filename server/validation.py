@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from kvserve.engine import SamplingParams, StructuredOutputs
 from kvserve.engine.beam_search import BeamSearchParams
-from kvserve.engine.grammar_limits import GrammarLimits, check_limits
+from kvserve.engine.structured_output.limits import GrammarLimits, check_limits
 from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
 from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
 

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from kvserve.engine.executor_protocol import Executor
+from kvserve.engine.worker.executor_protocol import Executor
 
 
 class InjectedFault(RuntimeError):

@@ -1,6 +1,6 @@
 """The sampler's inputs built from scratch out of live `Request`s: the reference.
 
-A test helper: the runner's persistent `InputBatch` (engine/input_batch.py)
+A test helper: the runner's persistent `InputBatch` (engine/worker/input_batch.py)
 keeps the same tensors current from the plain-data step records, and the tests
 check it against this builder step by step. One pass over the batch gathers plain
 Python values; `SamplingTensors.from_lists` normalizes them (so fast paths
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.request import Request
-from kvserve.engine.sampler import SamplingTensors
+from kvserve.engine.core.request import Request
+from kvserve.engine.worker.sampler import SamplingTensors
 
 
 def _suppressed_ids(req: Request) -> list[int]:

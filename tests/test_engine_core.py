@@ -23,7 +23,7 @@ from kvserve.engine.config import RuntimeInfo
 from kvserve.engine.input_processor import ProcessedPrompt
 from kvserve.engine.outputs import EngineStats
 from kvserve.engine.sampling_params import StructuredOutputs
-from kvserve.engine.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
 from kvserve.engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
 
 

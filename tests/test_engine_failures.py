@@ -21,7 +21,7 @@ from test_engine_core import core_children, is_alive, wait_until
 from kvserve.engine import AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 from kvserve.engine import async_llm, messages
 from kvserve.engine.errors import StepFailed
-from kvserve.engine.executor_protocol import Executor
+from kvserve.engine.worker.executor_protocol import Executor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -38,7 +38,7 @@ def test_parse_fault_steps_rejects(spec):
 
 
 def test_executors_write_out_every_member_of_the_protocol():
-    from kvserve.engine.executor import TensorParallelExecutor
+    from kvserve.engine.worker.executor import TensorParallelExecutor
 
     members = [name for name in vars(Executor) if not name.startswith("_")]
     assert {"execute", "warm_up", "dead_reason", "shutdown", "num_kv_blocks"} <= set(members)

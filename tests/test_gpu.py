@@ -246,7 +246,7 @@ def test_step_inputs_land_aligned_on_the_device():
     (Triton compiles a kernel variant per pointer alignment) and hold the values sent."""
     import numpy as np
 
-    from kvserve.engine.runner import HostToDevice
+    from kvserve.engine.worker.runner import HostToDevice
 
     staging = HostToDevice(torch.device("cuda", 0))
     for sizes in ((5, 3, 7), (1, 2, 1), (13, 6, 9, 4)):

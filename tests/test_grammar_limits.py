@@ -1,6 +1,6 @@
 """Bounded grammar work: size limits, the compile time limit, cancelled compiles, the compile
-queue bound and the `num_requests_compiling` gauge (engine/grammar_limits.py,
-engine/grammar_compile.py, engine/structured_output.py, server/validation.py).
+queue bound and the `num_requests_compiling` gauge (engine/structured_output/limits.py,
+engine/structured_output/compile_threads.py, engine/structured_output/grammar.py, server/validation.py).
 
 Slow compiles are made two ways: in-process, by swapping the manager's `_compile` for one that
 waits on a gate (deterministic); over HTTP, with a schema of many optional properties, whose
@@ -21,7 +21,7 @@ pytest.importorskip("xgrammar")
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import EngineArgs  # noqa: E402
-from kvserve.engine.grammar_limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
+from kvserve.engine.structured_output.limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
 from kvserve.engine.errors import EngineOverloadedError  # noqa: E402
 from kvserve.engine.sampling_params import StructuredOutputs  # noqa: E402
 from server_fixtures import ServerProcess, metric, scrape, server_checkpoint  # noqa: E402,F401

@@ -3,7 +3,7 @@ under TYPE_CHECKING: a cycle hidden in a function still ties two modules' design
 
 The attention-backend registry is the one allowed exception (ALLOWED_EDGES): it imports the
 backends it chooses from, and they import the layer that uses the registry's reference backend.
-Module names are written as the repository's folders name them (`engine.scheduler`); the
+Module names are written as the repository's folders name them (`engine.core.scheduler`); the
 installed package prefixes them with `kvserve.`."""
 
 from __future__ import annotations

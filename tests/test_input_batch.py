@@ -17,13 +17,13 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.input_batch import InputBatch
-from kvserve.engine.kv_cache import BlockManager
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampler import Sampler, apply_penalty_state, penalty_state
+from kvserve.engine.worker.input_batch import InputBatch
+from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.request import Request, RequestStatus
+from kvserve.engine.worker.sampler import Sampler, apply_penalty_state, penalty_state
 from sampling_inputs import build_sampling_tensors
-from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
 
 VOCAB = 40
 EOS = 0

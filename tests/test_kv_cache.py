@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.engine.kv_cache import BlockManager, FreeBlockQueue, Block
+from kvserve.engine.core.kv_cache import BlockManager, FreeBlockQueue, Block
 
 
 def test_allocate_exact_ids_and_free():
@@ -160,7 +160,7 @@ def test_partly_filled_last_block_is_kept_for_continuations():
     """A freed request's last block, partly filled with computed tokens, is found by a request whose
     tokens continue them (its slots are copied, not shared), under the same root only, leaving at
     least one token to compute; evicting the block drops it."""
-    from kvserve.engine.kv_cache import ROOT_DIGEST, prefix_root
+    from kvserve.engine.core.kv_cache import ROOT_DIGEST, prefix_root
 
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(10))  # 2 full blocks + 2

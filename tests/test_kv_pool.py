@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvserve.engine import kv_pool
+from kvserve.engine.worker import kv_pool
 from kvserve.engine.config import CacheConfig, SchedulerConfig
 from kvserve.models import hugepages
 from kvserve.models.timing import PhaseTimer, phase
@@ -85,7 +85,7 @@ def test_too_small_a_pool_raises():
 def test_allocate_gives_each_layer_a_zero_cache(caplog):
     layers = [SimpleNamespace(num_kv_heads=2, head_dim=32, kv_cache=None),
               SimpleNamespace(num_kv_heads=1, head_dim=64, kv_cache=None)]
-    with caplog.at_level(logging.INFO, logger="kvserve.engine.kv_pool"):
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.worker.kv_pool"):
         num_blocks = kv_pool.allocate_kv_pool(layers, cache(num_kv_blocks=9, block_size=4), sched(), 64,
                                               torch.bfloat16, CPU)
     assert num_blocks == 9

@@ -2,7 +2,7 @@
 
 Everything runs on the CPU in fp32 with tiny random checkpoints (tests/checkpoints.py).
 The paged-cache steps are driven by `PagedRunner`, a minimal stand-in for
-engine/runner.py that builds `AttentionMetadata` by hand with shuffled block ids.
+engine/worker/runner.py that builds `AttentionMetadata` by hand with shuffled block ids.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PROMPT_LENS = [1, 3, 4, 9, 17, 26, 41]
 
 @dataclass
 class PagedRunner:
-    """Drives a model step by step over a paged KV cache, like engine/runner.py would."""
+    """Drives a model step by step over a paged KV cache, like engine/worker/runner.py would."""
 
     model: torch.nn.Module
     block_size: int

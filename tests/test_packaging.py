@@ -38,7 +38,7 @@ def test_kvserve_imports_beside_a_users_models_server_and_engine(wheel, tmp_path
     (user / "engine").mkdir(parents=True)
     for name in ("models.py", "server.py", "engine/__init__.py"):
         (user / name).write_text("raise SystemExit('the user module was imported instead of kvserve')\n")
-    script = ("import kvserve, kvserve.engine.scheduler, kvserve.server.config\n"
+    script = ("import kvserve, kvserve.engine.core.scheduler, kvserve.server.config\n"
               "from kvserve import LLM, SamplingParams, AsyncLLM, EngineArgs\n"
               "assert kvserve.__file__.startswith(%r), kvserve.__file__\n"
               "print(LLM.__module__)\n" % str(site))

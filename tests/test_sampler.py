@@ -5,7 +5,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvserve.engine.sampler import (
+from kvserve.engine.worker.sampler import (
     Sampler,
     SamplingTensors,
     _top_k_top_p_sorted,
@@ -16,7 +16,7 @@ from kvserve.engine.sampler import (
     mix64,
 )
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.request import Request
+from kvserve.engine.core.request import Request
 from sampling_inputs import build_sampling_tensors
 
 sampler = Sampler()

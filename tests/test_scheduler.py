@@ -6,10 +6,10 @@ import sys
 import pytest
 
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.kv_cache import BlockManager
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.core.scheduler import Scheduler
 
 EOS = 0
 
@@ -32,7 +32,7 @@ def run_step(sched, token=7):
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
-    code = ("import sys, engine.scheduler, engine.kv_cache, engine.request; "
+    code = ("import sys, engine.core.scheduler, engine.core.kv_cache, engine.core.request; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -225,7 +225,7 @@ def test_engine_and_models_import_without_the_web_stack():
         "sys.meta_path.insert(0, Block())\n"
         "import kvserve.engine, kvserve.models\n"
         "from kvserve.engine import LLM, AsyncLLM, SamplingParams, EngineArgs\n"
-        "import kvserve.engine.runner, kvserve.engine.llm_engine, kvserve.engine.async_llm, kvserve.models.loader\n"
+        "import kvserve.engine.worker.runner, kvserve.engine.llm_engine, kvserve.engine.async_llm, kvserve.models.loader\n"
         "import kvserve.models.default_model\n"
         "print('ok')\n"
     )

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
-import kvserve.engine.kv_cache as kv_cache
+import kvserve.engine.core.kv_cache as kv_cache
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.input_processor import split_prompt
-from kvserve.engine.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
+from kvserve.engine.core.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
 
 OLD_ROOT_HASH = 0x6B76736572766531   # the old key's parent of every first block
 # Different 16-token blocks with equal old keys: hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B)).

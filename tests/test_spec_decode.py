@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec_decode.py, engine/spec_verify.py): the n-gram proposer, the
+"""Speculative decoding (engine/spec_decode/proposer.py, engine/spec_decode/verify.py): the n-gram proposer, the
 config, and exactness: with speculation the engine's outputs are those without it (greedy and
 seeded sampling token for token; unseeded sampling in distribution), whatever the drafts, under
 chunked prefill, preemption, prefix hits, n > 1, stop strings and max_tokens, and no KV block leaks.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, EngineArgs, SamplingParams
-from kvserve.engine import spec_decode
-from kvserve.engine.spec_decode import SpeculativeConfig, ngram_proposal
+from kvserve.engine.spec_decode import proposer as spec_decode
+from kvserve.engine.spec_decode.proposer import SpeculativeConfig, ngram_proposal
 from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -1,4 +1,4 @@
-"""Structured outputs and logit_bias in the engine (engine/structured_output.py, engine/logits_processors.py).
+"""Structured outputs and logit_bias in the engine (engine/structured_output/grammar.py, engine/worker/logits_processors.py).
 
 The model is a tiny random llama: left alone it emits noise, so every valid output here is the
 grammar's doing. Sampling is at temperature 1 with many seeds.
@@ -329,8 +329,8 @@ def test_bitmask_apply_matches_xgrammar(monkeypatch, path, dtype):
     import torch
     import xgrammar
 
-    from kvserve.engine.logits_processors import apply_bitmask
-    from kvserve.engine.step_record import GrammarBitmask
+    from kvserve.engine.worker.logits_processors import apply_bitmask
+    from kvserve.engine.core.step_record import GrammarBitmask
     from kvserve.models import cpu_ops
 
     if path == "fallback":
@@ -372,7 +372,7 @@ def test_bitmask_kernel_bans_ids_past_the_mask():
 
 def test_fill_threads_follow_the_device():
     """CPU: the forward's threads; GPU: half the host's cores (the fill overlaps the device), 2..8."""
-    from kvserve.engine.structured_output import fill_threads_for
+    from kvserve.engine.structured_output.grammar import fill_threads_for
 
     assert fill_threads_for("cpu", 2, 16) == 2
     assert fill_threads_for("cpu", 0, 16) == 1

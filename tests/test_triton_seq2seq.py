@@ -22,7 +22,7 @@ from test_seq2seq_models import random_checkpoint  # noqa: E402
 pytest.importorskip("triton")
 
 from kvserve.engine import LLM  # noqa: E402
-from kvserve.engine.memory_profile import run_dummy_step  # noqa: E402
+from kvserve.engine.worker.memory_profile import run_dummy_step  # noqa: E402
 from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.attention import Attention  # noqa: E402
 

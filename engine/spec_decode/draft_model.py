@@ -1,5 +1,5 @@
 """Speculative decoding's draft model: a smaller checkpoint with the target's vocabulary proposes the
-drafts, k greedy steps per target step (engine/spec_decode.py verifies them as any drafts).
+drafts, k greedy steps per target step (engine/spec_decode/proposer.py verifies them as any drafts).
 
 The draft runs on a `ModelRunner` of its own (its own KV pool, its blocks from its own
 `BlockManager`), driven with the same `StepRecord`s the engine's scheduler writes. Each request's
@@ -15,14 +15,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.engine.kv_cache import BlockManager
-from kvserve.engine.runner import ModelRunner
-from kvserve.engine.spec_decode import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfig
-from kvserve.engine.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.worker.runner import ModelRunner
+from kvserve.engine.spec_decode.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfig
+from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
 from kvserve.engine.tokenizer import load_model_files
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Request
+    from kvserve.engine.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ priority. Under `fcfs` that order is arrival order, which appending already keep
 
 Each `StepPlan` carries two views of the same step: `scheduled` (live `Request`s,
 for the engine's output processing) and `record`, a plain-data `StepRecord` for
-the runner (engine/step_record.py): new requests in full, known ones as deltas,
+the runner (engine/core/step_record.py): new requests in full, known ones as deltas,
 and the ids to drop.
 """
 
@@ -29,10 +29,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.kv_cache import BlockManager
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.spec_decode import Proposer
-from kvserve.engine.step_record import NewRequestData, StepRecord
+from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.request import Request, RequestStatus
+from kvserve.engine.spec_decode.proposer import Proposer
+from kvserve.engine.core.step_record import NewRequestData, StepRecord
 
 
 def _schedule_key(request: Request) -> tuple[int, float]:
@@ -47,7 +47,7 @@ class ScheduledRequest:
     start_pos: int  # == num_computed_tokens before this step
     num_new_tokens: int  # tokens to compute this step; 1 for a decode (plus its drafts when speculating)
     is_sampled: bool  # this step reaches the end of the sequence: sample the next token
-    spec_token_ids: tuple[int, ...] = ()  # draft tokens verified this step (engine/spec_decode.py)
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens verified this step (engine/spec_decode/proposer.py)
 
     @property
     def token_ids(self) -> list[int]:

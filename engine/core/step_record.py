@@ -2,7 +2,7 @@
 
 Everything here is ints, floats, strs, tuples and dicts of those, in `msgspec.Struct`s: the
 same record carries each step to the tensor-parallel workers as a MessagePack frame
-(engine/messages.py, engine/worker.py). It carries deltas, not histories:
+(engine/messages.py, engine/worker/tp_worker.py). It carries deltas, not histories:
 
 - a request new to the runner (first scheduled, or resumed after a preemption)
   comes once as `NewRequestData`: its tokens so far, block table and sampling inputs;
@@ -26,7 +26,7 @@ import msgspec
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvserve.engine.request import Request
+    from kvserve.engine.core.request import Request
 
 
 class _Record(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -93,7 +93,7 @@ class NewRequestData(_Record):
 
 @dataclass(frozen=True, slots=True)
 class GrammarBitmask:
-    """The allowed tokens of this step's constrained rows, filled by engine/structured_output.py
+    """The allowed tokens of this step's constrained rows, filled by engine/structured_output/grammar.py
     while the step runs (rank 0 only: it samples); rows not listed are left unfilled and never read."""
 
     rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids (expanded: into the step's logits rows)
@@ -119,7 +119,7 @@ class StepRecord(_Record):
     # speculative decoding: a request's draft tokens, scheduled after its last token (the runner
     # verifies them and reports the accepted ones); they are not the request's tokens until accepted
     spec_token_ids: dict[str, tuple[int, ...]] = {}
-    # copy-on-write of kept partly filled blocks (engine/kv_cache.py): (source block, destination
+    # copy-on-write of kept partly filled blocks (engine/core/kv_cache.py): (source block, destination
     # block, slots), copied in every layer's cache before anything else of the step writes
     block_copies: tuple[tuple[int, int, int], ...] = ()
 

@@ -16,7 +16,7 @@ Configured as vLLM's users write it: `speculative_config={"method": "ngram",
 "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}` or `{"method":
 "draft_model", "model": DIR, ...}` (a dict offline, JSON for `--speculative-config` /
 `KVSERVE_SPECULATIVE_CONFIG`). Plain Python: the scheduler runs it (a draft model's forward lives
-behind `Proposer.draft`, in engine/spec_draft.py).
+behind `Proposer.draft`, in engine/spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Request
+    from kvserve.engine.core.request import Request
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -141,7 +141,7 @@ class Proposer:
 
     def draft(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens to follow the request's tokens (the method's own part: n-gram lookup
-        here, a draft model in engine/spec_draft.py)."""
+        here, a draft model in engine/spec_decode/draft_model.py)."""
         c = self.config
         return ngram_proposal(request.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 

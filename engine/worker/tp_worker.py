@@ -1,5 +1,5 @@
 """A tensor-parallel worker process: ranks 1..N-1, each with its shard of the model and its own
-KV pool, driven step by step by rank 0 (engine/executor.py).
+KV pool, driven step by step by rank 0 (engine/worker/executor.py).
 
 A worker never sees a `Request`, never schedules and never samples. Over its pipe it gets
 one message per step, a `WorkerStep` (the `StepRecord` and the sampled ids of the previous
@@ -32,8 +32,8 @@ import torch
 from kvserve.engine import messages
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.messages import StartFailed, WorkerLoaded, WorkerStep
-from kvserve.engine.runner import ModelRunner
-from kvserve.engine.step_record import StepRecord
+from kvserve.engine.worker.runner import ModelRunner
+from kvserve.engine.core.step_record import StepRecord
 from kvserve.models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """Model runner: turns a step's plain-data `StepRecord` into flat tensors, runs the model, samples.
 
 It owns the model, the KV cache tensors, the sampler and a persistent `InputBatch`
-(engine/input_batch.py) that each record updates: it never sees a live `Request`,
+(engine/worker/input_batch.py) that each record updates: it never sees a live `Request`,
 never allocates blocks (the block manager did) and never decides who runs (the
 scheduler did).
 `execute` makes exactly one device-to-host copy in the common path: the sampled
 token ids (logprobs, when asked for, come with them).
 
-With tensor parallelism (engine/executor.py) this runner is rank 0: it holds its shard of
-the model and samples; `engine.worker.WorkerRunner` (ranks 1..N-1) runs the same forward.
+With tensor parallelism (engine/worker/executor.py) this runner is rank 0: it holds its shard of
+the model and samples; `engine.worker.tp_worker.WorkerRunner` (ranks 1..N-1) runs the same forward.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import numpy as np
 import torch
 
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.device import resolve_device, resolve_dtype
-from kvserve.engine.input_batch import InputBatch
-from kvserve.engine.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
-from kvserve.engine.logits_processors import LogitsProcessors
-from kvserve.engine.memory_profile import MemoryProfile, profile_kv_budget
-from kvserve.engine.sampler import Sampler
-from kvserve.engine.spec_verify import SpecRows, accept, expand_sampling, spec_rows
-from kvserve.engine.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.worker.cuda_graphs import DecodeGraphs
+from kvserve.engine.worker.device import resolve_device, resolve_dtype
+from kvserve.engine.worker.input_batch import InputBatch
+from kvserve.engine.worker.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
+from kvserve.engine.worker.logits_processors import LogitsProcessors
+from kvserve.engine.worker.memory_profile import MemoryProfile, profile_kv_budget
+from kvserve.engine.worker.sampler import Sampler
+from kvserve.engine.spec_decode.verify import SpecRows, accept, expand_sampling, spec_rows
+from kvserve.engine.core.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
 from kvserve.models import cpu_stack
 from kvserve.models.cpu_stack import CpuDecoderStack
 from kvserve.models.loader import load_model
@@ -59,7 +59,7 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """The whole model in this process: an `Executor` (engine/executor_protocol.py), and rank 0's
+    """The whole model in this process: an `Executor` (engine/worker/executor_protocol.py), and rank 0's
     part of a tensor-parallel one."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,

@@ -16,9 +16,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from kvserve.engine.sampler import SamplingTensors, _to_device, _to_int64
+from kvserve.engine.worker.sampler import SamplingTensors, _to_device, _to_int64
 from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
-from kvserve.engine.step_record import NewRequestData, StepRecord
+from kvserve.engine.core.step_record import NewRequestData, StepRecord
 
 _NO_LOGPROBS = -1  # host arrays only: the row wants no (prompt) logprobs
 

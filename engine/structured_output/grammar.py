@@ -6,10 +6,10 @@ optional dependency (`pip install kvserve[structured]`), imported only when a co
 request arrives, so `engine` imports without it and unconstrained serving never touches it.
 
 Life of a constrained request (all in the engine core process):
-0. The spec's size was checked against `GrammarLimits` before (engine/grammar_limits.py:
+0. The spec's size was checked against `GrammarLimits` before (engine/structured_output/limits.py:
    `LLMEngine.process_prompt`, `AsyncLLM.generate`, the server's validation).
 1. `StructuredOutputManager.add` queues the spec for the compile threads
-   (engine/grammar_compile.py); the compiled grammar is cached by the spec's canonical key
+   (engine/structured_output/compile_threads.py); the compiled grammar is cached by the spec's canonical key
    (LRU), so equal specs compile once, and a compile running for one request is shared by the
    others that ask for the same spec. The request is held here, not in the scheduler, so a
    slow compile stalls nobody.
@@ -18,10 +18,10 @@ Life of a constrained request (all in the engine core process):
    the time limit, fails just that request.
 3. Each step, `step_bitmask` fills the allowed-token bitmask of the constrained rows that
    sample (one batched call into one [B, ceil(V/32)] int32 array) and the runner applies it
-   to those rows' logits before the sampler (engine/logits_processors.py).
+   to those rows' logits before the sampler (engine/worker/logits_processors.py).
 4. After the step, `accept_tokens` advances each matcher with its sampled token; a matcher
    that terminated (the grammar is complete and EOS was taken) finishes its request with
-   "stop" (engine/scheduler.py checks `request.structured.is_terminated`).
+   "stop" (engine/core/scheduler.py checks `request.structured.is_terminated`).
 The matcher lives with the request, so preemption (recompute) keeps its state.
 """
 
@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvserve.engine.errors import EngineOverloadedError
-from kvserve.engine.grammar_compile import CompileJob, CompilePool
+from kvserve.engine.structured_output.compile_threads import CompileJob, CompilePool
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Request
+    from kvserve.engine.core.request import Request
     from kvserve.engine.sampling_params import StructuredOutputs
-    from kvserve.engine.scheduler import StepPlan
-    from kvserve.engine.step_record import GrammarBitmask
+    from kvserve.engine.core.scheduler import StepPlan
+    from kvserve.engine.core.step_record import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class StructuredOutputManager:
 
     A request waits at most `compile_timeout_s` for its grammar (queue and compile together); then
     it fails like a compile error, and the compile is dropped or abandoned when nobody else waits
-    for it (engine/grammar_compile.py). At most `max_queue` distinct grammars (None: no bound) are
+    for it (engine/structured_output/compile_threads.py). At most `max_queue` distinct grammars (None: no bound) are
     queued or compiling at once, abandoned ones included: `add` raises `EngineOverloadedError` beyond that.
     """
 
@@ -275,7 +275,7 @@ class StructuredOutputManager:
         """The allowed tokens of this step's constrained, sampling rows; None when there are none.
         In a speculative step the rows are logits rows (1 + its drafts per request, in order), and
         a speculating sequence's row m is filled after its first m drafts (then rolled back)."""
-        from kvserve.engine.step_record import GrammarBitmask
+        from kvserve.engine.core.step_record import GrammarBitmask
 
         expanded = any(item.spec_token_ids for item in plan.scheduled)
         rows, matchers, json_rows, first = [], [], {False: [], True: []}, 0

@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from kvserve.engine.kv_cache import ROOT_DIGEST
+from kvserve.engine.core.kv_cache import ROOT_DIGEST
 
 if TYPE_CHECKING:
     from kvserve.engine.sampling_params import SamplingParams
@@ -76,11 +76,11 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        # structured outputs: this sequence's grammar matcher (engine/structured_output.py), set in the core
+        # structured outputs: this sequence's grammar matcher (engine/structured_output/grammar.py), set in the core
         self.structured = None
         # the parent digest of its first KV block (`kv_cache.prefix_root`: the cache salt and the like)
         self.prefix_root = prefix_root
-        # speculative decoding's back-off (engine/spec_decode.py): steps left without drafts, and the
+        # speculative decoding's back-off (engine/spec_decode/proposer.py): steps left without drafts, and the
         # next pause after another verification that accepts nothing
         self.spec_skip = 0
         self.spec_backoff = 0  # 0: the first pause (spec_decode.FIRST_BACKOFF_STEPS)

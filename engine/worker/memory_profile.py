@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvserve.engine.sampler import Sampler, SamplingTensors
+from kvserve.engine.worker.sampler import Sampler, SamplingTensors
 from kvserve.models.attention import Attention, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)

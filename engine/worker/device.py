@@ -56,6 +56,6 @@ def _cpu_available_bytes() -> int:
 
 
 def kv_cache_budget_bytes(device: torch.device) -> int:
-    """The most memory a default CPU KV pool may take (engine/kv_pool.py picks its size within it;
+    """The most memory a default CPU KV pool may take (engine/worker/kv_pool.py picks its size within it;
     on CUDA the runner's memory profile gives the budget instead)."""
     return min(_cpu_available_bytes() // 4, _CPU_KV_CACHE_MAX_BYTES)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.engine.input_batch import InputBatch
-from kvserve.engine.spec_verify import SpecRows
-from kvserve.engine.step_record import GrammarBitmask
+from kvserve.engine.worker.input_batch import InputBatch
+from kvserve.engine.spec_decode.verify import SpecRows
+from kvserve.engine.core.step_record import GrammarBitmask
 from kvserve.models import cpu_ops
 
 

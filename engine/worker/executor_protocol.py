@@ -1,7 +1,7 @@
 """The executor: what the engine calls to run its steps, whatever runs them.
 
-Two implementations: `ModelRunner` (engine/runner.py), the whole model in this process, and
-`TensorParallelExecutor` (engine/executor.py), rank 0's runner here and the other ranks in
+Two implementations: `ModelRunner` (engine/worker/runner.py), the whole model in this process, and
+`TensorParallelExecutor` (engine/worker/executor.py), rank 0's runner here and the other ranks in
 worker processes. The engine, its core process and the tests see only this protocol; a test
 double wraps one to inject faults (tests/faulty_executor.py). Imports no torch.
 """
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.engine.runner import RunnerOutput
-    from kvserve.engine.step_record import GrammarBitmask, StepRecord
+    from kvserve.engine.worker.runner import RunnerOutput
+    from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
     from kvserve.models.attention.layer import Attention, AttentionBackend
     from kvserve.models.quantization import QuantizationReport
 

@@ -1,7 +1,7 @@
 """The paged KV pool: how many blocks it gets, and the per-layer cache tensors.
 
 Sizing, in order: `num_kv_blocks` if given, else `kv_cache_memory` bytes, else a default.
-The default on CUDA is 85% of the free memory (`engine.device.kv_cache_budget_bytes`). On
+The default on CUDA is 85% of the free memory (`engine.worker.device.kv_cache_budget_bytes`). On
 the CPU it is `DEFAULT_CPU_KV_TOKENS` (llama-server's 32k cells), or one full-length
 sequence when the context is longer, capped by a quarter of available RAM (at most 4 GiB):
 a CPU decodes a few dozen sequences at a time, so a pool for `max_num_seqs` full-length
@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from kvserve.engine.config import CacheConfig, SchedulerConfig
-from kvserve.engine.device import kv_cache_budget_bytes
+from kvserve.engine.worker.device import kv_cache_budget_bytes
 from kvserve.models import hugepages
 from kvserve.models.timing import phase
 

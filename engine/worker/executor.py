@@ -34,12 +34,12 @@ import torch
 from kvserve.engine import messages
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.processes import wait_for_exit
-from kvserve.engine.device import resolve_device
+from kvserve.engine.worker.device import resolve_device
 from kvserve.engine.errors import TensorParallelError
 from kvserve.engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
-from kvserve.engine.runner import ModelRunner, RunnerOutput
-from kvserve.engine.step_record import GrammarBitmask, StepRecord
-from kvserve.engine.worker import WorkerArgs, run_worker
+from kvserve.engine.worker.runner import ModelRunner, RunnerOutput
+from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
+from kvserve.engine.worker.tp_worker import WorkerArgs, run_worker
 from kvserve.models.parallel import ParallelState, new_group
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def threads_per_rank(size: int) -> int:
 
 
 class TensorParallelExecutor:
-    """Runs steps on `size` ranks: an `Executor` (engine/executor_protocol.py) whose model facts
+    """Runs steps on `size` ranks: an `Executor` (engine/worker/executor_protocol.py) whose model facts
     (device, dtype, KV pool, attention backend, weights) are rank 0's runner's."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,

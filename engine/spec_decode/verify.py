@@ -1,4 +1,4 @@
-"""The runner's side of speculative decoding (engine/spec_decode.py): score every draft position.
+"""The runner's side of speculative decoding (engine/spec_decode/proposer.py): score every draft position.
 
 A speculating request's chunk is its last token followed by its K drafts; the model's outputs at
 those 1 + K positions give K + 1 logits rows, each sampled with the request's own settings (the
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvserve.engine.sampler import SamplingTensors
+from kvserve.engine.worker.sampler import SamplingTensors
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.errors import EngineOverloadedError, StepFailed
-from kvserve.engine.executor_protocol import Executor, ExecutorWrapper
+from kvserve.engine.worker.executor_protocol import Executor, ExecutorWrapper
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
 
@@ -82,10 +82,10 @@ def warm_up(executor: Executor) -> None:
 
 
 def _prefault_when_idle(layers) -> None:
-    """Fault in the KV pool (`engine.kv_pool.prefault`) at the lowest CPU priority: the OS zeroes
+    """Fault in the KV pool (`engine.worker.kv_pool.prefault`) at the lowest CPU priority: the OS zeroes
     the pages in this thread, which would otherwise take a core from the steps of the first
     requests (Linux: a thread's nice value is its own)."""
-    from kvserve.engine.kv_pool import prefault
+    from kvserve.engine.worker.kv_pool import prefault
 
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

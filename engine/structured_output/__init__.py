@@ -1,0 +1,2 @@
+"""Structured outputs: grammars compiled off the step loop, one matcher per sequence, bounds on
+what the compiler is given."""
