@@ -190,26 +190,24 @@ void quant_tile(const int8_t* xq, int64_t k, const float* xd, const int32_t* xs,
 
 using QuantTileFn = decltype(&quant_tile<1, 8, 1, false, false>);
 
-// The tile for mr rows of an item whose steps it reads `item_loads` 32-byte loads of (all of a
-// block's, or half), and how many loads it covers: one row takes them all (a sequential stream),
-// more rows fewer at a time so that their sums fit the registers.
+// The tile for mr rows of a 64-column block, and how many of a step's 32-byte loads it covers:
+// one row takes them all (a sequential stream), more rows fewer at a time so that their sums fit
+// the registers.
 template <int BITS, bool PREFETCH>
-QuantTileFn quant_tile_for(int mr, int item_loads, int* loads) {
+QuantTileFn quant_tile_for(int mr, int* loads) {
   constexpr int kFull = BITS == 8 ? 8 : 4, kHalf = kFull / 2, kQuarter = kFull / 4;
-  *loads = mr == 1 ? item_loads : mr == 2 ? kHalf : kQuarter;
+  *loads = mr == 1 ? kFull : mr == 2 ? kHalf : kQuarter;
   switch (mr) {
-    case 1: return item_loads == kFull ? quant_tile<1, BITS, kFull, false, PREFETCH>
-                                       : quant_tile<1, BITS, kHalf, false, PREFETCH>;
+    case 1: return quant_tile<1, BITS, kFull, false, PREFETCH>;
     case 2: return quant_tile<2, BITS, kHalf, false, PREFETCH>;
     case 3: return quant_tile<3, BITS, kQuarter, BITS == 8, PREFETCH>;
     default: return quant_tile<4, BITS, kQuarter, BITS == 8, PREFETCH>;
   }
 }
 
-QuantTileFn pick_quant_tile(int64_t bits, bool prefetch, int mr, int item_loads, int* loads) {
-  if (bits == 8)
-    return prefetch ? quant_tile_for<8, true>(mr, item_loads, loads) : quant_tile_for<8, false>(mr, item_loads, loads);
-  return prefetch ? quant_tile_for<4, true>(mr, item_loads, loads) : quant_tile_for<4, false>(mr, item_loads, loads);
+QuantTileFn pick_quant_tile(int64_t bits, bool prefetch, int mr, int* loads) {
+  if (bits == 8) return prefetch ? quant_tile_for<8, true>(mr, loads) : quant_tile_for<8, false>(mr, loads);
+  return prefetch ? quant_tile_for<4, true>(mr, loads) : quant_tile_for<4, false>(mr, loads);
 }
 
 }  // namespace
@@ -233,26 +231,23 @@ void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k,
     quantize_rows(static_cast<const float*>(x), ldx, m, k, group, xq, xd, xs);
   char* yp = static_cast<char*>(y);
   const int64_t y_item = x_bf16 ? 2 : 4, step_bytes = bits == 8 ? 256 : 128, block_loads = step_bytes / 32;
-  // Work items (block of rows, 64-column block), as in linear_bf16; a matrix with fewer column
-  // blocks than about 8 per thread, not a multiple of the thread count, is cut into halves.
-  const int64_t threads = num_threads();
-  const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
-  const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
-  const int64_t item_loads = halves ? block_loads / 2 : block_loads;
+  // Work items (block of rows, 64-column block), as in linear_bf16. A matrix with few column
+  // blocks is not cut into half blocks: two threads reading alternate cache lines of one block
+  // each pull both lines in (the adjacent-line prefetch), which costs more than the imbalance.
+  const int64_t col_items = col_blocks;
   const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
   parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r0 = (item % row_items) * rows_per_item, ci = item / row_items;
-      const int64_t cb = halves ? ci / 2 : ci, l_begin = halves ? (ci % 2) * item_loads : 0;
+      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint8_t* w = wp + cb * (k / 4) * step_bytes;
       const uint16_t* ws = sp + cb * groups * 64;
       for (int64_t r = r0; r < r1; r += kQuantTileM) {
         const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
-        for (int64_t l = l_begin; l < l_begin + item_loads;) {
+        for (int64_t l = 0; l < block_loads;) {
           int loads;  // the item's first tile brings its weights in
-          const QuantTileFn fn = pick_quant_tile(bits, r == r0 && l == l_begin, mr, (int)item_loads, &loads);
+          const QuantTileFn fn = pick_quant_tile(bits, r == r0 && l == 0, mr, &loads);
           fn(xq + r * k, k, xd + r * groups, xs + r * groups, groups, w, ws, group, bias, yp + r * n * y_item,
              x_bf16, n, cb * 64, n, (int)l);
           l += loads;
