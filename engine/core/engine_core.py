@@ -23,6 +23,7 @@ exits with code 1.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -67,6 +68,10 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int, max_cons
         conn.send_bytes(messages.encode(StartFailed.from_exception(e)))
         conn.close()
         os._exit(1)
+    # What start-up made (the model, the tokenizer, imported modules) lives as long as the process:
+    # out of the collector's sight, a full collection no longer walks it in the middle of a step.
+    gc.collect()
+    gc.freeze()
     conn.send_bytes(messages.encode(Ready(info=engine.info, stats=engine.stats())))
     threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
                      daemon=True).start()
