@@ -79,3 +79,27 @@ def test_mark_written_follows_the_steps_that_encoded():
     assert cross.allocate("d", 8, b"other") is True
     cross.free("d")
     assert kv.num_free_blocks == 6
+
+
+def test_scheduler_with_a_cross_cache_encodes_a_source_once_and_frees_every_block():
+    from kvserve.engine.config import SchedulerConfig
+    from kvserve.engine.core.request import RequestStatus
+    from kvserve.engine.core.scheduler import Scheduler
+
+    kv, cross = make(num_blocks=16)
+    sched = Scheduler(SchedulerConfig(4, 32), kv, 64, cross_cache=cross)
+    source = tuple(range(10, 16))  # 6 tokens: 2 blocks
+    for rid in ("a", "b"):
+        sched.add(_request(rid, source))
+    plan = sched.schedule()
+    a, b = plan.record.new_requests
+    assert (a.encoder_token_ids, a.cross_block_ids, a.cross_len) == (source, (1, 2), 6)
+    assert (b.encoder_token_ids, b.cross_block_ids, b.cross_len) == ((), (1, 2), 6)  # shares a's encoding
+    assert plan.num_batched_tokens == 6 + 1 + 1  # the source counts in the step's budget
+    sched.update(plan, [7, 7])
+    for rid in ("a", "b"):
+        sched.finish(rid, RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 15  # the written encoder output is kept, but free
+    sched.add(_request("c", source))
+    (c,) = sched.schedule().record.new_requests
+    assert c.encoder_token_ids == () and c.cross_block_ids == (1, 2)  # found it: no encoding
