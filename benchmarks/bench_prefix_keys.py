@@ -7,7 +7,8 @@ Three measurements, old and new side by side, alternating within one run:
      registered chunk by chunk as prefill computes them, free);
   3. the same prompt again once it is cached (a full-prefix hit: keys and token checks);
 and with --engine, for scale, the whole prefill of a prompt on the embedded default model.
-The old block manager is `engine/core/kv_cache.py` at --old-rev, read with `git show`.
+The old block manager is `engine/kv_cache.py` at --old-rev, read with `git show`; the new one is
+`engine/core/kv_cache_manager.py` (`KVCacheManager`, over `engine/core/block_pool.py`).
 
     python benchmarks/bench_prefix_keys.py --prompt-tokens 8192 --repeats 31 --engine
 """
@@ -28,16 +29,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvserve.engine.core import kv_cache as new_kv  # noqa: E402
+from kvserve.engine.core import kv_cache_manager as new_kv  # noqa: E402
 
 
 def load_old(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:engine/core/kv_cache.py"], cwd=REPO, check=True,
+    source = subprocess.run(["git", "show", f"{rev}:engine/kv_cache.py"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("old_kv_cache", loader=None)
     module = importlib.util.module_from_spec(spec)
     exec(compile(source, "old_kv_cache.py", "exec"), module.__dict__)
     return module
+
+
+def manager(module, num_blocks: int, block_size: int):
+    """The module's block manager: `KVCacheManager` today, `BlockManager` at the old revision."""
+    cls = getattr(module, "KVCacheManager", None) or module.BlockManager
+    return cls(num_blocks=num_blocks, block_size=block_size)
 
 
 def per_call_ns(fn, number: int, repeats: int) -> float:
@@ -73,7 +80,7 @@ def bench_block_key(block_size: int, repeats: int) -> dict[str, float]:
 
 def miss_then_register(module, prompt: list[int], block_size: int, chunk: int, rid: str) -> float:
     """One prefill that finds nothing: look-up, allocate, register keys per chunk, free."""
-    bm = module.BlockManager(num_blocks=len(prompt) // block_size + 8, block_size=block_size)
+    bm = manager(module, len(prompt) // block_size + 8, block_size)
     start = time.perf_counter()
     assert bm.find_cached_prefix(rid, prompt) == []
     for done in range(chunk, len(prompt) + chunk, chunk):
@@ -86,7 +93,7 @@ def miss_then_register(module, prompt: list[int], block_size: int, chunk: int, r
 
 def hit(module, prompt: list[int], block_size: int) -> float:
     """The same prompt once cached: the look-up of every block, and taking them."""
-    bm = module.BlockManager(num_blocks=len(prompt) // block_size + 8, block_size=block_size)
+    bm = manager(module, len(prompt) // block_size + 8, block_size)
     bm.allocate("warm", len(prompt))
     bm.cache_full_blocks("warm", prompt, len(prompt))
     bm.free("warm")
@@ -110,9 +117,21 @@ def engine_prefill(old_kv, repeats: int) -> None:
         def cache_full_blocks(self, request_id, token_ids, num_computed_tokens, root=None):
             return super().cache_full_blocks(request_id, token_ids, num_computed_tokens)
 
+        def find_partial_block(self, request_id, token_ids, num_cached_blocks):
+            return 0, 0   # the old manager kept no partly filled blocks
+
+        def allocate(self, request_id, num_tokens, cached_block_ids=(), partial_block=(0, 0)):
+            return super().allocate(request_id, num_tokens, cached_block_ids)
+
+        def take_block_copies(self):
+            return ()
+
+        def free(self, request_id, token_ids=(), num_computed_tokens=0):
+            return super().free(request_id)
+
     engines = {"old": LLM(dtype="float32", device="cpu"), "new": LLM(dtype="float32", device="cpu")}
-    bm = engines["old"].engine.block_manager
-    engines["old"].engine.block_manager = engines["old"].engine.scheduler.block_manager = OldKeys(
+    bm = engines["old"].engine.kv_cache_manager
+    engines["old"].engine.kv_cache_manager = engines["old"].engine.scheduler.kv_cache_manager = OldKeys(
         bm.num_blocks, bm.block_size, bm.enable_prefix_caching)
     info = engines["new"].engine.info
     num_tokens = info.max_model_len - 1

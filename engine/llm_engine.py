@@ -21,12 +21,12 @@ from kvserve.engine.errors import StepFailed
 from kvserve.engine.worker.executor_protocol import Executor
 from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
-from kvserve.engine.core.kv_cache import BlockManager, prefix_root
+from kvserve.engine.core.kv_cache_manager import KVCacheManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.scheduler import Scheduler, StepPlan
 from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.structured_output.grammar import StructuredOutputManager, fill_threads_for
 from kvserve.engine.tokenizer import load_model_files
@@ -117,10 +117,16 @@ class LLMEngine:
             weight_bytes=self.runner.weights_report.weight_bytes,
             decoder_start_token_id=files.decoder_start_token_id,
         )
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, cache_config.block_size,
-                                          cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, files.max_model_len,
-                                   self._proposer(args, model_config, files))
+        self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        # an encoder-decoder model's encoder outputs: blocks of the same pool
+        cross_cache = None
+        if files.decoder_start_token_id is not None:
+            from kvserve.engine.seq2seq.cross_cache import CrossCache
+
+            cross_cache = CrossCache(self.kv_cache_manager.pool, cache_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, files.max_model_len,
+                                   self._proposer(args, model_config, files), cross_cache)
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
         so_config = args.structured_outputs_config()
@@ -267,20 +273,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        now = time.monotonic()
-        # encoder-decoder requests new to the runner: their sources run through the encoder this step
-        encoded = {r.req_id: len(r.encoder_token_ids) for r in plan.record.new_requests if r.encoder_token_ids}
-        for item in plan.scheduled:
-            req = item.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                self.output_processor.mark_scheduled(req, now)
-                if req.sample_index == 0:
-                    self.prompt_tokens_total += req.num_prompt_tokens + len(req.encoder_token_ids)
-                    self.prompt_tokens_cached_total += item.start_pos   # what the prefix cache held
-            self.prompt_tokens_computed_total += max(0, min(item.start_pos + item.num_new_tokens,
-                                                            req.num_prompt_tokens) - item.start_pos)
-            self.prompt_tokens_computed_total += encoded.get(req.request_id, 0)
+        self._mark_scheduled(plan)
         try:
             # the runner fills the grammar bitmask after launching the forward: on a GPU the host work overlaps it
             result = self.runner.execute(plan.record, partial(self.structured.step_bitmask, plan))
@@ -302,6 +295,22 @@ class LLMEngine:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        """First-scheduled times and the prompt token counts of the step about to run."""
+        now = time.monotonic()
+        for item in plan.scheduled:
+            req = item.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self.output_processor.mark_scheduled(req, now)
+                if req.sample_index == 0:
+                    self.prompt_tokens_total += req.num_prompt_tokens + len(req.encoder_token_ids)
+                    self.prompt_tokens_cached_total += item.start_pos   # what the prefix cache held
+            self.prompt_tokens_computed_total += max(0, min(item.start_pos + item.num_new_tokens,
+                                                            req.num_prompt_tokens) - item.start_pos)
+        # encoder-decoder requests new to the runner: their sources run through the encoder this step
+        self.prompt_tokens_computed_total += sum(len(r.encoder_token_ids) for r in plan.record.new_requests)
+
     @property
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel worker died); None while it can."""
@@ -312,7 +321,7 @@ class LLMEngine:
         self.runner.shutdown()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm = self.kv_cache_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

@@ -13,10 +13,10 @@ from kvserve.engine import SamplingParams
 
 def engine_state(llm) -> dict:
     engine = llm.engine
-    bm, batch = engine.block_manager, engine.runner.batch
+    bm, batch = engine.kv_cache_manager, engine.runner.batch
     return {
-        "free_block_ids": bm._free.block_ids(),
-        "cached_hashes": dict(bm._cached),
+        "free_block_ids": bm.pool._free.block_ids(),
+        "cached_hashes": dict(bm.pool._cached),
         "prefix_cache": (bm.prefix_cache_queries, bm.prefix_cache_hits),
         "batch_rows": (list(batch.req_ids), dict(batch.row_of)),  # rows past them are stale by design
         "stats": engine.stats(),
@@ -40,7 +40,7 @@ def test_warm_up_leaves_state_and_outputs_as_before(checkpoint_dirs, family):
     # the warm-up's tokens (0, 1, ...) were never registered as a cached prefix
     block_size = llm.engine.info.block_size
     llm.generate([list(range(3 * block_size))], greedy(), use_tqdm=False)
-    assert llm.engine.block_manager.prefix_cache_hits == 0
+    assert llm.engine.kv_cache_manager.prefix_cache_hits == 0
 
 
 def test_warm_up_keeps_unseeded_sampling_as_without_it(llama_dir):

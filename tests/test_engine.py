@@ -72,7 +72,7 @@ def make_llm(path: str, **kw) -> LLM:
 def assert_no_leaks(llm: LLM):
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])

@@ -52,7 +52,7 @@ def test_consecutive_failures_are_counted_and_reset(llama_dir):
     engine.runner = FaultyExecutor(engine.runner, first=2, last=3)
     assert isinstance(engine.runner, Executor)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    num_free = engine.block_manager.num_free_blocks
+    num_free = engine.kv_cache_manager.num_free_blocks
     engine.add_request("a", [5, 6, 7], params)
     engine.step()                                # step 1 works
     assert engine.num_consecutive_step_failures == 0
@@ -63,7 +63,7 @@ def test_consecutive_failures_are_counted_and_reset(llama_dir):
             engine.step()
         assert isinstance(info.value.__cause__, InjectedFault)
         assert engine.num_consecutive_step_failures == num_failures
-        assert engine.block_manager.num_free_blocks == num_free   # the failed requests' blocks are back
+        assert engine.kv_cache_manager.num_free_blocks == num_free   # the failed requests' blocks are back
     engine.add_request("c", [5, 6], params)
     engine.step()                                # step 4 works again
     assert engine.num_consecutive_step_failures == 0

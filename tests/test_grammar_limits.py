@@ -126,7 +126,7 @@ def _drain(engine) -> list:
 
 def test_timeout_fails_cleanly_and_others_go_on(llm):
     engine, manager = llm.engine, llm.engine.structured
-    free_blocks = engine.block_manager.num_free_blocks
+    free_blocks = engine.kv_cache_manager.num_free_blocks
     with Gate(manager) as gate:
         engine.add_request("slow", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="x+"),
                                                         max_tokens=4))
@@ -144,7 +144,7 @@ def test_timeout_fails_cleanly_and_others_go_on(llm):
         stats = engine.stats()
         assert stats.num_compiling == 0 and stats.num_grammars_compiling == 1  # abandoned, still running
     _wait_for(lambda: manager._sweep() or manager.num_jobs == 0)  # it finished and was cached
-    assert engine.block_manager.num_free_blocks == free_blocks
+    assert engine.kv_cache_manager.num_free_blocks == free_blocks
 
 
 def test_abort_cancels_queued_and_abandons_running_compiles(llm):
@@ -169,7 +169,7 @@ def test_abort_cancels_queued_and_abandons_running_compiles(llm):
     assert [s.regex for s in gate.started] == ["r+", "n+"]  # the queued one never compiled
     manager._sweep()
     assert manager.num_jobs == 0 and not manager.has_pending
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1
     assert engine.output_processor.parents == {}
 
 

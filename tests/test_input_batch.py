@@ -18,7 +18,7 @@ import torch
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.worker.input_batch import InputBatch
-from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.worker.sampler import Sampler, apply_penalty_state, penalty_state
 from sampling_inputs import build_sampling_tensors
@@ -34,7 +34,7 @@ class Harness:
     """A scheduler and an InputBatch driven like the engine drives the runner."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64):
-        self.bm = BlockManager(num_blocks, block_size)
+        self.bm = KVCacheManager(num_blocks, block_size)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.bm, max_model_len)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, VOCAB, CPU)
         self.rng = random.Random(0)

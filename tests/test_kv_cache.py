@@ -1,12 +1,13 @@
-"""Block manager: exact block ids, reference counts, LRU eviction, prefix hits, no leaks."""
+"""KV cache manager (the decoder's blocks per request): exact block ids, reference counts, LRU eviction, prefix hits, no leaks."""
 
 import pytest
 
-from kvserve.engine.core.kv_cache import BlockManager, FreeBlockQueue, Block
+from kvserve.engine.core.block_pool import Block, FreeBlockQueue
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 
 
 def test_allocate_exact_ids_and_free():
-    bm = BlockManager(num_blocks=6, block_size=4)  # block 0 = null
+    bm = KVCacheManager(num_blocks=6, block_size=4)  # block 0 = null
     assert bm.num_free_blocks == 5
     assert bm.allocate("a", num_tokens=9) == [1, 2, 3]
     assert bm.block_ids("a") == [1, 2, 3]
@@ -18,7 +19,7 @@ def test_allocate_exact_ids_and_free():
 
 
 def test_allocate_returns_none_and_changes_nothing_when_full():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = KVCacheManager(num_blocks=4, block_size=4)
     assert bm.allocate("a", 8) == [1, 2]
     assert bm.allocate("b", 9) is None  # needs 3, only 1 free
     assert bm.block_ids("b") == []
@@ -27,7 +28,7 @@ def test_allocate_returns_none_and_changes_nothing_when_full():
 
 
 def test_free_in_reverse_order_evicts_tail_first():
-    bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=False)
+    bm = KVCacheManager(num_blocks=5, block_size=2, enable_prefix_caching=False)
     bm.allocate("a", 8)  # [1, 2, 3, 4]
     bm.free("a")
     # the tail block (4) was freed first, so it is reused first
@@ -47,7 +48,7 @@ def test_free_queue_o1_remove():
 
 
 def test_prefix_hit_shares_blocks_and_counts_tokens():
-    bm = BlockManager(num_blocks=10, block_size=4)
+    bm = KVCacheManager(num_blocks=10, block_size=4)
     tokens = list(range(10))  # 2 full blocks + 2 tokens
     assert bm.find_cached_prefix("a", tokens) == []
     bm.allocate("a", 10)
@@ -64,7 +65,7 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
 
 
 def test_prefix_never_covers_the_whole_prompt():
-    bm = BlockManager(num_blocks=10, block_size=4)
+    bm = KVCacheManager(num_blocks=10, block_size=4)
     tokens = list(range(8))  # exactly 2 blocks
     bm.allocate("a", 8)
     bm.cache_full_blocks("a", tokens, 8)
@@ -73,7 +74,7 @@ def test_prefix_never_covers_the_whole_prompt():
 
 
 def test_freed_cached_blocks_are_revived_then_evicted_lru():
-    bm = BlockManager(num_blocks=4, block_size=2)
+    bm = KVCacheManager(num_blocks=4, block_size=2)
     tokens = [5, 6, 7, 8, 9]
     bm.allocate("a", 5)  # [1, 2, 3]
     bm.cache_full_blocks("a", tokens, 5)
@@ -90,7 +91,7 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru():
 
 
 def test_prefix_hash_chains_over_parent():
-    bm = BlockManager(num_blocks=10, block_size=2)
+    bm = KVCacheManager(num_blocks=10, block_size=2)
     bm.allocate("a", 5)
     bm.cache_full_blocks("a", [1, 2, 3, 4, 0], 5)
     # same second block, different first block: no hit at all
@@ -98,7 +99,7 @@ def test_prefix_hash_chains_over_parent():
 
 
 def test_reference_counts_with_shared_blocks():
-    bm = BlockManager(num_blocks=6, block_size=2)
+    bm = KVCacheManager(num_blocks=6, block_size=2)
     tokens = [1, 2, 3, 4, 5]
     bm.allocate("a", 5)
     bm.cache_full_blocks("a", tokens, 5)
@@ -113,56 +114,27 @@ def test_reference_counts_with_shared_blocks():
 
 
 def test_usage_and_bad_size():
-    bm = BlockManager(num_blocks=5, block_size=4)
+    bm = KVCacheManager(num_blocks=5, block_size=4)
     bm.allocate("a", 8)
     assert bm.usage == pytest.approx(0.5)
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(num_blocks=1, block_size=4)
+        KVCacheManager(num_blocks=1, block_size=4)
 
 
 def test_disabled_prefix_caching_never_hits():
-    bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=False)
+    bm = KVCacheManager(num_blocks=6, block_size=2, enable_prefix_caching=False)
     bm.allocate("a", 4)
     bm.cache_full_blocks("a", [1, 2, 3, 4], 4)
     assert bm.find_cached_prefix("b", [1, 2, 3, 4, 5]) == []
-
-
-def test_encoder_output_kept_only_once_written():
-    """Cross blocks outlive their last holder (prefix caching) only if a completed step wrote them;
-    evicting any of them drops the whole kept output; another key never sees them."""
-    bm = BlockManager(num_blocks=7, block_size=4)
-    assert bm.allocate_cross("a", 8, b"src") is True
-    bm.free("a")  # the step that would have run its encoder never completed
-    assert bm.allocate_cross("b", 8, b"src") is True  # so nothing was kept: encode again
-    bm.cross_written("b")
-    blocks = bm.cross_block_ids("b")
-    bm.free("b")
-    assert bm.num_free_blocks == 6  # kept, but free: counted as free
-    assert bm.allocate_cross("c", 8, b"other salt") is True and bm.cross_block_ids("c") != blocks
-    bm.free("c")
-    assert bm.allocate_cross("d", 8, b"src") is False and bm.cross_block_ids("d") == blocks
-    assert bm.num_free_blocks == 4
-    bm.free("d")
-    assert bm.allocate("e", 6 * 4) is not None  # takes every free block: the kept output is evicted
-    bm.free("e")
-    assert bm.allocate_cross("f", 8, b"src") is True
-    bm.free("f")
-    assert bm.num_free_blocks == 6
-
-    no_cache = BlockManager(num_blocks=7, block_size=4, enable_prefix_caching=False)
-    assert no_cache.allocate_cross("a", 8, b"src") is True
-    no_cache.cross_written("a")
-    no_cache.free("a")
-    assert no_cache.allocate_cross("b", 8, b"src") is True
 
 
 def test_partly_filled_last_block_is_kept_for_continuations():
     """A freed request's last block, partly filled with computed tokens, is found by a request whose
     tokens continue them (its slots are copied, not shared), under the same root only, leaving at
     least one token to compute; evicting the block drops it."""
-    from kvserve.engine.core.kv_cache import ROOT_DIGEST, prefix_root
+    from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST, prefix_root
 
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = KVCacheManager(num_blocks=8, block_size=4)
     tokens = list(range(10))  # 2 full blocks + 2
     assert bm.find_cached_prefix("a", tokens) == []
     bm.allocate("a", 11)

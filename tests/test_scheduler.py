@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.core.scheduler import Scheduler
@@ -15,7 +15,7 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024):
-    bm = BlockManager(num_blocks, block_size)
+    bm = KVCacheManager(num_blocks, block_size)
     return Scheduler(SchedulerConfig(max_num_seqs, budget), bm, max_model_len), bm
 
 
@@ -32,7 +32,8 @@ def run_step(sched, token=7):
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
-    code = ("import sys, engine.core.scheduler, engine.core.kv_cache, engine.core.request; "
+    code = ("import sys, engine.core.scheduler, engine.core.kv_cache_manager, engine.core.block_pool, "
+            "engine.core.request, engine.seq2seq.cross_cache; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -138,7 +139,7 @@ def make_priority_request(rid, prompt_len, priority, arrival, max_tokens=8):
 def test_priority_policy_preempts_the_lowest_priority_first():
     # the same squeeze as above, but the earlier request has the lower priority (higher value):
     # fcfs would preempt the newer one, the priority policy preempts the earlier
-    bm = BlockManager(7, 2)
+    bm = KVCacheManager(7, 2)
     sched = Scheduler(SchedulerConfig(8, 64, policy="priority"), bm, 1024)
     sched.add(make_priority_request("low", 4, priority=5, arrival=1.0))
     sched.add(make_priority_request("high", 4, priority=-5, arrival=2.0))
@@ -156,7 +157,7 @@ def test_priority_policy_preempts_the_lowest_priority_first():
 
 
 def test_priority_policy_admits_by_priority_then_arrival():
-    bm = BlockManager(64, 4)
+    bm = KVCacheManager(64, 4)
     sched = Scheduler(SchedulerConfig(1, 64, policy="priority"), bm, 1024)   # one seat
     for rid, priority, arrival in (("b", 1, 1.0), ("c", 0, 3.0), ("a", 0, 2.0), ("d", 2, 0.5)):
         sched.add(make_priority_request(rid, 4, priority, arrival, max_tokens=1))
@@ -165,7 +166,7 @@ def test_priority_policy_admits_by_priority_then_arrival():
         plan, finished = run_step(sched)
         order += [f.request.request_id for f in finished]
     assert order == ["a", "c", "b", "d"]
-    fcfs = Scheduler(SchedulerConfig(1, 64), BlockManager(64, 4), 1024)   # fcfs ignores priority: arrival order
+    fcfs = Scheduler(SchedulerConfig(1, 64), KVCacheManager(64, 4), 1024)   # fcfs ignores priority: arrival order
     for rid, priority, arrival in (("b", 1, 1.0), ("c", 0, 3.0), ("a", 0, 2.0)):
         fcfs.add(make_priority_request(rid, 4, priority, arrival, max_tokens=1))
     order = []

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
-import kvserve.engine.core.kv_cache as kv_cache
+import kvserve.engine.core.kv_cache_manager as kv_cache
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.input_processor import split_prompt
-from kvserve.engine.core.kv_cache import ROOT_DIGEST, BlockManager, hash_block, pack_token_ids, prefix_root
+from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST, KVCacheManager, hash_block, pack_token_ids, prefix_root
 
 OLD_ROOT_HASH = 0x6B76736572766531   # the old key's parent of every first block
 # Different 16-token blocks with equal old keys: hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B)).
@@ -37,14 +37,14 @@ def test_collision_fixture_collides_under_the_old_key_only():
     assert hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_A)) != hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_B))
 
 
-def _cache(bm: BlockManager, request_id: str, token_ids: list[int], root: bytes = ROOT_DIGEST) -> None:
+def _cache(bm: KVCacheManager, request_id: str, token_ids: list[int], root: bytes = ROOT_DIGEST) -> None:
     assert bm.allocate(request_id, len(token_ids)) is not None
     bm.cache_full_blocks(request_id, token_ids, len(token_ids), root)
     bm.free(request_id)
 
 
 def test_block_manager_keeps_the_old_collision_apart():
-    bm = BlockManager(num_blocks=8, block_size=16)
+    bm = KVCacheManager(num_blocks=8, block_size=16)
     _cache(bm, "a", BLOCK_A + TAIL)
     assert bm.find_cached_prefix("b", BLOCK_B + TAIL) == []
     assert len(bm.find_cached_prefix("a2", BLOCK_A + TAIL)) == 1
@@ -53,7 +53,7 @@ def test_block_manager_keeps_the_old_collision_apart():
 def test_colliding_keys_are_misses_yet_identical_prompts_hit(monkeypatch):
     """Every block gets the same key: the stored parent digest and tokens still tell them apart."""
     monkeypatch.setattr(kv_cache, "hash_block", lambda parent, token_bytes: b"\x00" * 32)
-    bm = BlockManager(num_blocks=16, block_size=4)
+    bm = KVCacheManager(num_blocks=16, block_size=4)
     a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 5, 5, 6, 7, 8, 9]
     _cache(bm, "a", a)
     assert bm.find_cached_prefix("b", b) == []
@@ -65,7 +65,7 @@ def test_colliding_keys_are_misses_yet_identical_prompts_hit(monkeypatch):
 def test_salts_split_the_cache():
     roots = {prefix_root(None), prefix_root("x"), prefix_root("y"), prefix_root("x:y")}
     assert len(roots) == 4 and prefix_root(None) == ROOT_DIGEST
-    bm = BlockManager(num_blocks=16, block_size=4)
+    bm = KVCacheManager(num_blocks=16, block_size=4)
     tokens = list(range(1, 10))
     _cache(bm, "a", tokens, prefix_root("x"))
     assert bm.find_cached_prefix("other-salt", tokens, prefix_root("y")) == []

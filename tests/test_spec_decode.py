@@ -31,7 +31,7 @@ def make_llm(path: str, spec: dict | None, **kw) -> LLM:
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks - 1
 
 
 def prompts_for(vocab_size: int, lengths=(1, 3, 7, 17, 40), seed: int = 1) -> list[list[int]]:

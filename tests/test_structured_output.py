@@ -222,7 +222,7 @@ def test_compile_errors_fail_only_that_request(llm, spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _generate(llm, [SamplingParams(structured_outputs=spec)])
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks - 1
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks - 1
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 384\), got \[384\]"):
         _generate(llm, [SamplingParams(logit_bias={384: 1.0})])
 

@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from kvserve.engine.core.kv_cache import ROOT_DIGEST
+from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 
 if TYPE_CHECKING:
     from kvserve.engine.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ class Request:
         self.finished_time: float | None = None
         # structured outputs: this sequence's grammar matcher (engine/structured_output/grammar.py), set in the core
         self.structured = None
-        # the parent digest of its first KV block (`kv_cache.prefix_root`: the cache salt and the like)
+        # the parent digest of its first KV block (`kv_cache_manager.prefix_root`: the cache salt and the like)
         self.prefix_root = prefix_root
         # speculative decoding's back-off (engine/spec_decode/proposer.py): steps left without drafts, and the
         # next pause after another verification that accepts nothing

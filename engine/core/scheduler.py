@@ -16,6 +16,13 @@ Under the `priority` policy (vLLM's `--scheduling-policy priority`) both queues 
 `waiting` is admitted first, and the last running request, the one preempted, is the lowest
 priority. Under `fcfs` that order is arrival order, which appending already keeps.
 
+Features attach through a few optional collaborators, each called only when it is on:
+`proposer` (speculative decoding, engine/spec_decode/: draft tokens for decoding requests) and
+`cross_cache` (encoder-decoder models, engine/seq2seq/: the encoder output's blocks). A
+constrained request's grammar (engine/structured_output/) rides on `Request.structured` and ends
+the request when it is complete. Without them this is plain continuous batching over the
+decoder's paged cache (`KVCacheManager`, engine/core/kv_cache_manager.py).
+
 Each `StepPlan` carries two views of the same step: `scheduled` (live `Request`s,
 for the engine's output processing) and `record`, a plain-data `StepRecord` for
 the runner (engine/core/step_record.py): new requests in full, known ones as deltas,
@@ -26,13 +33,18 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.request import Request, RequestStatus
-from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.core.step_record import NewRequestData, StepRecord
+
+if TYPE_CHECKING:
+    from kvserve.engine.seq2seq.cross_cache import CrossCache
+    from kvserve.engine.spec_decode.proposer import Proposer
 
 
 def _schedule_key(request: Request) -> tuple[int, float]:
@@ -77,11 +89,12 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 proposer: Proposer | None = None, cross_cache: CrossCache | None = None) -> None:
         self.config = config
+        self.kv_cache_manager = kv_cache_manager
         self.proposer = proposer  # speculative decoding's drafts; None: off
-        self.block_manager = block_manager
+        self.cross_cache = cross_cache  # encoder-decoder models' encoder outputs; None: a decoder-only model
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,7 +107,6 @@ class Scheduler:
         # what the runner must drop, kept until a non-empty step carries it there
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
-        self._block_copies: list[tuple[int, int, int]] = []  # this step's copy-on-write of kept partial blocks
 
     # ---- queue management --------------------------------------------------
     @property
@@ -125,9 +137,7 @@ class Scheduler:
             return None
         (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = status
-        self.block_manager.free(request_id, request.all_token_ids, request.num_computed_tokens)
-        if self.proposer is not None:
-            self.proposer.release(request_id)
+        self._release(request)
         self._finished_req_ids.append(request_id)
         return request
 
@@ -142,19 +152,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, num_new, budget)
-            if drafts:  # only if the blocks are free: speculation never preempts anyone
-                block_ids = self.block_manager.allocate(request.request_id,
-                                                        request.num_computed_tokens + 1 + len(drafts))
-                if block_ids is None:
-                    drafts = []
-            if not drafts:
+            drafts, block_ids = self._speculate(request, num_new, budget) if self.proposer is not None else ((), None)
+            if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if block_ids is None:
                 break  # `request` itself was preempted; everything after it too
             if block_ids:
                 new_block_ids[request.request_id] = tuple(block_ids)
-            scheduled.append(self._plan(request, num_new, tuple(drafts)))
+            scheduled.append(self._plan(request, num_new, drafts))
             budget -= num_new + len(drafts)
             i += 1
 
@@ -165,11 +170,17 @@ class Scheduler:
         record = self._make_record(scheduled, new_requests, new_block_ids)
         return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, record, preempted)
 
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding request (one new token), [] when it does not speculate."""
-        if self.proposer is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        return self.proposer.propose_for(request, len(self.running), budget)
+    def _speculate(self, request: Request, num_new: int, budget: int) -> tuple[tuple[int, ...], list[int] | None]:
+        """Speculative decoding: draft tokens for a decoding request (one new token) and the new block
+        ids that hold them; ((), None) when it does not speculate, or when the blocks are not free
+        (speculation never preempts anyone)."""
+        if num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return (), None
+        drafts = self.proposer.propose_for(request, len(self.running), budget)
+        if not drafts:
+            return (), None
+        block_ids = self.kv_cache_manager.allocate(request.request_id, request.num_computed_tokens + 1 + len(drafts))
+        return (tuple(drafts), block_ids) if block_ids is not None else ((), None)
 
     def _make_record(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                      new_block_ids: dict[str, tuple[int, ...]]) -> StepRecord:
@@ -187,18 +198,13 @@ class Scheduler:
             num_scheduled_tokens=tuple([it.num_new_tokens for it in scheduled]),
             new_block_ids=new_block_ids,
             spec_token_ids={it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids},
-            block_copies=self._take_block_copies(),
+            block_copies=self.kv_cache_manager.take_block_copies(),
         )
-
-    def _take_block_copies(self) -> tuple[tuple[int, int, int], ...]:
-        copies = tuple(self._block_copies)
-        self._block_copies.clear()
-        return copies
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         """The request's new block ids, or None when it had to be preempted itself."""
         num_tokens = request.num_computed_tokens + num_new
-        while (block_ids := self.block_manager.allocate(request.request_id, num_tokens)) is None:
+        while (block_ids := self.kv_cache_manager.allocate(request.request_id, num_tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -208,9 +214,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request.request_id, request.all_token_ids, request.num_computed_tokens)
-        if self.proposer is not None:
-            self.proposer.release(request.request_id)
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -220,32 +224,37 @@ class Scheduler:
         else:
             self.waiting.appendleft(request)
 
+    def _release(self, request: Request) -> None:
+        """Free a finished or preempted request's blocks (its computed tokens keep a partial last block)."""
+        self._free_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
+
+    def _free_blocks(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
+        self.kv_cache_manager.free(request_id, token_ids, num_computed_tokens)
+        if self.cross_cache is not None:
+            self.cross_cache.free(request_id)
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
                        new_requests: list[NewRequestData]) -> int:
-        bm = self.block_manager
+        kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # prompt logprobs need logits at every prompt position: no cached prefix for them
-            cached_ids, copy = [], (0, 0)
+            cached_ids, partial = [], (0, 0)
             if not request.wants_prompt_logprobs:
-                cached_ids = bm.find_cached_prefix(request.request_id, request.all_token_ids, request.prefix_root)
-                copy = bm.find_partial_block(request.request_id, request.all_token_ids, len(cached_ids))
-            num_computed = len(cached_ids) * bm.block_size + copy[1]
-            num_encoder = len(request.encoder_token_ids)
-            if num_encoder:  # the encoder runs in this step's budget (alone, if it is larger)
-                if num_encoder >= budget and scheduled:
+                cached_ids = kv.find_cached_prefix(request.request_id, request.all_token_ids, request.prefix_root)
+                partial = kv.find_partial_block(request.request_id, request.all_token_ids, len(cached_ids))
+            num_computed = len(cached_ids) * kv.block_size + partial[1]
+            num_encoder = 0  # an encoder-decoder request's source tokens to encode this step
+            if self.cross_cache is not None:
+                num_encoder = self.cross_cache.admit(request, budget, bool(scheduled))
+                if num_encoder is None:
                     break
-                must_encode = bm.allocate_cross(request.request_id, num_encoder, request.prefix_root)
-                if must_encode is None:
-                    break
-                if not must_encode:  # another request with this source holds its encoder output
-                    num_encoder = 0
             num_new = min(request.num_tokens - num_computed, max(budget - num_encoder, 1))
-            if bm.allocate(request.request_id, num_computed + num_new, cached_ids) is None:
-                bm.free(request.request_id)  # its cross blocks, if it took some
+            if kv.allocate(request.request_id, num_computed + num_new, cached_ids, partial) is None:
+                self._free_blocks(request.request_id)  # its cross blocks, if it took some
                 break  # FCFS: nobody overtakes the head of the queue
-            if copy[1]:  # the kept block's slots into the request's own next block
-                self._block_copies.append((copy[0], bm.block_ids(request.request_id)[len(cached_ids)], copy[1]))
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -255,8 +264,8 @@ class Scheduler:
                 self.running.append(request)
             scheduled.append(self._plan(request, num_new))
             # new to the runner (a resumed request too: its old row was dropped with its blocks)
-            new_requests.append(NewRequestData.from_request(request, bm.block_ids(request.request_id),
-                                                            bm.cross_block_ids(request.request_id),
+            cross_ids = self.cross_cache.block_ids(request.request_id) if self.cross_cache is not None else ()
+            new_requests.append(NewRequestData.from_request(request, kv.block_ids(request.request_id), cross_ids,
                                                             encode=num_encoder > 0))
             budget -= num_new + num_encoder
         return budget
@@ -282,30 +291,19 @@ class Scheduler:
         is overwritten later, and no prefix-cache entry covers them.
         Stop strings are checked later by the detokenizer, which calls `finish`.
         """
+        if self.cross_cache is not None:  # the encoder outputs this step computed are in their blocks
+            self.cross_cache.mark_written(plan.record)
         finished = []
         for item, token_id in zip(plan.scheduled, sampled_token_ids):
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            drafts = accepted.get(request.request_id, ()) if item.spec_token_ids and accepted else ()
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             status = None
-            for draft in drafts:  # each accepted draft's K/V is valid: it counts as computed
-                request.append_output_token(draft)
-                request.num_computed_tokens += 1
-                status = self._check_stop(request, draft, is_draft=True)
-                if status is not None:
-                    token_id = draft
-                    break
             if item.spec_token_ids:
-                self.proposer.record(request, len(drafts))
-                self.num_verifications += 1
-                self.num_draft_tokens += len(item.spec_token_ids)
-                self.num_accepted_tokens += len(drafts)
-            if request.encoder_token_ids:  # its encoder output is written: it may outlive the request
-                self.block_manager.cross_written(request.request_id)
+                status, token_id = self._accept_drafts(request, item, accepted, token_id)
             # register full blocks before a finish frees them: a follow-up turn can reuse them
-            self.block_manager.cache_full_blocks(
+            self.kv_cache_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)
             if token_id is None:
                 continue
@@ -316,6 +314,26 @@ class Scheduler:
                 self.finish(request.request_id, status)
                 finished.append(FinishedRequest(request, token_id))
         return finished
+
+    def _accept_drafts(self, request: Request, item: ScheduledRequest, accepted: dict[str, tuple[int, ...]] | None,
+                       token_id: int | None) -> tuple[RequestStatus | None, int | None]:
+        """Speculative decoding: append a verified request's accepted drafts, each of whose K/V is
+        valid (it counts as computed) -> (the status, when a draft stopped the request, and the
+        step's last token: that draft then, else the sampled `token_id`)."""
+        drafts = accepted.get(request.request_id, ()) if accepted else ()
+        status = None
+        for draft in drafts:
+            request.append_output_token(draft)
+            request.num_computed_tokens += 1
+            status = self._check_stop(request, draft, is_draft=True)
+            if status is not None:
+                token_id = draft
+                break
+        self.proposer.record(request, len(drafts))
+        self.num_verifications += 1
+        self.num_draft_tokens += len(item.spec_token_ids)
+        self.num_accepted_tokens += len(drafts)
+        return status, token_id
 
     def _check_stop(self, request: Request, token_id: int, is_draft: bool = False) -> RequestStatus | None:
         params = request.params

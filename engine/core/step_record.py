@@ -119,7 +119,7 @@ class StepRecord(_Record):
     # speculative decoding: a request's draft tokens, scheduled after its last token (the runner
     # verifies them and reports the accepted ones); they are not the request's tokens until accepted
     spec_token_ids: dict[str, tuple[int, ...]] = {}
-    # copy-on-write of kept partly filled blocks (engine/core/kv_cache.py): (source block, destination
+    # copy-on-write of kept partly filled blocks (engine/core/kv_cache_manager.py): (source block, destination
     # block, slots), copied in every layer's cache before anything else of the step writes
     block_copies: tuple[tuple[int, int, int], ...] = ()
 

@@ -2,7 +2,7 @@
 drafts, k greedy steps per target step (engine/spec_decode/proposer.py verifies them as any drafts).
 
 The draft runs on a `ModelRunner` of its own (its own KV pool, its blocks from its own
-`BlockManager`), driven with the same `StepRecord`s the engine's scheduler writes. Each request's
+`KVCacheManager`), driven with the same `StepRecord`s the engine's scheduler writes. Each request's
 draft K/V is kept between steps: what the target accepted matches what the draft computed, so the
 next call computes only from the first token that differs (the target's own token after the
 accepted drafts, or every token after a rejection point).
@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.engine.core.kv_cache import BlockManager
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.worker.runner import ModelRunner
 from kvserve.engine.spec_decode.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfig
 from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
@@ -56,7 +56,7 @@ class DraftModelProposer(Proposer):
                             num_kv_blocks=2 * config.max_batch_size * blocks_per_seq + 1, enable_prefix_caching=False)
         sched = SchedulerConfig(max_num_seqs, max_model_len + MAX_SPECULATIVE_TOKENS)
         self.runner = ModelRunner(draft_config, cache, sched, files.model_path, files.hf_config, max_model_len)
-        self.blocks = BlockManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = KVCacheManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching=False)
         self.computed: dict[str, list[int]] = {}  # request id -> the tokens whose draft K/V its blocks hold
         self._released: list[str] = []  # rows for the draft runner to drop on its next step
         logger.info("speculative decoding: draft model %s (%d layers)", files.model_path,

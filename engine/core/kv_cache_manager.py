@@ -1,12 +1,8 @@
-"""Block manager for the paged KV cache: plain Python bookkeeping, no tensors.
+"""The decoder's KV cache per request: each request's block table, prefix hits and prefix keys.
 
-The pool holds `num_blocks` blocks of `block_size` token slots. Block 0 is the
-null block: it is never handed out, so padded block-table entries can point at it.
-
-Every block has a reference count. A block whose count drops to 0 goes to the
-tail of a free list (a doubly linked list threaded through the blocks, so removing
-a block from the middle is O(1)); allocation pops from the head, so the least
-recently freed block is reused first (LRU).
+Plain Python, no tensors. The blocks themselves, their reference counts and the LRU free list are
+the `BlockPool`'s (engine/core/block_pool.py); this manager decides which blocks each request
+holds and hands the scheduler block ids only.
 
 Prefix caching: once a block is full, it is registered under a SHA-256 digest
 chained over its parent's digest and its own tokens; the first block's parent is the
@@ -20,11 +16,9 @@ requests running at the same time (e.g. the n samples of one prompt) share block
 A freed request's last, partly filled block is kept too, under its parent's digest with its
 computed tokens (`free(..., token_ids, num_computed_tokens)`): a later request whose tokens run
 on past them (a beam extended by one token, a conversation's next turn) copies those slots into
-a block of its own (copy-on-write: the runner copies before the step's forward,
-`StepRecord.block_copies`) and computes only the rest. Several children of one block each copy.
-
-Backpressure is `None`, never an exception: `allocate` returns None when the pool
-cannot hold the request, and the scheduler decides whom to preempt.
+a block of its own (copy-on-write: `take_block_copies` hands them to the step's record,
+`StepRecord.block_copies`, and the runner copies before the step's forward) and computes only
+the rest. Several children of one block each copy.
 """
 
 from __future__ import annotations
@@ -33,7 +27,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-NULL_BLOCK_ID = 0
+from kvserve.engine.core.block_pool import Block, BlockPool
+
 _KEY_VERSION = b"kvserve-prefix-v2"
 
 
@@ -78,145 +73,44 @@ def hash_block(parent_hash: bytes, token_bytes: bytes) -> bytes:
     return hashlib.sha256(parent_hash + token_bytes).digest()
 
 
-class Block:
-    """One KV block. A cached block also keeps what its key was made of (`parent_hash`,
-    `token_ids`), which a prefix hit must match exactly."""
+class KVCacheManager:
+    """Which decoder blocks each request holds, and the prefix cache over them; hands out block ids only.
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "cross_key", "prev_free",
-                 "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.parent_hash: bytes | None = None
-        self.token_ids: tuple[int, ...] | None = None
-        self.cross_key: bytes | None = None  # part of the encoder output kept under this key
-        self.prev_free: Block | None = None
-        self.next_free: Block | None = None
-
-
-class FreeBlockQueue:
-    """Doubly linked LRU list of free blocks with O(1) popleft, append and remove."""
-
-    def __init__(self, blocks: Sequence[Block]) -> None:
-        self._head = Block(-1)  # sentinels
-        self._tail = Block(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self.num_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def append(self, block: Block) -> None:
-        last = self._tail.prev_free
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
-        self.num_blocks += 1
-
-    def remove(self, block: Block) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self.num_blocks -= 1
-
-    def popleft(self) -> Block:
-        block = self._head.next_free
-        assert block is not self._tail, "popleft from an empty free list"
-        self.remove(block)
-        return block
-
-    def block_ids(self) -> list[int]:
-        ids, block = [], self._head.next_free
-        while block is not self._tail:
-            ids.append(block.block_id)
-            block = block.next_free
-        return ids
-
-
-class BlockManager:
-    """Owns which blocks each request holds; hands out block ids only."""
+    Makes the pool of `num_blocks` blocks; an encoder-decoder model's cross blocks come from the
+    same pool (`CrossCache(manager.pool, ...)`, engine/seq2seq/cross_cache.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        self.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [Block(i) for i in range(num_blocks)]
-        self._blocks[NULL_BLOCK_ID].ref_cnt = 1  # pinned forever
-        self._free = FreeBlockQueue(self._blocks[1:])
-        self._cached: dict[bytes, Block] = {}  # block key -> block holding that prefix
         self._req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}  # chained keys of the request's full blocks
         self._req_roots: dict[str, bytes] = {}  # the parent digest of each request's first block
-        self._req_cross: dict[str, list[Block]] = {}  # encoder-decoder requests: their encoder output's blocks
-        # a source's cross blocks by the requests' prefix root (which covers the source and the cache
-        # salt): another request with that root shares them, while some request holds them and, with
-        # prefix caching, after the last let go, until one of them is evicted from the free list
-        self._cross_sets: dict[bytes, list[Block]] = {}
-        self._cross_written: set[bytes] = set()  # keys whose encoder output a completed step wrote
-        self._req_cross_key: dict[str, bytes] = {}
         # freed requests' partly filled last blocks, by their parent's digest (in the free list;
         # each keeps its computed tokens in `token_ids`, `block_hash` None)
         self._partial: dict[bytes, list[Block]] = {}
+        self._block_copies: list[tuple[int, int, int]] = []  # (source, destination, slots) not yet in a step
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
     # ---- capacity ----------------------------------------------------------
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        return self._free.num_blocks
+        return self.pool.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Share of usable blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+        return self.pool.usage
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
-
-    def cross_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_cross.get(request_id, ())]
-
-    def allocate_cross(self, request_id: str, num_encoder_tokens: int, key: bytes) -> bool | None:
-        """Blocks for an encoder-decoder request's encoder output (its cross-attention K/V in every
-        decoder layer), held until `free`. `key` is the request's prefix root: the blocks another
-        request with the same key holds, or left written (prefix caching), are shared. -> True when
-        the request must run its encoder into new blocks, False when it shares written ones, None
-        (nothing changed) when the pool cannot supply them."""
-        shared = self._cross_sets.get(key)
-        if shared is None:
-            num = self.num_blocks_for(num_encoder_tokens)
-            if num > self.num_free_blocks:
-                return None
-            shared = self._cross_sets[key] = [self._take_free_block() for _ in range(num)]
-            for block in shared:
-                block.cross_key = key
-            self._cross_written.discard(key)
-            is_new = True
-        else:
-            for block in shared:
-                if block.ref_cnt == 0:  # kept after its last holder: back out of the free list
-                    self._free.remove(block)
-                block.ref_cnt += 1
-            is_new = False
-        self._req_cross[request_id], self._req_cross_key[request_id] = list(shared), key
-        return is_new
-
-    def cross_written(self, request_id: str) -> None:
-        """The step that ran the request's encoder completed: its cross blocks hold the encoder
-        output, and may be kept for later requests once nobody holds them."""
-        key = self._req_cross_key.get(request_id)
-        if key is not None:
-            self._cross_written.add(key)
-
-    def _drop_cross_set(self, key: bytes) -> None:
-        for block in self._cross_sets.pop(key):
-            block.cross_key = None
-        self._cross_written.discard(key)
 
     # ---- prefix cache ------------------------------------------------------
     def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
@@ -246,7 +140,7 @@ class BlockManager:
         parent, bs = self._req_roots[request_id], self.block_size
         hit_ids = []
         for i, h in enumerate(hashes[:max_blocks]):
-            block = self._cached.get(h)
+            block = self.pool.cached_block(h)
             if (block is None or block.parent_hash != parent
                     or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs])):
                 break
@@ -284,39 +178,44 @@ class BlockManager:
         hashes = self._extend_hashes(request_id, token_ids, num_full, root)
         parent, bs = self._req_roots[request_id], self.block_size
         for i, (block, h) in enumerate(zip(blocks[:num_full], hashes)):
-            if block.block_hash is None and h not in self._cached:
-                block.block_hash, block.parent_hash = h, parent
-                block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
-                self._cached[h] = block
+            if block.block_hash is None and self.pool.cached_block(h) is None:
+                self.pool.cache_block(block, h, parent, tuple(token_ids[i * bs:(i + 1) * bs]))
             parent = h
 
     # ---- allocation --------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> list[int] | None:
+    def allocate(self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = (),
+                 partial_block: tuple[int, int] = (0, 0)) -> list[int] | None:
         """Grow the request's blocks to hold `num_tokens` tokens; return the new block ids.
 
         `cached_block_ids` (from `find_cached_prefix`, only when the request holds no
-        blocks yet) are shared rather than allocated. Returns None, changing nothing,
-        when the free list cannot supply what is needed.
+        blocks yet) are shared rather than allocated; `partial_block` (from `find_partial_block`)
+        is copied into the first block after them (`take_block_copies`). Returns None,
+        changing nothing, when the free list cannot supply what is needed.
         """
         held = self._req_blocks.setdefault(request_id, [])
         if not cached_block_ids and len(held) * self.block_size >= num_tokens:
             return []  # the common decode step: the last block still has room
-        cached = [self._blocks[i] for i in cached_block_ids]
+        cached = [self.pool.blocks[i] for i in cached_block_ids]
         num_new = self.num_blocks_for(num_tokens) - len(held) - len(cached)
         # cached blocks nobody holds sit in the free list: taking them shrinks it too
         num_revived = sum(1 for b in cached if b.ref_cnt == 0)
-        if num_new + num_revived > self.num_free_blocks:
+        if num_new + num_revived > self.pool.num_free_blocks:
             if not held:
                 del self._req_blocks[request_id]
             return None
-        for block in cached:
-            if block.ref_cnt == 0:
-                self._free.remove(block)
-            block.ref_cnt += 1
+        self.pool.touch(cached)
         held.extend(cached)
-        new_blocks = [self._take_free_block() for _ in range(max(num_new, 0))]
+        new_blocks = self.pool.allocate(max(num_new, 0))
         held.extend(new_blocks)
+        if partial_block[1]:  # the kept block's slots into the request's own next block
+            self._block_copies.append((partial_block[0], held[len(cached)].block_id, partial_block[1]))
         return [b.block_id for b in cached + new_blocks]
+
+    def take_block_copies(self) -> tuple[tuple[int, int, int], ...]:
+        """The copy-on-write of kept partial blocks since the last call: (source, destination, slots)."""
+        copies = tuple(self._block_copies)
+        self._block_copies.clear()
+        return copies
 
     def _keep_partial(self, request_id: str, block: Block, token_ids: Sequence[int], index: int, count: int) -> None:
         """Register block `index` of a request being freed, its first `count` slots computed."""
@@ -330,42 +229,24 @@ class BlockManager:
             return
         block.parent_hash = hashes[index - 1] if index else self._req_roots[request_id]
         block.token_ids = tuple(token_ids[index * self.block_size:index * self.block_size + count])
+        block.on_evict = self._forget_partial
         self._partial.setdefault(block.parent_hash, []).append(block)
 
-    def _take_free_block(self) -> Block:
-        block = self._free.popleft()
-        if block.block_hash is not None:  # evict its stale prefix entry
-            if self._cached.get(block.block_hash) is block:
-                del self._cached[block.block_hash]
-            block.block_hash = block.parent_hash = block.token_ids = None
-        if block.cross_key is not None:  # part of a kept encoder output: the rest of it is no use now
-            self._drop_cross_set(block.cross_key)
-        if block.parent_hash is not None:  # a kept partly filled block
-            kept = self._partial[block.parent_hash]
-            kept.remove(block)
-            if not kept:
-                del self._partial[block.parent_hash]
-            block.parent_hash = block.token_ids = None
-        block.ref_cnt = 1
-        return block
+    def _forget_partial(self, block: Block) -> None:
+        """The pool reuses a kept partly filled block."""
+        kept = self._partial[block.parent_hash]
+        kept.remove(block)
+        if not kept:
+            del self._partial[block.parent_hash]
 
     def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
         """Drop the request's references; tail blocks go first into the free list,
-        so they are evicted before the shared prefix blocks, and an encoder output's blocks last
-        (every later request with that source needs them). With the request's tokens and how many
+        so they are evicted before the shared prefix blocks. With the request's tokens and how many
         have K/V, a partly filled last block is kept for `find_partial_block`."""
-        cross = self._req_cross.pop(request_id, [])
         blocks = self._req_blocks.pop(request_id, [])
         full, rest = divmod(num_computed_tokens, self.block_size)
         if self.enable_prefix_caching and rest and full < len(blocks):
             self._keep_partial(request_id, blocks[full], token_ids, full, rest)
-        for block in list(reversed(blocks)) + cross:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free.append(block)
-        key = self._req_cross_key.pop(request_id, None)
-        # its last holder: the blocks stay a cached encoder output if a step wrote them
-        if cross and cross[0].ref_cnt == 0 and not (self.enable_prefix_caching and key in self._cross_written):
-            self._drop_cross_set(key)
+        self.pool.free(reversed(blocks))
         self._req_hashes.pop(request_id, None)
         self._req_roots.pop(request_id, None)
