@@ -1,7 +1,9 @@
 """Command-line flags generated from a pydantic settings model: one flag per field, named after it
 (`max_num_seqs` -> `--max-num-seqs`), with its description, default and environment variable in
 the help. `kvserve serve` and `kvserve ray` both build their parsers here, so an option written
-once (on `EngineArgs`, `ServerConfig` or `RayOptions`) reads the same everywhere."""
+once (on `EngineArgs`, `ServerConfig` or `RayOptions`) reads the same everywhere; its placeholder
+(metavar) and other spellings come from that declaration too (`option(metavar=...)`,
+`Field(json_schema_extra={"metavar": ...})`)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,6 @@ import typing
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
-
-# server fields whose value deserves a clearer placeholder than the field's name
-_METAVARS = {"max_body_bytes": "BYTES", "chat_template": "PATH_OR_STR", "api_key": "KEY", "cors_origin": "ORIGIN",
-             "served_model_name": "NAME"}
 
 
 def _is_list(annotation: object) -> bool:
@@ -43,7 +41,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description} [env {env_name(settings, name)}; default: {default!r}]"
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        metavar = extra.get("metavar") or _METAVARS.get(name)
+        metavar = extra.get("metavar")
         flags = (flag, *extra.get("aliases", ()))
         if _is_bool(field.annotation):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
