@@ -59,7 +59,9 @@ class EngineArgs:
     scheduling_policy: str = option(
         "fcfs", "fcfs: first come, first served; priority: requests' `priority` orders the queue (lower first, "
         "then by arrival) and preemption takes the lowest priority first.", choices=SCHEDULING_POLICIES)
-    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.",
+    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9 (unset: on CUDA what "
+                                         "--gpu-memory-utilization leaves after the profiled step; on the CPU 32k "
+                                         "tokens, at most RAM/4 and 4 GiB).",
                                          metavar="BYTES", unit="bytes")
     num_kv_blocks: int | None = option(None, "Exact number of KV blocks (overrides --kv-cache-memory).")
     enable_prefix_caching: bool = option(True, "Reuse KV blocks of shared prompt prefixes.")
@@ -116,27 +118,27 @@ class EngineArgs:
         "requests).")
 
     def model_config(self) -> ModelConfig:
-        return self._derive(ModelConfig)
+        return self.derive(ModelConfig)
 
     def cache_config(self) -> CacheConfig:
-        return self._derive(CacheConfig)
+        return self.derive(CacheConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return self._derive(SchedulerConfig)
+        return self.derive(SchedulerConfig)
 
     def parallel_config(self) -> ParallelConfig:
-        return self._derive(ParallelConfig)
+        return self.derive(ParallelConfig)
 
     def core_config(self) -> CoreConfig:
-        return self._derive(CoreConfig)
+        return self.derive(CoreConfig)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
-        return self._derive(StructuredOutputsConfig, limits=self._derive(GrammarLimits))
+        return self.derive(StructuredOutputsConfig, limits=self.derive(GrammarLimits))
 
-    def _derive(self, config: type[_Config], **values: Any) -> _Config:
+    def derive(self, config: type[_Config], **values: Any) -> _Config:
         """`config` (a `sub_config`) with this object's values of its options, by name."""
         names = [f.name for f in dataclasses.fields(config) if f.name not in values]
         return config(**{name: getattr(self, name) for name in names}, **values)

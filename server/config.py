@@ -69,7 +69,7 @@ def _settings_field(field: dataclasses.Field, annotation: Any) -> tuple[Any, Any
         annotation = Literal[meta["choices"]] | None if optional else Literal[meta["choices"]]
     elif meta.get("unit") == "bytes":
         annotation = Size | None if optional else Size
-    extra = {key: meta[key] for key in ("metavar", "aliases") if meta.get(key)}
+    extra = {key: meta[key] for key in ("metavar", "aliases", "unit") if meta.get(key)}
     return annotation, Field(meta.get("server_default", field.default), description=meta["help"],
                              json_schema_extra=extra or None)
 
@@ -120,7 +120,7 @@ class ServerConfig(_EngineOptions):
         "The first one is used in responses.", json_schema_extra={"metavar": "NAME"})
 
     # --- HTTP server ---
-    host: str = Field("127.0.0.1", description="Address to bind.")
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0: every interface).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_queue: Annotated[int, Field(ge=0)] | Literal["auto", "off"] = Field(
         "auto", description="Refuse new requests with 503 when more than this many sequences would wait; auto: "
@@ -142,13 +142,13 @@ class ServerConfig(_EngineOptions):
         json_schema_extra={"metavar": "PATH_OR_STR"})
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
         "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
-        "<tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]); none: auto gives plain text "
+        "`<tool_call>`), llama3_json (Llama 3.x JSON), mistral (`[TOOL_CALLS]`); docs/tools.md; none: auto gives plain text "
         "(required and named choices are enforced by a grammar either way).")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
-        "auto", description="How a thinking model's <think>...</think> text is split from its answer into "
+        "auto", description="How a thinking model's `<think>...</think>` text is split from its answer into "
         "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
-    max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.",
-                                 json_schema_extra={"metavar": "BYTES"})
+    max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
+                                 json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
     # A long agent session has hundreds of messages; every message costs a few tokens of template
     # even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
     max_chat_messages: int = Field(

@@ -22,21 +22,23 @@ class RayServeOptions:
     `num_replicas`. `num_gpus_per_replica` None: the tensor-parallel size on CUDA, 0 on CPU.
     """
 
-    num_replicas: int = option(1, "Replicas to start.", aliases=("--replicas",))
+    num_replicas: int = option(1, "Replicas to start (with autoscaling: the initial count).", aliases=("--replicas",))
     min_replicas: int | None = option(
         None, "Autoscale: fewest replicas (setting this or --max-replicas turns autoscaling on).")
     max_replicas: int | None = option(None, "Autoscale: most replicas.")
     target_ongoing_requests: float | None = option(
-        None, "Autoscale: requests per replica the autoscaler aims at (default max-num-seqs / 4).")
+        None, "Autoscale: requests per replica the autoscaler aims at, the queue depth it scales on (default "
+        "max-num-seqs / 4).")
     routing: str = option(
         "prefix", "prefix: requests sharing a prompt prefix go to the same replica unless it is busy; pow2: Ray "
         "Serve's power-of-two-choices.", choices=ROUTING_POLICIES)
     max_imbalance: int = option(
         32, "Prefix routing: a replica whose queue is longer than the shortest one's by more than this is busy, "
-        "and the request goes to the least-loaded replica.")
-    num_cpus_per_replica: float = option(1.0, "CPUs Ray reserves per replica; on CPU also its torch threads.")
+        "and the request goes to the least-loaded replica (measured: docs/performance.md).")
+    num_cpus_per_replica: float = option(1.0, "CPUs Ray reserves per replica; on CPU also its torch threads (OMP_NUM_THREADS).")
     num_gpus_per_replica: float | None = option(
-        None, "GPUs per replica (default: the tensor-parallel size on CUDA, 0 on CPU).")
+        None, "GPUs per replica (default: the tensor-parallel size on CUDA, 0 on CPU; --device auto counts as CUDA "
+        "when the cluster has GPUs).")
     max_ongoing_requests: int | None = option(
         None, "Requests one replica takes at once; more wait in Serve (default --max-num-seqs).")
     num_ingress_replicas: int = option(1, "Replicas of the thin HTTP ingress that routes.",
