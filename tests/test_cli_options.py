@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import pickle
 
 import pytest
 
@@ -95,6 +96,7 @@ def test_sub_configs_take_defaults_and_types_from_engine_args(config):
         assert f.default is OPTIONS[f.name].default and f.type == OPTIONS[f.name].type
     assert config() == EngineArgs().derive(config, **({"limits": GrammarLimits()}
                                                       if config is StructuredOutputsConfig else {}))
+    assert pickle.loads(pickle.dumps(config())) == config()   # they cross to the engine core and TP ranks
 
 
 def test_every_engine_option_reaches_one_sub_config():
