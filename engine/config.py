@@ -312,10 +312,9 @@ class StructuredOutputsConfig:
     limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
-        if (isinstance(self.grammar_compile_timeout_s, bool)
-                or not isinstance(self.grammar_compile_timeout_s, (int, float)) or not self.grammar_compile_timeout_s > 0):
-            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got "
-                             f"{self.grammar_compile_timeout_s!r}")
+        timeout_s = self.grammar_compile_timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout_s!r}")
         _check_positive("max_grammar_queue", self.max_grammar_queue, allow_none=True)
         _check_positive("grammar_compile_threads", self.grammar_compile_threads, allow_none=True)
 

@@ -142,13 +142,14 @@ class ServerConfig(_EngineOptions):
         json_schema_extra={"metavar": "PATH_OR_STR"})
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
         "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
-        "`<tool_call>`), llama3_json (Llama 3.x JSON), mistral (`[TOOL_CALLS]`); docs/tools.md; none: auto gives plain text "
-        "(required and named choices are enforced by a grammar either way).")
+        "`<tool_call>`), llama3_json (Llama 3.x JSON), mistral (`[TOOL_CALLS]`); docs/tools.md; none: auto gives "
+        "plain text (required and named choices are enforced by a grammar either way).")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
         "auto", description="How a thinking model's `<think>...</think>` text is split from its answer into "
         "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
-    max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
-                                 json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
+    max_body_bytes: Size = Field(
+        4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
+        json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
     # A long agent session has hundreds of messages; every message costs a few tokens of template
     # even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
     max_chat_messages: int = Field(

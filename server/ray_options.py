@@ -35,7 +35,8 @@ class RayServeOptions:
     max_imbalance: int = option(
         32, "Prefix routing: a replica whose queue is longer than the shortest one's by more than this is busy, "
         "and the request goes to the least-loaded replica (measured: docs/performance.md).")
-    num_cpus_per_replica: float = option(1.0, "CPUs Ray reserves per replica; on CPU also its torch threads (OMP_NUM_THREADS).")
+    num_cpus_per_replica: float = option(
+        1.0, "CPUs Ray reserves per replica; on CPU also its torch threads (OMP_NUM_THREADS).")
     num_gpus_per_replica: float | None = option(
         None, "GPUs per replica (default: the tensor-parallel size on CUDA, 0 on CPU; --device auto counts as CUDA "
         "when the cluster has GPUs).")
