@@ -101,11 +101,13 @@ def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> 
 
 def compile_times(llm, schema: dict) -> tuple[float, float]:
     """(cold, cached) seconds to get the compiled grammar of `schema`."""
+    from kvserve.engine.config import EngineArgs
     from kvserve.engine.sampling_params import StructuredOutputs
     from kvserve.engine.structured_output.grammar import StructuredOutputManager
 
     info = llm.engine.info
-    manager = StructuredOutputManager(llm.tokenizer, info.vocab_size, info.eos_token_ids)
+    manager = StructuredOutputManager(llm.tokenizer, info.vocab_size, info.eos_token_ids,
+                                      EngineArgs().structured_outputs_config())
     spec = StructuredOutputs(json=schema)
     start = time.perf_counter()
     manager._compiled(spec).result()

@@ -65,24 +65,19 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, wait: bool = True, max_consecutive_step_failures: int = 3,
-                 executor_wrapper: ExecutorWrapper | None = None) -> None:
+    def __init__(self, args: EngineArgs, wait: bool = True, executor_wrapper: ExecutorWrapper | None = None) -> None:
         """Start the engine core process. With `wait=False` this returns at once (the core
         loads while the caller does other start-up work); call `wait_ready()` before use.
-        After `max_consecutive_step_failures` failed steps in a row the core declares itself dead.
+        After `args.max_consecutive_step_failures` failed steps in a row the core declares itself dead.
         `executor_wrapper` (picklable) wraps the core's executor once it has warmed up: a test
         double's hook (faults on chosen steps)."""
         args.validate()
-        if isinstance(max_consecutive_step_failures, bool) or not isinstance(max_consecutive_step_failures, int) \
-                or max_consecutive_step_failures < 1:
-            raise ValueError(f"max_consecutive_step_failures must be an integer >= 1, "
-                             f"got {max_consecutive_step_failures!r}")
         self._args = args
         self._grammar_limits = args.structured_outputs_config().limits
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=_core_main, name="kvserve-core", args=(
-            args, child_conn, logging.getLogger().level, max_consecutive_step_failures, executor_wrapper))
+            args, child_conn, logging.getLogger().level, executor_wrapper))
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
@@ -311,9 +306,8 @@ def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
         stream.wakeup.set()
 
 
-def _core_main(args: EngineArgs, conn, log_level: int, max_consecutive_step_failures: int,
-               executor_wrapper: ExecutorWrapper | None) -> None:
+def _core_main(args: EngineArgs, conn, log_level: int, executor_wrapper: ExecutorWrapper | None) -> None:
     from kvserve.engine.core.engine_core import run_engine_core
 
-    run_engine_core(args, conn, log_level, max_consecutive_step_failures, executor_wrapper)
+    run_engine_core(args, conn, log_level, executor_wrapper)
 

@@ -1,9 +1,12 @@
 """Engine configuration: user-facing `EngineArgs`, split into frozen, validated sub-configs.
 
 `EngineArgs` is the one place an engine option is written: its default, type, choices and help.
-`kvserve serve`, `kvserve ray` and the `KVSERVE_*` environment variables are generated from it
-(server/config.py), and the sub-configs' `__post_init__` validate the values for every entry
-point alike.
+Everything else is derived from it: `kvserve serve`, `kvserve ray` and the `KVSERVE_*`
+environment variables (server/config.py, server/flags.py), and the sub-configs each component
+receives (`ModelConfig`, `CacheConfig`, ...), which name the options they carry and take their
+defaults and choices from here (`sub_config`). Each sub-config's `__post_init__` is the one
+check of its values, for every entry point alike. Adding an option is one `option(...)` field
+on `EngineArgs`, plus its name in the sub-config of the component that reads it.
 
 Values discovered at run time (the KV pool size, EOS ids, the model's context length)
 are not written back here: they live in `RuntimeInfo`, which the runner returns.
@@ -11,119 +14,19 @@ are not written back here: they live in `RuntimeInfo`, which the runner returns.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from kvserve.engine.structured_output.limits import GrammarLimits
 from kvserve.engine.spec_decode.proposer import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 
-_LIMITS = GrammarLimits()  # the defaults
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES_PREFIXES = ("auto", "cpu", "cuda")
-
-
-def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    model: str | None  # local dir, .gguf file or hub id; None = the embedded default model
-    tokenizer: str | None
-    dtype: str
-    device: str
-    seed: int
-    max_model_len: int | None  # None = the model's own limit
-    attention_backend: str = "auto"  # the device's best: cpu on CPU, triton on CUDA
-    enforce_eager: bool = False  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
-    gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
-    quantization: str | None = None  # int8, int4, fp8, none; None: a GGUF file's own, else none
-    quantization_group_size: int = DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        check_quantization(self.quantization, self.quantization_group_size)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        _check_positive("max_model_len", self.max_model_len, allow_none=True)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    block_size: int
-    kv_cache_memory: int | None  # bytes for the whole pool (all layers, K and V)
-    num_kv_blocks: int | None  # overrides kv_cache_memory; includes the null block
-    enable_prefix_caching: bool
-
-    def __post_init__(self) -> None:
-        _check_positive("block_size", self.block_size)
-        _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
-        _check_positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
-
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
-    policy: str = "fcfs"
-
-    def __post_init__(self) -> None:
-        _check_positive("max_num_seqs", self.max_num_seqs)
-        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """Tensor parallelism: the model split over `tensor_parallel_size` ranks (docs/scaling.md).
-    Whether the model's heads divide is checked once its config is read (the engine)."""
-
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredOutputsConfig:
-    """Grammar compiling (engine/structured_output/grammar.py): how big a constraint may be, how long a
-    request waits for its grammar, how many distinct grammars may be queued or compiling (None:
-    no bound), and on how many threads (None: half the host's cores, 1 or 2)."""
-
-    limits: GrammarLimits = field(default_factory=GrammarLimits)
-    compile_timeout_s: float = 20.0
-    max_queue: int | None = None
-    compile_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if (isinstance(self.compile_timeout_s, bool) or not isinstance(self.compile_timeout_s, (int, float))
-                or not self.compile_timeout_s > 0):
-            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {self.compile_timeout_s!r}")
-        _check_positive("max_grammar_queue", self.max_queue, allow_none=True)
-        _check_positive("grammar_compile_threads", self.compile_threads, allow_none=True)
+_Config = TypeVar("_Config")
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -156,7 +59,9 @@ class EngineArgs:
     scheduling_policy: str = option(
         "fcfs", "fcfs: first come, first served; priority: requests' `priority` orders the queue (lower first, "
         "then by arrival) and preemption takes the lowest priority first.", choices=SCHEDULING_POLICIES)
-    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9.",
+    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9 (unset: on CUDA what "
+                                         "--gpu-memory-utilization leaves after the profiled step; on the CPU 32k "
+                                         "tokens, at most RAM/4 and 4 GiB).",
                                          metavar="BYTES", unit="bytes")
     num_kv_blocks: int | None = option(None, "Exact number of KV blocks (overrides --kv-cache-memory).")
     enable_prefix_caching: bool = option(True, "Reuse KV blocks of shared prompt prefixes.")
@@ -181,7 +86,9 @@ class EngineArgs:
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
-    # structured outputs (StructuredOutputsConfig, GrammarLimits)
+    # structured outputs (StructuredOutputsConfig, GrammarLimits). The JSON Schema bounds are OpenAI's
+    # Structured Outputs limits (max_schema_depth counts every subschema, OpenAI only objects); the others
+    # have no OpenAI counterpart and are set an order of magnitude above realistic use.
     grammar_compile_timeout_s: float = option(
         20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
         "(or an error event).")
@@ -191,48 +98,50 @@ class EngineArgs:
     grammar_compile_threads: int | None = option(
         None, "Grammar compile threads, at a low CPU priority (nice 10; unset: one per two cores, at most 2).")
     max_schema_properties: int = option(
-        _LIMITS.max_schema_properties, "Most object properties in one JSON schema (OpenAI: 5000).")
+        5000, "Most object properties in one JSON schema (OpenAI: 5000).")
     max_schema_depth: int = option(
-        _LIMITS.max_schema_depth, "Deepest nesting of a JSON schema, every subschema counting one level "
+        32, "Deepest nesting of a JSON schema, every subschema counting one level "
         "(OpenAI: 10 object levels).")
     max_schema_enum_values: int = option(
-        _LIMITS.max_schema_enum_values, "Most enum values in one JSON schema (OpenAI: 1000).")
+        1000, "Most enum values in one JSON schema (OpenAI: 1000).")
     max_schema_string_chars: int = option(
-        _LIMITS.max_schema_string_chars, "Most characters of property names, enum and const values and patterns "
+        120_000, "Most characters of property names, enum and const values and patterns "
         "in one JSON schema (OpenAI: 120000).")
-    max_regex_chars: int = option(_LIMITS.max_regex_chars, "Longest guided_regex.")
-    max_grammar_chars: int = option(_LIMITS.max_grammar_chars, "Longest guided_grammar (EBNF).")
-    max_choices: int = option(_LIMITS.max_choices, "Most strings in a guided_choice.")
-    max_choice_chars: int = option(_LIMITS.max_choice_chars, "Most characters in a guided_choice, all strings "
+    max_regex_chars: int = option(10_000, "Longest guided_regex.")
+    max_grammar_chars: int = option(100_000, "Longest guided_grammar (EBNF).")
+    max_choices: int = option(1000, "Most strings in a guided_choice.")
+    max_choice_chars: int = option(120_000, "Most characters in a guided_choice, all strings "
                                    "together.")
+    # the engine core process (AsyncLLM, the server)
+    max_consecutive_step_failures: int = option(
+        3, "Failed engine steps in a row after which the engine counts as dead (one failed step fails only its "
+        "requests).")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
-                           seed=self.seed, max_model_len=self.max_model_len, attention_backend=self.attention_backend,
-                           enforce_eager=self.enforce_eager, gpu_memory_utilization=self.gpu_memory_utilization,
-                           quantization=self.quantization, quantization_group_size=self.quantization_group_size)
+        return self.derive(ModelConfig)
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                           num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching)
+        return self.derive(CacheConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy)
+        return self.derive(SchedulerConfig)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size)
+        return self.derive(ParallelConfig)
+
+    def core_config(self) -> CoreConfig:
+        return self.derive(CoreConfig)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
-        limits = GrammarLimits(
-            max_schema_properties=self.max_schema_properties, max_schema_depth=self.max_schema_depth,
-            max_schema_enum_values=self.max_schema_enum_values, max_schema_string_chars=self.max_schema_string_chars,
-            max_regex_chars=self.max_regex_chars, max_grammar_chars=self.max_grammar_chars,
-            max_choices=self.max_choices, max_choice_chars=self.max_choice_chars)
-        return StructuredOutputsConfig(limits=limits, compile_timeout_s=self.grammar_compile_timeout_s,
-                                       max_queue=self.max_grammar_queue, compile_threads=self.grammar_compile_threads)
+        return self.derive(StructuredOutputsConfig, limits=self.derive(GrammarLimits))
+
+    def derive(self, config: type[_Config], **values: Any) -> _Config:
+        """`config` (a `sub_config`) with this object's values of its options, by name."""
+        names = [f.name for f in dataclasses.fields(config) if f.name not in values]
+        return config(**{name: getattr(self, name) for name in names}, **values)
 
     def validate(self) -> None:
         """Raise ValueError for any bad value (each sub-config checks its own fields)."""
@@ -240,8 +149,174 @@ class EngineArgs:
         self.cache_config()
         self.scheduler_config()
         self.parallel_config()
+        self.core_config()
         self.structured_outputs_config()
         self.speculative()
+
+
+OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def check_choices(options: Any, declared: dict[str, dataclasses.Field] | None = None) -> None:
+    """ValueError for a field of the dataclass `options` whose value is not one of the `choices` its
+    `option(...)` declares (found in `declared` by name, else on `options` itself); None passes
+    where None is the option's default."""
+    for f in dataclasses.fields(options):
+        spec = (declared or {}).get(f.name, f)
+        choices, value = spec.metadata.get("choices"), getattr(options, f.name)
+        if choices and value not in choices and not (value is None and spec.default is None):
+            raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+
+
+def sub_config(cls: type[_Config]) -> type[_Config]:
+    """Make `cls` a frozen, slotted dataclass of some of `EngineArgs`' options. The class body names
+    each option it carries with its type (checked against `EngineArgs`) and no default: the default
+    is the option's, and values outside the option's choices are refused after `cls`' own checks.
+    Fields that are not options (a nested sub-config) declare their own default."""
+    for name, annotation in cls.__annotations__.items():
+        if name not in OPTIONS:
+            continue
+        if name in cls.__dict__:
+            raise TypeError(f"{cls.__name__}.{name} has a default of its own; EngineArgs.{name} declares it")
+        if annotation != OPTIONS[name].type:
+            raise TypeError(f"{cls.__name__}.{name}: {annotation} is not EngineArgs.{name}'s {OPTIONS[name].type}")
+        setattr(cls, name, OPTIONS[name].default)
+    own_checks = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self: Any) -> None:
+        if own_checks is not None:
+            own_checks(self)
+        check_choices(self, OPTIONS)
+
+    cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+    return dataclass(frozen=True, slots=True)(cls)
+
+
+def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@sub_config
+class ModelConfig:
+    model: str | None  # local dir, .gguf file or hub id; None = the embedded default model
+    tokenizer: str | None
+    dtype: str
+    device: str
+    seed: int
+    max_model_len: int | None  # None = the model's own limit
+    attention_backend: str  # auto: the device's best, cpu on CPU, triton on CUDA
+    enforce_eager: bool  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
+    gpu_memory_utilization: float  # share of the GPU's total memory kvserve may take
+    quantization: str | None  # int8, int4, fp8, none; None: a GGUF file's own, else none
+    quantization_group_size: int
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization, self.quantization_group_size)
+        if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_positive("max_model_len", self.max_model_len, allow_none=True)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@sub_config
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int | None  # bytes for the whole pool (all layers, K and V)
+    num_kv_blocks: int | None  # overrides kv_cache_memory; includes the null block
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        _check_positive("block_size", self.block_size)
+        _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        _check_positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+
+
+@sub_config
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
+    scheduling_policy: str
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@sub_config
+class ParallelConfig:
+    """Tensor parallelism: the model split over `tensor_parallel_size` ranks (docs/scaling.md).
+    Whether the model's heads divide is checked once its config is read (the engine)."""
+
+    tensor_parallel_size: int
+
+    def __post_init__(self) -> None:
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@sub_config
+class CoreConfig:
+    """How the engine core process (engine/core/engine_core.py) treats steps that raise."""
+
+    max_consecutive_step_failures: int
+
+    def __post_init__(self) -> None:
+        _check_positive("max_consecutive_step_failures", self.max_consecutive_step_failures)
+
+
+@sub_config
+class GrammarLimits:
+    """Bounds on one request's output constraint; each is a `ValueError` (HTTP 400) naming it
+    (engine/structured_output/limits.py checks them).
+
+    `max_schema_*` apply to a JSON Schema (response_format json_schema, tool parameters,
+    `structured_outputs.json`): object properties in all, nesting depth (each subschema under
+    `properties`, `items`, `anyOf`, ... is one level deeper), enum values in all, and the
+    characters of property and definition names, enum and const values and patterns together.
+    """
+
+    max_schema_properties: int
+    max_schema_depth: int
+    max_schema_enum_values: int
+    max_schema_string_chars: int
+    max_regex_chars: int
+    max_grammar_chars: int
+    max_choices: int
+    max_choice_chars: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_positive(f.name, getattr(self, f.name))
+
+
+@sub_config
+class StructuredOutputsConfig:
+    """Grammar compiling (engine/structured_output/grammar.py): how big a constraint may be, how long a
+    request waits for its grammar, how many distinct grammars may be queued or compiling (None:
+    no bound), and on how many threads (None: half the host's cores, 1 or 2)."""
+
+    grammar_compile_timeout_s: float
+    max_grammar_queue: int | None
+    grammar_compile_threads: int | None
+    limits: GrammarLimits = field(default_factory=GrammarLimits)
+
+    def __post_init__(self) -> None:
+        timeout_s = self.grammar_compile_timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout_s!r}")
+        _check_positive("max_grammar_queue", self.max_grammar_queue, allow_none=True)
+        _check_positive("grammar_compile_threads", self.grammar_compile_threads, allow_none=True)
 
 
 @dataclass(frozen=True, slots=True)

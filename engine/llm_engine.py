@@ -132,10 +132,9 @@ class LLMEngine:
         so_config = args.structured_outputs_config()
         self.grammar_limits = so_config.limits
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
-            max_workers=so_config.compile_threads or compile_threads_for(_host_cores()),
-            fill_threads=fill_threads_for(self.runner.device.type, _torch_threads(), _host_cores()),
-            compile_timeout_s=so_config.compile_timeout_s, max_queue=so_config.max_queue)
+            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, so_config,
+            max_workers=so_config.grammar_compile_threads or compile_threads_for(_host_cores()),
+            fill_threads=fill_threads_for(self.runner.device.type, _torch_threads(), _host_cores()))
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         # prompt tokens: of every request once, when it is first scheduled (n samples share one prompt);

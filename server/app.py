@@ -166,8 +166,7 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
         if engine is None:
             from kvserve.engine import AsyncLLM, EngineArgs
 
-            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
-                                  max_consecutive_step_failures=config.max_consecutive_step_failures)
+            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
         else:
             the_engine = engine
         if owned:

@@ -84,8 +84,7 @@ def serve(config: ServerConfig) -> int:
     from kvserve.engine import AsyncLLM, EngineArgs
 
     # the engine core starts loading now, while this process imports the web stack
-    engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False,
-                      max_consecutive_step_failures=config.max_consecutive_step_failures)
+    engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
     import uvicorn  # noqa: F401  (the web stack's import overlaps the engine core's start)
 
     from kvserve.server.app import create_app

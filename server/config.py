@@ -19,8 +19,7 @@ from pydantic import (AfterValidator, BeforeValidator, ByteSize, Field, TypeAdap
                       model_validator)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kvserve.engine.config import EngineArgs
-from kvserve.engine.structured_output.limits import GrammarLimits
+from kvserve.engine.config import EngineArgs, GrammarLimits
 
 ENV_PREFIX = "KVSERVE_"
 
@@ -70,7 +69,7 @@ def _settings_field(field: dataclasses.Field, annotation: Any) -> tuple[Any, Any
         annotation = Literal[meta["choices"]] | None if optional else Literal[meta["choices"]]
     elif meta.get("unit") == "bytes":
         annotation = Size | None if optional else Size
-    extra = {key: meta[key] for key in ("metavar", "aliases") if meta.get(key)}
+    extra = {key: meta[key] for key in ("metavar", "aliases", "unit") if meta.get(key)}
     return annotation, Field(meta.get("server_default", field.default), description=meta["help"],
                              json_schema_extra=extra or None)
 
@@ -118,18 +117,17 @@ class ServerConfig(_EngineOptions):
     served_model_name: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Name(s) clients must send as `model` (default: the --model value, or kvserve-default). "
-        "The first one is used in responses.",
-    )
+        "The first one is used in responses.", json_schema_extra={"metavar": "NAME"})
 
     # --- HTTP server ---
-    host: str = Field("127.0.0.1", description="Address to bind.")
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0: every interface).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_queue: Annotated[int, Field(ge=0)] | Literal["auto", "off"] = Field(
         "auto", description="Refuse new requests with 503 when more than this many sequences would wait; auto: "
         "twice as many as can run at once (the smaller of --max-num-seqs and the KV blocks); off: no limit.")
     api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Require `Authorization: Bearer KEY` on API routes, KEY being any of "
-        "these keys.")
+        "these keys.", json_schema_extra={"metavar": "KEY"})
     cache_salt_per_api_key: bool = Field(
         False, description="Make each API key a tenant of its own: requests share cached KV blocks (and their "
         "time to first token) only with requests sent with the same key (docs/security.md). Needs --api-key.")
@@ -137,18 +135,23 @@ class ServerConfig(_EngineOptions):
         False, description="Require an API key on /metrics too (Prometheus then sends one: docs/server.md). "
         "Needs --api-key.")
     cors_origin: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Allowed CORS origin(s); `*` allows any."
-    )
+        default_factory=list, description="Allowed CORS origin(s); `*` allows any.",
+        json_schema_extra={"metavar": "ORIGIN"})
     chat_template: str | None = Field(
-        None, description="Chat template file or inline Jinja string (overrides the model's).")
+        None, description="Chat template file or inline Jinja string (overrides the model's).",
+        json_schema_extra={"metavar": "PATH_OR_STR"})
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
         "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
-        "<tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]); none: auto gives plain text "
-        "(required and named choices are enforced by a grammar either way).")
+        "`<tool_call>`), llama3_json (Llama 3.x JSON), mistral (`[TOOL_CALLS]`); docs/tools.md; none: auto gives "
+        "plain text (required and named choices are enforced by a grammar either way).")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
-        "auto", description="How a thinking model's <think>...</think> text is split from its answer into "
+        "auto", description="How a thinking model's `<think>...</think>` text is split from its answer into "
         "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
-    max_body_bytes: Size = Field(4 * 1024**2, description="Largest accepted request body; accepts 4MiB etc.")
+    max_body_bytes: Size = Field(
+        4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
+        json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
+    # A long agent session has hundreds of messages; every message costs a few tokens of template
+    # even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
     max_chat_messages: int = Field(
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
@@ -175,9 +178,6 @@ class ServerConfig(_EngineOptions):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="On SIGTERM/SIGINT, seconds in-flight requests may take to finish (new ones "
         "get 503); then open streams get an error event and the server exits.")
-    max_consecutive_step_failures: int = Field(
-        3, gt=0, description="Failed engine steps in a row after which the engine counts as dead "
-        "(one failed step fails only its requests).")
     keep_alive_on_engine_death: bool = Field(
         False, description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
         "with code 1; for debugging.")

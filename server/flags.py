@@ -1,7 +1,9 @@
 """Command-line flags generated from a pydantic settings model: one flag per field, named after it
 (`max_num_seqs` -> `--max-num-seqs`), with its description, default and environment variable in
 the help. `kvserve serve` and `kvserve ray` both build their parsers here, so an option written
-once (on `EngineArgs`, `ServerConfig` or `RayOptions`) reads the same everywhere."""
+once (on `EngineArgs`, `ServerConfig` or `RayOptions`) reads the same everywhere; its placeholder
+(metavar) and other spellings come from that declaration too (`option(metavar=...)`,
+`Field(json_schema_extra={"metavar": ...})`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,8 @@ import types
 import typing
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
-
-# server fields whose value deserves a clearer placeholder than the field's name
-_METAVARS = {"max_body_bytes": "BYTES", "chat_template": "PATH_OR_STR", "api_key": "KEY", "cors_origin": "ORIGIN",
-             "served_model_name": "NAME"}
 
 
 def _is_list(annotation: object) -> bool:
@@ -32,6 +31,19 @@ def _is_bool(annotation: object) -> bool:
     return False
 
 
+def _choices(annotation: object) -> tuple | None:
+    """The values of a `Literal[...]` (or `Literal[...] | None`) field; None for any other type."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] \
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+    if not all(typing.get_origin(a) is typing.Literal for a in args):
+        return None
+    return tuple(value for a in args for value in typing.get_args(a))
+
+
+def _extra(field: FieldInfo) -> dict:
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+
+
 def env_name(settings: type[BaseSettings], name: str) -> str:
     return f"{settings.model_config.get('env_prefix', '')}{name}".upper()
 
@@ -42,8 +54,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting
         flag = "--" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description} [env {env_name(settings, name)}; default: {default!r}]"
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        metavar = extra.get("metavar") or _METAVARS.get(name)
+        extra = _extra(field)
+        choices = _choices(field.annotation)
+        metavar = extra.get("metavar") or (choices and "{" + ",".join(map(str, choices)) + "}")
         flags = (flag, *extra.get("aliases", ()))
         if _is_bool(field.annotation):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -68,3 +81,37 @@ def parse_settings(settings: type[BaseSettings], args: argparse.Namespace):
             else:  # a check over several fields (EngineArgs' own), its message names the option
                 problems.append(err["msg"].removeprefix("Value error, "))
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def _default_text(field: FieldInfo) -> str:
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default is None or default == []:
+        return "–"  # unset: the meaning says what that does
+    if _extra(field).get("unit") == "bytes":
+        for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+            if default % size == 0:
+                return f"{default // size}{unit}"
+    return f"`{default:g}`" if isinstance(default, float) else f"`{default}`"
+
+
+def flags_table(*settings_models: type[BaseSettings]) -> str:
+    """A Markdown table of the flags `add_flags` makes for `settings_models` (docs/server.md and
+    docs/scaling.md hold these, written by benchmarks/flag_docs.py)."""
+    rows = ["| Flag | Env var | Default | Meaning |", "|---|---|---|---|"]
+    for settings in settings_models:
+        for name, field in settings.model_fields.items():
+            flag, extra = "--" + name.replace("_", "-"), _extra(field)
+            choices = _choices(field.annotation)
+            if _is_bool(field.annotation):
+                spelling = f"`{flag}` / `--no-{flag[2:]}`"
+            else:
+                metavar = extra.get("metavar") or (choices and "\\|".join(map(str, choices)))
+                spelling = f"`{flag} {metavar}`" if metavar else f"`{flag}`"
+            spelling += "".join(f" (or `{alias}`)" for alias in extra.get("aliases", ()))
+            meaning = (field.description or "").replace("|", "\\|")
+            if _is_list(field.annotation):
+                meaning += " Repeat the flag or separate with commas."
+            rows.append(f"| {spelling} | `{env_name(settings, name)}` | {_default_text(field)} | {meaning} |")
+    return "\n".join(rows) + "\n"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.engine.config import option
+from kvserve.engine.config import check_choices, option
 from kvserve.server.config import settings_model
 
 RAY_ENV_PREFIX = "KVSERVE_RAY_"
+ROUTING_POLICIES = ("prefix", "pow2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,21 +22,24 @@ class RayServeOptions:
     `num_replicas`. `num_gpus_per_replica` None: the tensor-parallel size on CUDA, 0 on CPU.
     """
 
-    num_replicas: int = option(1, "Replicas to start.", aliases=("--replicas",))
+    num_replicas: int = option(1, "Replicas to start (with autoscaling: the initial count).", aliases=("--replicas",))
     min_replicas: int | None = option(
         None, "Autoscale: fewest replicas (setting this or --max-replicas turns autoscaling on).")
     max_replicas: int | None = option(None, "Autoscale: most replicas.")
     target_ongoing_requests: float | None = option(
-        None, "Autoscale: requests per replica the autoscaler aims at (default max-num-seqs / 4).")
+        None, "Autoscale: requests per replica the autoscaler aims at, the queue depth it scales on (default "
+        "max-num-seqs / 4).")
     routing: str = option(
         "prefix", "prefix: requests sharing a prompt prefix go to the same replica unless it is busy; pow2: Ray "
-        "Serve's power-of-two-choices.", choices=("prefix", "pow2"))
+        "Serve's power-of-two-choices.", choices=ROUTING_POLICIES)
     max_imbalance: int = option(
         32, "Prefix routing: a replica whose queue is longer than the shortest one's by more than this is busy, "
-        "and the request goes to the least-loaded replica.")
-    num_cpus_per_replica: float = option(1.0, "CPUs Ray reserves per replica; on CPU also its torch threads.")
+        "and the request goes to the least-loaded replica (measured: docs/performance.md).")
+    num_cpus_per_replica: float = option(
+        1.0, "CPUs Ray reserves per replica; on CPU also its torch threads (OMP_NUM_THREADS).")
     num_gpus_per_replica: float | None = option(
-        None, "GPUs per replica (default: the tensor-parallel size on CUDA, 0 on CPU).")
+        None, "GPUs per replica (default: the tensor-parallel size on CUDA, 0 on CPU; --device auto counts as CUDA "
+        "when the cluster has GPUs).")
     max_ongoing_requests: int | None = option(
         None, "Requests one replica takes at once; more wait in Serve (default --max-num-seqs).")
     num_ingress_replicas: int = option(1, "Replicas of the thin HTTP ingress that routes.",
@@ -43,6 +47,7 @@ class RayServeOptions:
     app_name: str = option("kvserve", "Name of the Ray Serve application.")
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.num_replicas < 1 or self.num_ingress_replicas < 1:
             raise ValueError(f"need at least one replica, got num_replicas={self.num_replicas}, "
                              f"num_ingress_replicas={self.num_ingress_replicas}")
@@ -50,8 +55,6 @@ class RayServeOptions:
         if (low is not None and low < 0) or (high is not None and high < 1) or \
                 (low is not None and high is not None and low > high):
             raise ValueError(f"invalid autoscaling bounds min_replicas={low}, max_replicas={high}")
-        if self.routing not in ("prefix", "pow2"):
-            raise ValueError(f"routing must be prefix or pow2, got {self.routing!r}")
         if self.max_imbalance < 0 or self.num_cpus_per_replica < 0 or (self.num_gpus_per_replica or 0) < 0:
             raise ValueError(f"negative max_imbalance={self.max_imbalance}, num_cpus_per_replica="
                              f"{self.num_cpus_per_replica} or num_gpus_per_replica={self.num_gpus_per_replica}")

@@ -78,7 +78,7 @@ class PrefixAffinity:
     map is an LRU bounded by `max_entries` hashes. Replicas are any hashable ids.
     """
 
-    def __init__(self, max_imbalance: int = 32, max_entries: int = 100_000, max_holders: int = 2) -> None:
+    def __init__(self, max_imbalance: int, max_entries: int = 100_000, max_holders: int = 2) -> None:
         if max_imbalance < 0 or max_entries < 1 or max_holders < 1:
             raise ValueError(f"need max_imbalance >= 0, max_entries >= 1, max_holders >= 1, got "
                              f"{max_imbalance}, {max_entries}, {max_holders}")

@@ -50,7 +50,7 @@ class PrefixAffinityRouter(RequestRouter):
     cache (probed when missing); the prefix hashes from the request's `prefix_hashes` kwarg.
     The state lives in the router's process (the ingress): one ingress replica sees it all."""
 
-    def initialize_state(self, max_imbalance: int = 32, max_entries: int = 100_000) -> None:
+    def initialize_state(self, max_imbalance: int, max_entries: int = 100_000) -> None:
         self._affinity = PrefixAffinity(max_imbalance=max_imbalance, max_entries=max_entries)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -75,14 +75,10 @@ class ValidatedRequest:
     priority: int = 0   # --scheduling-policy priority: lower runs first
 
 
-# A long agent session has hundreds of messages; every message costs a few tokens of template
-# even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
-DEFAULT_MAX_CHAT_MESSAGES = 4096
-
-
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    """What validation needs to know about the served model."""
+    """What validation needs to know about the served model, and the server's limits (the
+    options' values: their defaults are declared on `ServerConfig` and `EngineArgs` only)."""
 
     served_model_names: list[str]
     max_model_len: int
@@ -90,17 +86,17 @@ class ModelLimits:
     chat_template: str | None
     max_tokens_zero_ok: bool   # whether SamplingParams accepts max_tokens=0 (prompt scoring)
     kv_capacity_tokens: int    # a request longer than the whole KV cache can never run
+    max_chat_messages: int   # --max-chat-messages
+    max_tools: int   # --max-tools
+    grammar_limits: GrammarLimits   # --max-schema-properties etc.
+    scheduling_policy: str   # --scheduling-policy: whether `priority` can be honoured
     max_chars_per_token: int | None = None   # refuse longer prompts before tokenizing (None: no bound)
-    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES   # --max-chat-messages
     tool_call_parser: str | None = None   # --tool-call-parser (None: tool_choice "auto" gives plain text)
-    max_tools: int = 128   # --max-tools
-    grammar_limits: GrammarLimits = GrammarLimits()   # --max-schema-properties etc.
     # an encoder-decoder model: the prompt is the source, bounded on its own; the decoder (its start
     # token, or `decoder_prompt`, plus max_tokens) is bounded separately
     is_encoder_decoder: bool = False
     decoder_start_token_id: int | None = None   # encoder-decoder models: the decoder's first token
     reasoning_parser: ReasoningParser | None = None   # --reasoning-parser (None: no split)
-    scheduling_policy: str = "fcfs"   # --scheduling-policy: whether `priority` can be honoured
 
 
 def new_request_id(prefix: str) -> str:

@@ -74,7 +74,7 @@ async def _collect(eng: AsyncLLM, request_id: str, params: SamplingParams = GREE
 
 
 def test_repeated_step_failures_kill_the_engine(llama_dir):
-    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"), max_consecutive_step_failures=2,
+    eng = AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu", max_consecutive_step_failures=2),
                    executor_wrapper=faults("2+"))   # step 1 works, every later one raises
 
     async def run() -> None:
@@ -97,8 +97,8 @@ def test_repeated_step_failures_kill_the_engine(llama_dir):
 
 
 def test_max_consecutive_step_failures_is_checked(llama_dir):
-    with pytest.raises(ValueError, match="got 0"):
-        AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu"), max_consecutive_step_failures=0)
+    with pytest.raises(ValueError, match="max_consecutive_step_failures must be a positive integer, got 0"):
+        AsyncLLM(EngineArgs(model=llama_dir, dtype="float32", device="cpu", max_consecutive_step_failures=0))
 
 
 def test_a_request_added_as_the_engine_dies_fails_at_once(llama_dir, monkeypatch):

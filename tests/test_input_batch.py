@@ -125,7 +125,10 @@ def test_step_record_is_plain_data_and_pickles():
         _walk(record)
         assert pickle.loads(pickle.dumps(record)) == record
     first = records[0].new_requests[0]
-    assert first.sampling == SamplingInputs(0.7, 5, 1.0, 0.0, 1.2, 0.0, 0.0, 3, 2, (7, EOS), 2, 1)
+    assert first.sampling == SamplingInputs(
+        temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, repetition_penalty=1.2, presence_penalty=0.0,
+        frequency_penalty=0.0, seed=3, min_tokens=2, suppressed_token_ids=(7, EOS), num_logprobs=2,
+        num_prompt_logprobs=1)
 
 
 def test_rows_compacted_after_finish_abort_and_preempt():

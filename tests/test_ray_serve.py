@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from kvserve.server.ray_options import RayServeOptions
 from kvserve.server.ray_router import PrefixAffinity, prefix_hashes, routing_text
 
 pytestmark = pytest.mark.ray
@@ -64,7 +65,7 @@ def test_affinity_falls_back_to_the_least_loaded_when_busy() -> None:
 
 
 def test_unrelated_requests_take_equally_loaded_replicas_in_turn() -> None:
-    policy = PrefixAffinity()
+    policy = PrefixAffinity(max_imbalance=RayServeOptions().max_imbalance)
     firsts = [policy.rank(["a", "b", "c"], {}, prefix_hashes(f"{i}" * 64))[0][0] for i in range(6)]
     assert firsts == ["a", "b", "c", "a", "b", "c"]
     assert policy.rank(["a", "b", "c"], {"a": 2, "b": 0, "c": 1}, []) == [["b"], ["c", "a"]]
@@ -72,7 +73,7 @@ def test_unrelated_requests_take_equally_loaded_replicas_in_turn() -> None:
 
 
 def test_affinity_memory_is_bounded_and_forgets_dead_replicas() -> None:
-    policy = PrefixAffinity(max_entries=3, max_holders=2)
+    policy = PrefixAffinity(max_imbalance=RayServeOptions().max_imbalance, max_entries=3, max_holders=2)
     hashes = prefix_hashes("q" * 64 * 5)
     policy.record(hashes, "a")
     assert len(policy) == 3                        # the oldest (shortest) prefixes were evicted

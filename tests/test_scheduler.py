@@ -140,7 +140,7 @@ def test_priority_policy_preempts_the_lowest_priority_first():
     # the same squeeze as above, but the earlier request has the lower priority (higher value):
     # fcfs would preempt the newer one, the priority policy preempts the earlier
     bm = KVCacheManager(7, 2)
-    sched = Scheduler(SchedulerConfig(8, 64, policy="priority"), bm, 1024)
+    sched = Scheduler(SchedulerConfig(8, 64, scheduling_policy="priority"), bm, 1024)
     sched.add(make_priority_request("low", 4, priority=5, arrival=1.0))
     sched.add(make_priority_request("high", 4, priority=-5, arrival=2.0))
     preempted_ever, finished_order = [], []
@@ -158,7 +158,7 @@ def test_priority_policy_preempts_the_lowest_priority_first():
 
 def test_priority_policy_admits_by_priority_then_arrival():
     bm = KVCacheManager(64, 4)
-    sched = Scheduler(SchedulerConfig(1, 64, policy="priority"), bm, 1024)   # one seat
+    sched = Scheduler(SchedulerConfig(1, 64, scheduling_policy="priority"), bm, 1024)   # one seat
     for rid, priority, arrival in (("b", 1, 1.0), ("c", 0, 3.0), ("a", 0, 2.0), ("d", 2, 0.5)):
         sched.add(make_priority_request(rid, 4, priority, arrival, max_tokens=1))
     order = []
@@ -177,7 +177,7 @@ def test_priority_policy_admits_by_priority_then_arrival():
 
 def test_scheduling_policy_is_checked():
     with pytest.raises(ValueError, match="scheduling_policy"):
-        SchedulerConfig(8, 64, policy="lifo")
+        SchedulerConfig(8, 64, scheduling_policy="lifo")
 
 
 def test_abort_frees_everything_at_any_time():

@@ -49,7 +49,7 @@ class EngineDied(RuntimeError):
     """Too many consecutive steps failed: the engine is treated as broken."""
 
 
-def run_engine_core(args: EngineArgs, conn: Connection, log_level: int, max_consecutive_step_failures: int = 3,
+def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
                     executor_wrapper: ExecutorWrapper | None = None) -> None:
     """Process entry point (spawned by `AsyncLLM`). `executor_wrapper`, if given, wraps the
     engine's executor once it has warmed up (tests inject faults so)."""
@@ -75,7 +75,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int, max_cons
     conn.send_bytes(messages.encode(Ready(info=engine.info, stats=engine.stats())))
     threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
                      daemon=True).start()
-    EngineCore(engine, conn, max_consecutive_step_failures).run()
+    EngineCore(engine, conn, args.core_config().max_consecutive_step_failures).run()
 
 
 def warm_up(executor: Executor) -> None:
@@ -100,7 +100,7 @@ def _prefault_when_idle(layers) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine, conn: Connection, max_consecutive_step_failures: int = 3) -> None:
+    def __init__(self, engine, conn: Connection, max_consecutive_step_failures: int) -> None:
         self.engine = engine
         self.conn = conn
         self.max_consecutive_step_failures = max_consecutive_step_failures

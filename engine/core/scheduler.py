@@ -125,7 +125,7 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             bisect.insort(self.waiting, request, key=_schedule_key)
         else:
             self.waiting.append(request)
@@ -219,7 +219,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             self._enqueue(request)   # its arrival puts it ahead of later requests of its priority
         else:
             self.waiting.appendleft(request)
@@ -258,7 +258,7 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
-            if self.config.policy == "priority":   # the lowest priority stays last: the one preempted
+            if self.config.scheduling_policy == "priority":   # the lowest priority stays last: the one preempted
                 bisect.insort(self.running, request, key=_schedule_key)
             else:
                 self.running.append(request)

@@ -42,6 +42,7 @@ from kvserve.engine.errors import EngineOverloadedError
 from kvserve.engine.structured_output.compile_threads import CompileJob, CompilePool
 
 if TYPE_CHECKING:
+    from kvserve.engine.config import StructuredOutputsConfig
     from kvserve.engine.core.request import Request
     from kvserve.engine.sampling_params import StructuredOutputs
     from kvserve.engine.core.scheduler import StepPlan
@@ -99,23 +100,23 @@ class _Pending:
 class StructuredOutputManager:
     """Compiles grammars off the step loop and keeps the constrained requests until theirs is ready.
 
-    A request waits at most `compile_timeout_s` for its grammar (queue and compile together); then
-    it fails like a compile error, and the compile is dropped or abandoned when nobody else waits
-    for it (engine/structured_output/compile_threads.py). At most `max_queue` distinct grammars (None: no bound) are
-    queued or compiling at once, abandoned ones included: `add` raises `EngineOverloadedError` beyond that.
+    A request waits at most `config.grammar_compile_timeout_s` for its grammar (queue and compile
+    together); then it fails like a compile error, and the compile is dropped or abandoned when nobody
+    else waits for it (engine/structured_output/compile_threads.py). At most `config.max_grammar_queue`
+    distinct grammars (None: no bound) are queued or compiling at once, abandoned ones included: `add`
+    raises `EngineOverloadedError` beyond that.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
-                 cache_size: int = 128, fill_threads: int = 2, compile_timeout_s: float = 20.0,
-                 max_queue: int | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], config: StructuredOutputsConfig,
+                 max_workers: int = 2, cache_size: int = 128, fill_threads: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
         self.eos_token_ids = list(eos_token_ids)
         self.max_workers = max_workers  # compile threads
         self.fill_threads = fill_threads  # threads of the per-step bitmask fill (fill_threads_for)
         self.cache_size = cache_size
-        self.compile_timeout_s = compile_timeout_s
-        self.max_queue = max_queue
+        self.compile_timeout_s = config.grammar_compile_timeout_s
+        self.max_queue = config.max_grammar_queue
         self._cache: OrderedDict[str, Any] = OrderedDict()  # spec key -> compiled grammar (LRU)
         self._jobs: dict[str, CompileJob] = {}  # spec key -> its compile, until it is done
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting

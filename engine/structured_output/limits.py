@@ -3,9 +3,8 @@
 A grammar's compile time grows with its size (and, for some shapes, faster than its size), and
 it runs in the engine core beside the step loop. These bounds keep the largest grammar a
 client can ask for compilable in about a second (docs/security.md, "Grammar work"); the
-compile time limit (`StructuredOutputsConfig.grammar_compile_timeout_s`) catches the rest.
-The JSON Schema bounds are OpenAI's Structured Outputs limits; the others have no OpenAI
-counterpart and are set an order of magnitude above realistic use.
+compile time limit (`--grammar-compile-timeout-s`) catches the rest. The bounds themselves
+(`GrammarLimits`) are engine options, declared with their defaults on `EngineArgs`.
 
 The schema walk is iterative: a schema nested deeper than Python's recursion limit (possible
 from the offline API) is measured and refused, never a RecursionError.
@@ -13,8 +12,10 @@ from the offline API) is measured and refused, never a RecursionError.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kvserve.engine.config import GrammarLimits  # the bounds, declared with the other options
 
 # JSON Schema keywords xgrammar would silently ignore: refused so that a "valid" output
 # never violates the schema the user gave
@@ -26,32 +27,6 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset({
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarLimits:
-    """Bounds on one request's output constraint; each is a `ValueError` (HTTP 400) naming it.
-
-    `max_schema_*` apply to a JSON Schema (response_format json_schema, tool parameters,
-    `structured_outputs.json`): object properties in all, nesting depth (each subschema under
-    `properties`, `items`, `anyOf`, ... is one level deeper), enum values in all, and the
-    characters of property and definition names, enum and const values and patterns together.
-    """
-
-    max_schema_properties: int = 5000  # OpenAI: 5,000
-    max_schema_depth: int = 32  # OpenAI: 10 object levels; here every subschema counts
-    max_schema_enum_values: int = 1000  # OpenAI: 1,000
-    max_schema_string_chars: int = 120_000  # OpenAI: 120,000 (names, enum and const values)
-    max_regex_chars: int = 10_000
-    max_grammar_chars: int = 100_000
-    max_choices: int = 1000  # like enum values
-    max_choice_chars: int = 120_000  # like the schema's strings
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
 
 @dataclass(slots=True)
