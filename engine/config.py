@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvserve.engine.spec_decode.proposer import SpeculativeConfig
+from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 

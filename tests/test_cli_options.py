@@ -133,7 +133,7 @@ def test_choices_are_checked_where_they_are_declared():
 # imports nothing from the engine).
 _OTHER_MEANINGS = {"engine/config.py RuntimeInfo.attention_backend",
                    "engine/config.py RuntimeInfo.tensor_parallel_size", "engine/config.py RuntimeInfo.quantization", "engine/worker/sampler.py from_lists.device",
-                   "engine/core/kv_cache.py __init__.enable_prefix_caching"}
+                   "engine/core/kv_cache_manager.py __init__.enable_prefix_caching"}
 _DECLARING_CLASSES = {"EngineArgs", "ServerConfig", "RayServeOptions", "RayCluster"}
 
 

@@ -16,7 +16,8 @@ import torch
 
 from kvserve.engine import LLM, EngineArgs, SamplingParams
 from kvserve.engine.spec_decode import proposer as spec_decode
-from kvserve.engine.spec_decode.proposer import SpeculativeConfig, ngram_proposal
+from kvserve.engine.spec_decode.config import SpeculativeConfig
+from kvserve.engine.spec_decode.proposer import ngram_proposal
 from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

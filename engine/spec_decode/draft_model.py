@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.worker.runner import ModelRunner
-from kvserve.engine.spec_decode.proposer import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfig
+from kvserve.engine.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
 from kvserve.engine.tokenizer import load_model_files
 
