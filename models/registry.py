@@ -8,8 +8,8 @@ from torch import nn
 
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
-from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
-from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
+from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
 from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
@@ -21,6 +21,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # bare decoders without an LM head (sentence-transformers' embedding checkpoints): embeddings only
+    "LlamaModel": LlamaModelForEmbedding,
+    "Qwen2Model": Qwen2ModelForEmbedding,
+    "Qwen3Model": Qwen3ModelForEmbedding,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "MarianMTModel": MarianMTModel,
