@@ -75,15 +75,13 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def has_lm_head(hf_config) -> bool:
-    """False for a bare decoder checkpoint (`Qwen3Model`, `LlamaModel`: what sentence-transformers saves)."""
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
-    return not arch.endswith("Model") or arch.endswith(("LMHeadModel", "MTModel"))
-
-
 def is_embedding_checkpoint(model_path: str, hf_config) -> bool:
-    """A checkpoint made for embeddings: no LM head, or a sentence-transformers layout (modules.json)."""
-    return not has_lm_head(hf_config) or (Path(model_path) / "modules.json").is_file()
+    """A checkpoint made for embeddings, loaded without an LM head (models/registry.py): a bare decoder
+    (`Qwen3Model`, `LlamaModel`), or sentence-transformers' layout (modules.json; Qwen3-Embedding
+    names Qwen3ForCausalLM but ships no LM head)."""
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    is_bare = arch.endswith("Model") and not arch.endswith(("LMHeadModel", "MTModel"))
+    return is_bare or (Path(model_path) / "modules.json").is_file()
 
 
 def resolve_task(task: str | None, model_path: str, hf_config) -> str:
@@ -92,8 +90,9 @@ def resolve_task(task: str | None, model_path: str, hf_config) -> str:
         return "embed" if is_embedding_checkpoint(model_path, hf_config) else "generate"
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if task == "generate" and not has_lm_head(hf_config):
-        raise ValueError(f"{hf_config.architectures[0]} has no LM head: it can only embed (task 'embed')")
+    if task == "generate" and is_embedding_checkpoint(model_path, hf_config):
+        raise ValueError(f"{model_path} is an embedding checkpoint ({hf_config.architectures[0]}, loaded without "
+                         "an LM head): it can only embed (task 'embed')")
     return task
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -34,9 +35,15 @@ _MODELS: dict[str, type[nn.Module]] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
+# sentence-transformers checkpoints of a causal LM (Qwen3-Embedding names Qwen3ForCausalLM) hold the bare
+# decoder's weights, often without the `model.` prefix and without an LM head: load them headless
+_BARE_FOR_EMBEDDING = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model",
+                       "Qwen3ForCausalLM": "Qwen3Model"}
 
-def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
-    """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones."""
+
+def get_model_class(hf_config: PretrainedConfig, model_dir: str | None = None) -> type[nn.Module]:
+    """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones.
+    A sentence-transformers checkpoint in `model_dir` (modules.json) gets the bare decoder's class."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(
@@ -49,4 +56,6 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
             f"unsupported model architecture {arch!r}; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if model_dir is not None and arch in _BARE_FOR_EMBEDDING and (Path(model_dir) / "modules.json").is_file():
+        return _MODELS[_BARE_FOR_EMBEDDING[arch]]
     return _MODELS[arch]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -172,8 +173,27 @@ def test_bare_qwen3_model_embeds(embedding_checkpoint, tmp_path):
                                    atol=1e-4, rtol=1e-4)
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="no LM head"):
+    with pytest.raises(ValueError, match="only embed"):
         LLM(str(embedding_checkpoint), dtype="float32", device="cpu", task="generate")
+
+
+def test_qwen3_embedding_layout(embedding_checkpoint, tmp_path):
+    """Qwen3-Embedding's own layout: config.json names Qwen3ForCausalLM (untied, as the 8B's), the weights
+    are the bare decoder's (no `model.` prefix, no LM head), sentence-transformers' modules.json beside."""
+    path = tmp_path / "qwen3_embedding"
+    shutil.copytree(embedding_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"],
+                                                  "tie_word_embeddings": False}))
+    hf_model = transformers.AutoModel.from_pretrained(embedding_checkpoint, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    try:
+        assert llm.engine.info.task == "embed"
+        out = llm.embed([PROMPTS[3]], use_tqdm=False)[0]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), hf_embedding(hf_model, PROMPTS[3], "last"),
+                                   atol=1e-4, rtol=1e-4)
+    finally:
+        llm.shutdown()
 
 
 def test_matryoshka_dimensions(tmp_path):
