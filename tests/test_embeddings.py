@@ -110,6 +110,23 @@ def test_embed_under_preemption(qwen3):
         llm.shutdown()
 
 
+def test_embed_tensor_parallel(qwen3):
+    """Two ranks (CPU processes): rank 0 pools its full hidden states; the workers skip the embedding rows."""
+    path, hf_model, _ = qwen3
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=8, block_size=4, num_kv_blocks=64,
+              tensor_parallel_size=2)
+    try:
+        greedy = SamplingParams(max_tokens=4, temperature=0.0)
+        outputs = llm.embed(PROMPTS[:4], PoolingParams(pooling_type="mean"), use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outputs):
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), hf_embedding(hf_model, prompt, "mean"),
+                                       atol=1e-4, rtol=1e-4)
+        assert llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the ranks agree after
+        assert_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_embed_refuses_bad_input(qwen3):
     _, _, llm = qwen3
     with pytest.raises(ValueError, match="empty"):
