@@ -313,3 +313,23 @@ def test_server_task_embed(embedding_checkpoint):
         wait_idle(srv.url)
     finally:
         srv.stop()
+
+
+def test_encoder_decoder_cannot_embed(tmp_path):
+    """A model that cannot embed: `LLM.embed` raises, and the route's check answers 400 naming `model`."""
+    from test_seq2seq_models import random_checkpoint
+
+    from kvserve.server.embeddings import EmbeddingRequest, pooling_params
+    from kvserve.server.errors import APIError
+
+    random_checkpoint("bart", tmp_path, vocab_size=384)
+    save_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    try:
+        with pytest.raises(ValueError, match="cannot compute embeddings"):
+            llm.embed(["hello"])
+        with pytest.raises(APIError) as err:
+            pooling_params(EmbeddingRequest(input="hello"), llm.engine.info)
+        assert err.value.status_code == 400 and err.value.param == "model"
+    finally:
+        llm.shutdown()
