@@ -13,7 +13,9 @@ from kvserve.engine.config import EngineArgs
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob,
+                                    RequestMetrics, RequestOutput)
+from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams, StructuredOutputs
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineDeadError",
     "EngineOverloadedError",
@@ -30,6 +34,7 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

@@ -41,6 +41,7 @@ from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded,
                              StepFailedRequests, StepOutputs, Stop)
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from kvserve.engine.processes import wait_for_exit
+from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models import built_default_model
 from kvserve.models.heap import release_free_memory
@@ -150,12 +151,14 @@ class AsyncLLM:
         return self._stats
 
     # ---- asyncio side ------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams,
+    async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
 
         `prompt` is text, token ids, or a dict `{"prompt": text}` / `{"prompt_token_ids": [...]}`
         with an optional `"cache_salt"` (only requests with the same salt share cached KV).
+
+        With `PoolingParams` it is an embedding request: one output, its `embedding` set.
 
         Raises ValueError for bad input before yielding. Leaving the loop early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
@@ -195,9 +198,9 @@ class AsyncLLM:
             if not is_finished:
                 self._abort_now(request_id)
 
-    def _check_prompt(self, prompt: PromptType, params: SamplingParams):
+    def _check_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams):
         processed = process_prompt(self.tokenizer, self.info, prompt, params, self._max_chars_per_token)
-        if params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
+        if processed.pooling is None and params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
             check_limits(params.structured_outputs, self._grammar_limits)
         return processed
 

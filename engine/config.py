@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvserve.engine.pooling_params import TASKS, PoolerConfig
 from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
@@ -83,6 +84,10 @@ class EngineArgs:
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(
         DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
+    task: str | None = option(
+        None, "generate: completions and chat (and /v1/embeddings from the LM's hidden states); embed: "
+        "/v1/embeddings only. Unset: embed for an embedding checkpoint (no LM head, or sentence-transformers' "
+        "modules.json), else generate.", choices=TASKS)
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
@@ -339,6 +344,8 @@ class RuntimeInfo:
     weight_bytes: int = 0  # resident bytes of the weights (this rank's under tensor parallelism)
     # encoder-decoder models: the decoder's first token (the prompt is the encoder's input); None otherwise
     decoder_start_token_id: int | None = None
+    task: str = "generate"  # "generate" | "embed" (engine/pooling_params.py)
+    pooler: PoolerConfig | None = None  # embedding defaults; None: the model cannot embed
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from kvserve.engine.config import RuntimeInfo
 from kvserve.engine.outputs import RequestOutputBuilder
+from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -63,6 +64,8 @@ class ProcessedPrompt:
     # encoder-decoder models: `prompt_token_ids` are the encoder's input, these the decoder's first tokens
     decoder_prompt_token_ids: list[int] | None = None
     priority: int = 0  # the priority scheduling policy runs lower values first
+    # an embedding request (defaults resolved): its prompt is pooled, nothing is sampled (`params` is greedy)
+    pooling: PoolingParams | None = None
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""
@@ -98,10 +101,15 @@ def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
     return value, check_cache_salt(prompt.get("cache_salt"))
 
 
-def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
+def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams | PoolingParams,
                    max_chars_per_token: int | None = None) -> ProcessedPrompt:
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
-    (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing."""
+    (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing.
+    `PoolingParams` make an embedding request."""
+    if isinstance(params, PoolingParams):
+        return process_pooling_prompt(tokenizer, info, prompt, params, max_chars_per_token)
+    if info.task == "embed":
+        raise ValueError("this model serves embeddings only (task 'embed'): use /v1/embeddings or LLM.embed")
     decoder_prompt = prompt.get("decoder_prompt_token_ids") if isinstance(prompt, dict) else None
     priority = prompt.get("priority", 0) if isinstance(prompt, dict) else 0
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -148,6 +156,32 @@ def _process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sa
                          f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
     return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
                            cache_salt=cache_salt)
+
+
+def process_pooling_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: PoolingParams,
+                           max_chars_per_token: int | None = None) -> ProcessedPrompt:
+    """An embedding request: its whole prompt within the context length and the KV cache."""
+    if info.pooler is None:
+        raise ValueError(f"{info.architecture} cannot compute embeddings (an encoder-decoder model)")
+    pooling = info.pooler.resolve(params)
+    if isinstance(prompt, dict) and prompt.keys() - {"prompt", "prompt_token_ids", "cache_salt"}:
+        raise ValueError(f"an embedding prompt dict takes 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+    text, _ = split_prompt(prompt)
+    limit, capacity = info.max_model_len, info.kv_capacity_tokens
+    if isinstance(text, str):
+        check_prompt_chars(len(text), 0, limit, max_chars_per_token)
+    # the length checks below are an embedding's own (no output tokens): here only tokenize and check ids
+    unbounded = replace(info, max_model_len=2**62, num_kv_blocks=2**62)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)  # fills the runner's sampling row; nothing is sampled
+    processed = _process_prompt(tokenizer, unbounded, prompt, greedy, None, None)
+    num_prompt = len(processed.prompt_token_ids)
+    if num_prompt > limit:
+        raise PromptTooLongError(f"This model's maximum context length is {limit} tokens. However, your input "
+                                 f"has {num_prompt} tokens. Please reduce the length of the input.")
+    if num_prompt > capacity:
+        raise ValueError(f"input ({num_prompt} tokens) can never fit in the KV cache ({capacity} tokens); "
+                         f"raise kv_cache_memory")
+    return replace(processed, pooling=pooling)
 
 
 def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: SamplingParams,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from kvserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -58,7 +60,24 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # validate everything before queueing anything, so a bad prompt leaves no partial batch
+        return self._run(self._add(prompts, params), use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (prompts as `generate` takes them): the final hidden states pooled
+        (`last` or `mean`, the model's default unless `pooling_params` says), L2-normalized by default."""
+        prompts = _normalize_prompts(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        params = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        outputs = self._run(self._add(prompts, params), use_tqdm)
+        return [EmbeddingRequestOutput(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
+                                       outputs=EmbeddingOutput(np.frombuffer(out.embedding, "<f4").tolist()))
+                for out in outputs]
+
+    def _add(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams]) -> list[str]:
+        """Queue the requests, all or none: each is validated before any is queued."""
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
         request_ids = [f"offline-{next(self._ids)}" for _ in processed]
         added = []
@@ -70,7 +89,7 @@ class LLM:
             for rid in added:
                 self.engine.abort(rid)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and

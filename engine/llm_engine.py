@@ -25,6 +25,7 @@ from kvserve.engine.core.kv_cache_manager import KVCacheManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from kvserve.engine.core.request import Request, RequestStatus
+from kvserve.engine.pooling_params import PoolingParams, read_pooler_config, resolve_task
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.core.scheduler import Scheduler, StepPlan
 from kvserve.engine.spec_decode.proposer import Proposer
@@ -83,8 +84,11 @@ class LLMEngine:
         cache_config = args.cache_config()
         scheduler_config = args.scheduler_config()
         tp_size = args.parallel_config().tensor_parallel_size
-        if files.decoder_start_token_id is not None:
+        is_encoder_decoder = files.decoder_start_token_id is not None
+        if is_encoder_decoder:
             _check_encoder_decoder(args, tp_size)
+        task = resolve_task(args.task, files.model_path, files.hf_config)
+        pooler = None if is_encoder_decoder else read_pooler_config(files.model_path, files.hf_config)
         self.runner: Executor
         if tp_size == 1:
             from kvserve.engine.worker.runner import ModelRunner
@@ -116,6 +120,8 @@ class LLMEngine:
             quantization=self.runner.weights_report.method,
             weight_bytes=self.runner.weights_report.weight_bytes,
             decoder_start_token_id=files.decoder_start_token_id,
+            task=task,
+            pooler=pooler,
         )
         self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -151,10 +157,11 @@ class LLMEngine:
                     self.runner.weights_report.describe())
 
     # ---- requests ----------------------------------------------------------
-    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
+    def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state.
+        `PoolingParams` make an embedding request."""
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
-        if params.structured_outputs is not None:
+        if processed.pooling is None and params.structured_outputs is not None:
             check_limits(params.structured_outputs, self.grammar_limits)
         return processed
 
@@ -176,7 +183,8 @@ class LLMEngine:
                 request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority)
+                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority,
+                pooling=processed.pooling)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:
@@ -189,7 +197,7 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams) -> None:
         self.add_processed(request_id, self.process_prompt(prompt, params))
 
     def _proposer(self, args: EngineArgs, model_config, files) -> Proposer | None:

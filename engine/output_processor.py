@@ -43,6 +43,7 @@ class _ParentState:
     pending_prompt_logprobs: list[LogprobsEntry | None] | None
     num_cached_tokens: int = 0
     touched: set[int] = field(default_factory=set)  # children with news this step
+    embedding: bytes | None = None  # an embedding request's vector, sent once
 
     @property
     def finished(self) -> bool:
@@ -105,6 +106,9 @@ class OutputProcessor:
             if req.request_id in out.prompt_logprobs:
                 self._add_prompt_logprobs(parent, req, out.prompt_logprobs[req.request_id])
                 touched[parent.request_id] = parent
+            if req.request_id in out.pooled:  # an embedding request: its vector ends it
+                self._add_embedding(parent, req, out.pooled[req.request_id], now)
+                touched[parent.request_id] = parent
             if token_id is None:
                 continue
             child = parent.children[req.sample_index]
@@ -152,6 +156,14 @@ class OutputProcessor:
                 return True
         return False
 
+    @staticmethod
+    def _add_embedding(parent: _ParentState, req: Request, vector: bytes, now: float) -> None:
+        child = parent.children[req.sample_index]
+        child.finish_reason = RequestStatus.FINISHED_STOPPED.value
+        parent.embedding = vector
+        parent.metrics.first_token_time = parent.metrics.last_token_time = now
+        parent.touched.add(req.sample_index)
+
     def mark_scheduled(self, request: Request, now: float) -> None:
         parent = self.parents.get(request.parent_id)
         if parent is not None and parent.metrics.first_scheduled_time is None:
@@ -183,6 +195,7 @@ class OutputProcessor:
     def _emit(self, parent: _ParentState) -> RequestDelta:
         outputs = [self._take_delta(parent.children[i]) for i in sorted(parent.touched)]
         parent.touched.clear()
+        embedding, parent.embedding = parent.embedding, None
         prompt_logprobs = parent.pending_prompt_logprobs
         if prompt_logprobs is not None:
             parent.pending_prompt_logprobs = []
@@ -193,6 +206,7 @@ class OutputProcessor:
             metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__slots__}),
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=prompt_logprobs or None,
+            embedding=embedding,
         )
 
     @staticmethod

@@ -63,6 +63,22 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    embedding: bytes | None = None  # an embedding request's vector: little-endian float32
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # float32 values (L2-normalized unless the request said otherwise)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape: `out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class EngineStats(_Record, frozen=True, gc=False):
@@ -121,6 +137,7 @@ class RequestDelta(_Record):
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsEntry | None] | None = None  # new prompt positions only
+    embedding: bytes | None = None  # an embedding request's vector (little-endian float32), in its last delta
 
 
 class RequestOutputBuilder:
@@ -142,6 +159,7 @@ class RequestOutputBuilder:
         self.prompt_logprobs: list[LogprobsEntry | None] | None = [] if has_prompt_logprobs else None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.embedding: bytes | None = None
         self.finished = False
         self.has_news = False
 
@@ -158,6 +176,7 @@ class RequestOutputBuilder:
             self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        self.embedding = delta.embedding if delta.embedding is not None else self.embedding
         self.finished = self.finished or delta.finished
         self.has_news = True
 
@@ -184,4 +203,4 @@ class RequestOutputBuilder:
             outputs=outputs, finished=self.finished,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             metrics=RequestMetrics(**{s: getattr(self.metrics, s) for s in RequestMetrics.__slots__}),
-            num_cached_tokens=self.num_cached_tokens)
+            num_cached_tokens=self.num_cached_tokens, embedding=self.embedding)

@@ -176,5 +176,26 @@ class LlamaForCausalLM(nn.Module):
         return name
 
 
+class BaseModelMixin:
+    """A bare decoder checkpoint (`LlamaModel`, `Qwen3Model`: what sentence-transformers and
+    `AutoModel.save_pretrained` write): the decoder's weights without the `model.` prefix and no LM
+    head. It serves embeddings; `compute_logits` reads the embedding matrix (warm-up runs it)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.tie_word_embeddings = True
+        if "lm_head" in self._modules:  # an untied config's head: no such weights in the checkpoint
+            del self.lm_head
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name.startswith("lm_head."):
+            return None
+        return super().map_weight_name(name if name.startswith("model.") else f"model.{name}")
+
+
+class LlamaModelForEmbedding(BaseModelMixin, LlamaForCausalLM):
+    pass
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with a sliding window on every layer (`config.sliding_window`, may be null)."""

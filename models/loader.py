@@ -201,7 +201,7 @@ def load_model(
     With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only.
     `quantization` (int8, int4, fp8, none; None: `resolve_quantization`'s choice) is applied as the
     weights load; `model.weights_report` says the format and the bytes."""
-    cls = get_model_class(hf_config)
+    cls = get_model_class(hf_config, model_dir)
     device = torch.device(device)
     method = resolve_quantization(quantization, model_dir)
     with phase("model"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from kvserve.models.layers import RMSNorm, RotaryEmbedding
-from kvserve.models.llama import LlamaAttention, LlamaForCausalLM
+from kvserve.models.llama import BaseModelMixin, LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -44,3 +44,11 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
+
+
+class Qwen2ModelForEmbedding(BaseModelMixin, Qwen2ForCausalLM):
+    pass
+
+
+class Qwen3ModelForEmbedding(BaseModelMixin, Qwen3ForCausalLM):
+    pass

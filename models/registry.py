@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
-from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
-from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
+from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
 from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
@@ -21,6 +22,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # bare decoders without an LM head (sentence-transformers' embedding checkpoints): embeddings only
+    "LlamaModel": LlamaModelForEmbedding,
+    "Qwen2Model": Qwen2ModelForEmbedding,
+    "Qwen3Model": Qwen3ModelForEmbedding,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "MarianMTModel": MarianMTModel,
@@ -30,9 +35,15 @@ _MODELS: dict[str, type[nn.Module]] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
+# sentence-transformers checkpoints of a causal LM (Qwen3-Embedding names Qwen3ForCausalLM) hold the bare
+# decoder's weights, often without the `model.` prefix and without an LM head: load them headless
+_BARE_FOR_EMBEDDING = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model",
+                       "Qwen3ForCausalLM": "Qwen3Model"}
 
-def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
-    """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones."""
+
+def get_model_class(hf_config: PretrainedConfig, model_dir: str | None = None) -> type[nn.Module]:
+    """The class for `hf_config.architectures[0]`; ValueError naming it and the supported ones.
+    A sentence-transformers checkpoint in `model_dir` (modules.json) gets the bare decoder's class."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(
@@ -45,4 +56,6 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
             f"unsupported model architecture {arch!r}; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if model_dir is not None and arch in _BARE_FOR_EMBEDDING and (Path(model_dir) / "modules.json").is_file():
+        return _MODELS[_BARE_FOR_EMBEDDING[arch]]
     return _MODELS[arch]

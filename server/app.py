@@ -25,6 +25,7 @@ from kvserve.engine.input_processor import max_chars_per_token, run_off_loop
 from kvserve.server import package_version
 from kvserve.server.chat import load_chat_template, render_chat
 from kvserve.server.config import ServerConfig
+from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from kvserve.server.engine_protocol import ModelInfo, ServingEngine
 from kvserve.server.errors import (
     APIError,
@@ -328,6 +329,10 @@ def _add_routes(app: FastAPI) -> None:
             return messages_sse(state.serving.chat_chunks(vreq, prepend(first, outputs)), vreq)
 
         return await run_request(state, vreq, request, complete, events)
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **errors(400, 404, 413, 500, 503)})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embeddings(kv(request), body, request)
 
     @app.post("/v1/messages/count_tokens", responses=errors(400, 404, 413, anthropic=True))
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvserve.engine.outputs import EngineStats, RequestOutput
+    from kvserve.engine.pooling_params import PoolerConfig, PoolingParams
     from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class ModelInfo(Protocol):
     weight_bytes: int
     eos_token_ids: tuple[int, ...]
     decoder_start_token_id: int | None  # encoder-decoder models only
+    task: str  # "generate" | "embed"
+    pooler: PoolerConfig | None  # embedding defaults; None: the model cannot embed
 
 
 class ServingEngine(Protocol):
@@ -43,7 +46,7 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams,
+    def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams | PoolingParams,
                  request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """`prompt`: token ids, or `{"prompt_token_ids": [...], "cache_salt": str}`."""
 

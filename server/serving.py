@@ -85,9 +85,12 @@ class Admission:
         self.is_closed = True
 
     def reserve(self, vreq: ValidatedRequest) -> int:
+        return self.reserve_seqs(len(vreq.prompts) * vreq.num_choices)
+
+    def reserve_seqs(self, num_seqs: int) -> int:
+        """Admit `num_seqs` sequences (503 if they would overfill the queue); -> what `release` takes."""
         if self.is_closed:
             raise shutting_down()
-        num_seqs = len(vreq.prompts) * vreq.num_choices
         if self.max_queue is not None:
             num_queued = max(self.num_in_flight + num_seqs - self.max_num_seqs, 0)
             num_waiting = self.engine.stats().num_waiting

@@ -97,7 +97,7 @@ def test_model_404_and_api_key_401_are_documented():
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model}"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("POST", "/v1/responses"),
-              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

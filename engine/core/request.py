@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 
 if TYPE_CHECKING:
+    from kvserve.engine.pooling_params import PoolingParams
     from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -39,7 +40,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority",
+        "priority", "pooling",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Request:
         prefix_root: bytes = ROOT_DIGEST,
         encoder_token_ids: tuple[int, ...] = (),
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -87,6 +89,9 @@ class Request:
         # encoder-decoder models: the encoder's input; `prompt_token_ids` are then the decoder's
         self.encoder_token_ids = encoder_token_ids
         self.priority = priority  # lower runs first under the priority scheduling policy
+        # an embedding request (defaults resolved): a prefill that samples nothing and finishes once its
+        # prompt is computed; `params` then only fills the runner's sampling row
+        self.pooling = pooling
 
     @property
     def schedule_key(self) -> tuple[int, float]:
@@ -108,6 +113,16 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """It needs every prompt position computed: prompt logprobs (logits), embeddings (hidden states)."""
+        return self.wants_prompt_logprobs or self.pooling is not None
+
+    @property
+    def is_pooled(self) -> bool:
+        """An embedding request whose whole prompt is computed: the runner has pooled it."""
+        return self.pooling is not None and self.num_computed_tokens >= self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -240,9 +240,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            # prompt logprobs need logits at every prompt position: no cached prefix for them
+            # prompt logprobs and embeddings need every prompt position: no cached prefix for them
             cached_ids, partial = [], (0, 0)
-            if not request.wants_prompt_logprobs:
+            if not request.skips_prefix_cache:
                 cached_ids = kv.find_cached_prefix(request.request_id, request.all_token_ids, request.prefix_root)
                 partial = kv.find_partial_block(request.request_id, request.all_token_ids, len(cached_ids))
             num_computed = len(cached_ids) * kv.block_size + partial[1]
@@ -306,6 +306,9 @@ class Scheduler:
             self.kv_cache_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)
             if token_id is None:
+                if request.is_pooled:  # an embedding request ends with its prompt (nothing is sampled)
+                    self.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished.append(FinishedRequest(request, None))
                 continue
             if status is None:
                 request.append_output_token(token_id)

@@ -67,6 +67,19 @@ class SamplingInputs(_Record, gc=False):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+class PoolingInputs(_Record, gc=False):
+    """An embedding request's pooling, sent once when it joins the runner (engine/pooling_params.py)."""
+
+    pooling_type: str  # "last" | "mean"
+    normalize: bool
+    dimensions: int | None  # keep the first N (Matryoshka); None: all
+
+    @classmethod
+    def from_request(cls, request: Request) -> PoolingInputs | None:
+        p = request.pooling
+        return None if p is None else cls(pooling_type=p.pooling_type, normalize=p.normalize, dimensions=p.dimensions)
+
+
 class NewRequestData(_Record):
     """A sequence the runner does not hold: first scheduled, or resumed after a preemption."""
 
@@ -80,6 +93,7 @@ class NewRequestData(_Record):
     cross_block_ids: tuple[int, ...] = ()
     cross_len: int = 0
     encoder_token_ids: tuple[int, ...] = ()
+    pooling: PoolingInputs | None = None  # an embedding request: pool its prompt, sample nothing
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int], cross_block_ids: list[int] = (),
@@ -88,7 +102,8 @@ class NewRequestData(_Record):
                    output_token_ids=tuple(request.output_token_ids), block_ids=tuple(block_ids),
                    sampling=SamplingInputs.from_request(request), cross_block_ids=tuple(cross_block_ids),
                    cross_len=len(request.encoder_token_ids),
-                   encoder_token_ids=tuple(request.encoder_token_ids) if encode else ())
+                   encoder_token_ids=tuple(request.encoder_token_ids) if encode else (),
+                   pooling=PoolingInputs.from_request(request))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from kvserve.engine.worker.pooler import POOLING_CODES
 from kvserve.engine.worker.sampler import SamplingTensors, _to_device, _to_int64
 from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
 from kvserve.engine.core.step_record import NewRequestData, StepRecord
@@ -51,6 +52,10 @@ class InputBatch:
         self.min_tokens = np.zeros(num_rows, np.int64)
         self.num_logprobs = np.full(num_rows, _NO_LOGPROBS, np.int64)
         self.num_prompt_logprobs = np.full(num_rows, _NO_LOGPROBS, np.int64)
+        # embedding requests (engine/worker/pooler.py): pooling kind (0 = a generating row), normalize, kept dims
+        self.pooling_type = np.zeros(num_rows, np.int8)
+        self.pooling_normalize = np.zeros(num_rows, bool)
+        self.pooling_dims = np.zeros(num_rows, np.int64)  # 0 = all
         # every per-row array above: compaction moves them all
         self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
@@ -135,6 +140,10 @@ class InputBatch:
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         self._write_sampling(row, new)
+        p = new.pooling
+        self.pooling_type[row] = 0 if p is None else POOLING_CODES[p.pooling_type]
+        self.pooling_normalize[row] = p is not None and p.normalize
+        self.pooling_dims[row] = 0 if p is None or p.dimensions is None else p.dimensions
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
         self._sampling = None

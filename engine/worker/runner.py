@@ -28,6 +28,7 @@ from kvserve.engine.worker.input_batch import InputBatch
 from kvserve.engine.worker.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
 from kvserve.engine.worker.logits_processors import LogitsProcessors
 from kvserve.engine.worker.memory_profile import MemoryProfile, profile_kv_budget
+from kvserve.engine.worker.pooler import Pooler
 from kvserve.engine.worker.sampler import Sampler
 from kvserve.engine.spec_decode.verify import SpecRows, accept, expand_sampling, spec_rows
 from kvserve.engine.core.step_record import GrammarBitmask, NewRequestData, SamplingInputs, StepRecord
@@ -56,6 +57,8 @@ class RunnerOutput:
     # and their logprobs (for requests that asked for logprobs)
     accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
     draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # embedding requests whose prompt this step completed: request id -> the vector (little-endian float32)
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -106,6 +109,7 @@ class ModelRunner:
         self.batch = InputBatch(scheduler_config.max_num_seqs, max_model_len, self.block_size,
                                 self.vocab_size, self.device)
         self.logits_processors = LogitsProcessors(self.batch, self.device)  # logit_bias, grammar bitmasks
+        self.pooler = Pooler()  # embedding requests' vectors
         self.graphs: DecodeGraphs | None = None
         # encoder-decoder models (models/seq2seq.py): each held request's cross blocks and encoder length
         self.is_encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
@@ -195,11 +199,13 @@ class ModelRunner:
         num_reqs = len(step.req_ids)
         sampled: list[int | None] = [None] * num_reqs
         logprobs = {}
+        pooled = self.pooler(step, hidden, batch)  # embedding rows: pooled, never sampled
+        is_sampled &= batch.pooling_type[:num_reqs] == 0
         if spec is not None:
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             sampled, accepted, logprobs, draft_logprobs = self._verify(step, logits, grammar, is_sampled, spec)
             prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
-            return RunnerOutput(sampled, logprobs, prompt_lps, accepted, draft_logprobs)
+            return RunnerOutput(sampled, logprobs, prompt_lps, accepted, draft_logprobs, pooled)
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             logits = self.logits_processors(logits, grammar, num_reqs)  # no-op when unused
@@ -216,7 +222,7 @@ class ModelRunner:
                                      self._to_device(is_sampled.astype(np.float32)))
             logprobs = self._collect_logprobs(step.req_ids, is_sampled, token_ids, out)
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows, prompt_targets, prompt_owners)
-        return RunnerOutput(sampled, logprobs, prompt_lps)
+        return RunnerOutput(sampled, logprobs, prompt_lps, pooled=pooled)
 
     def _verify(self, step: StepRecord, logits: torch.Tensor, grammar: GrammarBitmask | None,
                 is_sampled: np.ndarray, spec: SpecRows):
