@@ -217,6 +217,7 @@ class ModelConfig:
     gpu_memory_utilization: float  # share of the GPU's total memory kvserve may take
     quantization: str | None  # int8, int4, fp8, none; None: a GGUF file's own, else none
     quantization_group_size: int
+    task: str | None  # generate, embed; None: embed for an embedding checkpoint, else generate
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization, self.quantization_group_size)

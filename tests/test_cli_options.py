@@ -131,7 +131,7 @@ def test_choices_are_checked_where_they_are_declared():
 # Names that are options but mean something else where they have a literal default: facts found at load
 # (RuntimeInfo), a tensor's device, and the block manager, a unit tested on its own (engine/core/kv_cache.py
 # imports nothing from the engine).
-_OTHER_MEANINGS = {"engine/config.py RuntimeInfo.attention_backend",
+_OTHER_MEANINGS = {"engine/config.py RuntimeInfo.attention_backend", "engine/config.py RuntimeInfo.task",
                    "engine/config.py RuntimeInfo.tensor_parallel_size", "engine/config.py RuntimeInfo.quantization", "engine/worker/sampler.py from_lists.device",
                    "engine/core/kv_cache_manager.py __init__.enable_prefix_caching"}
 _DECLARING_CLASSES = {"EngineArgs", "ServerConfig", "RayServeOptions", "RayCluster"}

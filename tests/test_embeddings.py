@@ -33,7 +33,7 @@ def hf_embedding(hf_model, token_ids: list[int], pooling: str, normalize: bool =
 
 
 def assert_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
+    bm = llm.engine.kv_cache_manager
     assert bm.num_free_blocks == bm.num_blocks - 1  # every block back (block 0 is the null block)
     assert not llm.engine.scheduler.has_unfinished()
 
