@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.engine.generation_config import GenerationConfig, check_mode
 from kvserve.engine.grammar_limits import GrammarLimits
 from kvserve.engine.spec_decode import SpeculativeConfig
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
@@ -45,9 +46,11 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory kvserve may take
     quantization: str | None = None  # int8, int4, fp8, none; None: a GGUF file's own, else none
     quantization_group_size: int = DEFAULT_GROUP_SIZE
+    generation_config: str = "auto"  # auto | vllm | a folder (engine/generation_config.py)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization, self.quantization_group_size)
+        check_mode(self.generation_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
@@ -178,6 +181,12 @@ class EngineArgs:
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(
         DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
+    generation_config: str = option(
+        "auto", "The generation_config.json applied as transformers' generate() applies it: auto (the model "
+        "folder's), vllm (none: kvserve's defaults), or a folder holding one. Its sampling and beam settings "
+        "become defaults a request overrides; its no_repeat_ngram_size, bad_words_ids, min_length, "
+        "min_new_tokens and forced BOS/EOS apply to every request. docs/generation_config.md.",
+        metavar="auto|vllm|FOLDER")
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
@@ -210,7 +219,8 @@ class EngineArgs:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
                            seed=self.seed, max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                            enforce_eager=self.enforce_eager, gpu_memory_utilization=self.gpu_memory_utilization,
-                           quantization=self.quantization, quantization_group_size=self.quantization_group_size)
+                           quantization=self.quantization, quantization_group_size=self.quantization_group_size,
+                           generation_config=self.generation_config)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -264,6 +274,8 @@ class RuntimeInfo:
     weight_bytes: int = 0  # resident bytes of the weights (this rank's under tensor parallelism)
     # encoder-decoder models: the decoder's first token (the prompt is the encoder's input); None otherwise
     decoder_start_token_id: int | None = None
+    # the generation config applied (--generation-config): request defaults and processors
+    generation_config: GenerationConfig = field(default_factory=GenerationConfig)
 
     @property
     def is_encoder_decoder(self) -> bool:

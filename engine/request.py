@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.kv_cache import ROOT_DIGEST
 
 if TYPE_CHECKING:
-    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -39,7 +39,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority",
+        "priority", "constraints",
     )
 
     def __init__(
@@ -56,6 +56,7 @@ class Request:
         prefix_root: bytes = ROOT_DIGEST,
         encoder_token_ids: tuple[int, ...] = (),
         priority: int = 0,
+        constraints: GenerationConstraints | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -87,6 +88,8 @@ class Request:
         # encoder-decoder models: the encoder's input; `prompt_token_ids` are then the decoder's
         self.encoder_token_ids = encoder_token_ids
         self.priority = priority  # lower runs first under the priority scheduling policy
+        # generation-config processors on its logits (engine/generation_logits.py); None: none
+        self.constraints = constraints
 
     @property
     def schedule_key(self) -> tuple[int, float]:
