@@ -223,3 +223,49 @@ def test_do_sample_false_makes_greedy_the_default():
     assert g.default_sampling_params().temperature == 0.0 and g.default_sampling_params().top_p == 1.0
     g = parse_generation_config({"bad_words_ids": [[0], [3]]}, "f", VOCAB, (0,))  # an EOS alone is dropped
     assert g.constraints.bad_words_ids == ((3,),)
+
+
+def test_startup_log_names_the_defaults(llama, caplog):
+    path, _ = llama
+    with caplog.at_level("INFO", logger="kvserve.engine.llm_engine"):
+        LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    line = next(r.getMessage() for r in caplog.records if "generation config" in r.getMessage())
+    assert "Default sampling parameters have been overridden by the model's generation config" in line
+    assert "temperature=0.7" in line and "no_repeat_ngram_size=2" in line
+
+
+def test_server_uses_the_checkpoint_defaults(llama):
+    """Over HTTP: the sampling fields a request leaves out are the checkpoint's, those it sets win;
+    greedy completions and beam search get the processors (as offline)."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.engine import AsyncLLM, EngineArgs
+    from kvserve.server.app import create_app
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.protocol import CompletionRequest
+    from kvserve.server.validation import validate_completion
+
+    path, _ = llama
+    args = dict(model=path, dtype="float32", device="cpu", block_size=4)
+    llm = LLM(**args)
+    engine = AsyncLLM(EngineArgs(**args), wait=False)
+    with TestClient(create_app(ServerConfig(stats_log_interval=0), engine=engine, owns_engine=True)) as client:
+        limits = client.app.state.kv.limits
+        vreq = validate_completion(CompletionRequest(prompt=PROMPTS[0], max_tokens=4), limits, llm.tokenizer)
+        p = vreq.params
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.7, 0.9, 20, 1.1)
+        vreq = validate_completion(CompletionRequest(prompt=PROMPTS[0], max_tokens=4, temperature=0.2, top_k=-1),
+                                   limits, llm.tokenizer)
+        assert (vreq.params.temperature, vreq.params.top_k, vreq.params.top_p) == (0.2, -1, 0.9)
+        body = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0, "repetition_penalty": 1.0}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
+                                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+        assert response.json()["choices"][0]["text"] == expected.outputs[0].text
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "n": 3, "use_beam_search": True}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        (offline,) = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(
+            beam_width=3, max_tokens=8, length_penalty=0.8, early_stopping=True))  # the checkpoint's settings
+        assert [c["text"] for c in response.json()["choices"]] == [s.text for s in offline.sequences]
