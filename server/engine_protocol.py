@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from kvserve.engine.generation_config import GenerationConfig
     from kvserve.engine.outputs import EngineStats, RequestOutput
     from kvserve.engine.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class ModelInfo(Protocol):
     weight_bytes: int
     eos_token_ids: tuple[int, ...]
     decoder_start_token_id: int | None  # encoder-decoder models only
+    generation_config: GenerationConfig  # --generation-config: request defaults and processors
 
 
 class ServingEngine(Protocol):
