@@ -1,12 +1,13 @@
 """Per-row changes to the step's logits before the sampler: `logit_bias`, then the generation
 config's processors (engine/generation_logits.py), then grammar bitmasks.
 
-Both touch only the rows that need them, batched (one indexed add for every biased row,
-one masking call for every constrained row), and both run before the sampler, so
+Each touches only the rows that need them, batched (one indexed add for every biased row,
+one masking call for every constrained row), and all run before the sampler, so
 temperature, top-k/top-p/min-p and penalties then work inside what is left.
 Bias comes first so that a +100 bias cannot re-allow a token the grammar forbids.
-An unconstrained, unbiased batch builds nothing: the check is two host-side values.
-Logprobs returned to the user are those of the logits after these changes.
+An unconstrained, unbiased batch builds nothing: the check is three host-side values.
+Logprobs returned to the user are those of the logits after these changes (after the
+generation config's, transformers' processed scores: `logprob_shift`).
 """
 
 from __future__ import annotations
