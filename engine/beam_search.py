@@ -148,7 +148,9 @@ class BeamSearch:
         self.step += 1
         last = self.step == self.params.max_tokens
         for i, candidates in by_search.items():
-            candidates = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[: self.num_candidates]
+            # (a token the generation config bans or forces away has -inf: never a candidate)
+            candidates = sorted((c for c in candidates if c[0] > float("-inf")),
+                                key=lambda c: (-c[0], c[1], c[2]))[: self.num_candidates]
             _advance(self.searches[i], candidates, self.step, last, self.eos, self.params)
         self._beams = []
 

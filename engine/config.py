@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from kvserve.engine.pooling_params import TASKS, PoolerConfig
 from kvserve.engine.spec_decode.config import SpeculativeConfig
+from kvserve.engine.generation_config import GenerationConfig, check_mode
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 
@@ -88,6 +89,12 @@ class EngineArgs:
         None, "generate: completions and chat (and /v1/embeddings from the LM's hidden states); embed: "
         "/v1/embeddings only. Unset: embed for an embedding checkpoint (no LM head, or sentence-transformers' "
         "modules.json), else generate.", choices=TASKS)
+    generation_config: str = option(
+        "auto", "The generation_config.json applied as transformers' generate() applies it: auto (the model "
+        "folder's), vllm (none: kvserve's defaults), or a folder holding one. Its sampling and beam settings "
+        "become defaults a request overrides; its no_repeat_ngram_size, bad_words_ids, min_length, "
+        "min_new_tokens and forced BOS/EOS apply to every request. docs/generation_config.md.",
+        metavar="auto|vllm|FOLDER")
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
@@ -218,9 +225,11 @@ class ModelConfig:
     quantization: str | None  # int8, int4, fp8, none; None: a GGUF file's own, else none
     quantization_group_size: int
     task: str | None  # generate, embed; None: embed for an embedding checkpoint, else generate
+    generation_config: str  # auto | vllm | a folder (engine/generation_config.py)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization, self.quantization_group_size)
+        check_mode(self.generation_config)
         if not isinstance(self.device, str) or not self.device.startswith(_DEVICES_PREFIXES):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -347,6 +356,8 @@ class RuntimeInfo:
     decoder_start_token_id: int | None = None
     task: str = "generate"  # "generate" | "embed" (engine/pooling_params.py)
     pooler: PoolerConfig | None = None  # embedding defaults; None: the model cannot embed
+    # the generation config applied (--generation-config): request defaults and processors
+    generation_config: GenerationConfig = field(default_factory=GenerationConfig)
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from kvserve.engine.config import RuntimeInfo
 from kvserve.engine.outputs import RequestOutputBuilder
 from kvserve.engine.pooling_params import PoolingParams
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
 
 T = TypeVar("T")
 # Inputs up to this many characters are tokenized on the caller's thread: so little work that a
@@ -118,12 +118,28 @@ def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sam
     return replace(processed, priority=priority) if priority else processed
 
 
+def check_constraints(c: GenerationConstraints, vocab_size: int) -> None:
+    """A request's own `generation_constraints`: sizes >= 0, ids within the vocabulary."""
+    for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"generation_constraints.{name} must be an integer >= 0, got {value!r}")
+    ids = [*(t for word in c.bad_words_ids for t in word), *c.forced_eos_token_ids,
+           *(() if c.forced_bos_token_id is None else (c.forced_bos_token_id,))]
+    if any(not word for word in c.bad_words_ids) or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"generation_constraints: token ids must be in [0, {vocab_size}) and bad words "
+                         f"non-empty, got {c!r}")
+
+
 def _process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
                     decoder_prompt: list[int] | None, max_chars_per_token: int | None) -> ProcessedPrompt:
     prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     params.validate()  # the caller may have mutated a validated object
+    if params.generation_constraints is not None:
+        check_constraints(params.generation_constraints, info.vocab_size)
     bad_bias = [t for t in params.logit_bias or () if t >= info.vocab_size]
     if bad_bias:
         raise ValueError(f"logit_bias token ids must be in [0, {info.vocab_size}), got {bad_bias[:5]}")

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from kvserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.engine.config import EngineArgs
+from kvserve.engine.generation_config import beam_step_constraints
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -31,7 +32,8 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
 
 class LLM:
     """Batch generation in-process. Keyword arguments are those of `EngineArgs`, e.g.
-    `tensor_parallel_size=2` (docs/scaling.md)."""
+    `tensor_parallel_size=2` (docs/scaling.md) or `generation_config="vllm"`
+    (docs/generation_config.md)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
@@ -49,13 +51,26 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """kvserve's defaults with the checkpoint's generation config in place of them (per
+        `generation_config`); what `generate` uses when given no SamplingParams."""
+        return self.engine.info.generation_config.default_sampling_params()
+
+    def get_default_beam_search_params(self, max_tokens: int | None = None) -> BeamSearchParams:
+        """The checkpoint's `num_beams` (else 1), `length_penalty`, `early_stopping` and
+        `max_new_tokens` (else 16, or `max_tokens`)."""
+        g = self.engine.info.generation_config
+        kwargs = {k: getattr(g, k) for k in ("length_penalty", "early_stopping") if getattr(g, k) is not None}
+        max_tokens = max_tokens or int(g.sampling_defaults.get("max_tokens", 16))
+        return BeamSearchParams(beam_width=g.num_beams or 1, max_tokens=max_tokens, **kwargs)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
         `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):
@@ -91,10 +106,15 @@ class LLM:
             raise
         return request_ids
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
-        scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first."""
+        scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first.
+        Without `params`, the checkpoint's (`get_default_beam_search_params`)."""
         prompts = _normalize_prompts(prompts)
+        if params is None:
+            params = self.get_default_beam_search_params()
+        constraints = self.engine.info.generation_config.constraints
         # tokenize and check every prompt (its length + max_tokens within the context) up front
         processed = [self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]
         # an encoder-decoder model's beams are decoder sequences over the prompt's fixed source
@@ -108,9 +128,14 @@ class LLM:
                 req["cache_salt"] = item.cache_salt
             return req
 
+        step_index = [0]  # the search's step: the constraints depend on it
+
         def next_token_logprobs(owners: list[int], sequences: list[list[int]], k: int) -> list[dict[int, float]]:
             requests = [request(processed[i], seq) for i, seq in zip(owners, sequences)]
-            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            constrained = beam_step_constraints(constraints, step_index[0], params.max_tokens)
+            step_index[0] += 1
+            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True,
+                                  generation_constraints=constrained)
             outputs = self.generate(requests, step, use_tqdm=False)
             bar.update(1)
             return [{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]

@@ -19,6 +19,7 @@ from functools import partial
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import StepFailed
 from kvserve.engine.worker.executor_protocol import Executor
+from kvserve.engine.generation_config import load_generation_config
 from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
 from kvserve.engine.core.kv_cache_manager import KVCacheManager, prefix_root
@@ -89,6 +90,8 @@ class LLMEngine:
             _check_encoder_decoder(args, tp_size)
         task = resolve_task(args.task, files.model_path, files.hf_config)
         pooler = None if is_encoder_decoder else read_pooler_config(files.model_path, files.hf_config)
+        generation_config = load_generation_config(model_config.generation_config, files.model_path,
+                                                   files.hf_config.vocab_size, files.eos_token_ids)
         self.runner: Executor
         if tp_size == 1:
             from kvserve.engine.worker.runner import ModelRunner
@@ -122,6 +125,7 @@ class LLMEngine:
             decoder_start_token_id=files.decoder_start_token_id,
             task=task,
             pooler=pooler,
+            generation_config=generation_config,
         )
         self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -155,6 +159,9 @@ class LLMEngine:
                     self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
                     self.info.max_model_len, self.info.kv_capacity_tokens,
                     self.runner.weights_report.describe())
+        if applied := generation_config.describe():  # (vLLM's words, which users grep for)
+            logger.info("Default sampling parameters have been overridden by the model's generation config "
+                        "(%s): %s", generation_config.source, applied)
 
     # ---- requests ----------------------------------------------------------
     def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
@@ -178,13 +185,16 @@ class LLMEngine:
         encoder_ids = tuple(processed.prompt_token_ids) if processed.decoder_prompt_token_ids is not None else ()
         decoder_prompt = processed.decoder_prompt_token_ids or processed.prompt_token_ids
         root = prefix_root(processed.cache_salt, encoder_ids)
+        constraints = (params.generation_constraints if params.generation_constraints is not None
+                       else self.info.generation_config.constraints)
+        constraints = None if constraints is None or constraints.is_empty else constraints
         children = [
             Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
                 arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority,
-                pooling=processed.pooling)
+                pooling=processed.pooling, constraints=constraints)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:

@@ -17,7 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.structured_output.limits import walk_schema
+import msgspec
+
+from kvserve.engine.structured_output.schema import walk_schema
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -40,6 +42,25 @@ MIN_TOP_P = 1e-8
 MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
 
+
+class GenerationConstraints(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """transformers' logits processors that a checkpoint's generation_config.json switches on, as
+    one request applies them (engine/generation_config.py, docs/generation_config.md). Lengths
+    count the sequence's tokens: the prompt and the output (an encoder-decoder's decoder tokens)."""
+
+    no_repeat_ngram_size: int = 0  # no n-gram of this size occurs twice (0: off)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
+    min_length: int = 0  # EOS banned while the sequence is shorter
+    min_new_tokens: int = 0  # EOS banned while the output is shorter
+    forced_bos_token_id: int | None = None  # the token after a one-token sequence (a decoder's start)
+    forced_eos_token_ids: tuple[int, ...] = ()  # forced as the request's last token (max_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return self == _NO_CONSTRAINTS
+
+
+_NO_CONSTRAINTS = GenerationConstraints()
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -124,7 +145,8 @@ class SamplingParams:
     `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
     (engine/structured_output/grammar.py; a dict is turned into `StructuredOutputs`); `logit_bias` maps
     token ids to a bias in [-100, 100] added to their logits (ids are checked against the
-    vocabulary when the request is added).
+    vocabulary when the request is added). `generation_constraints` replaces the checkpoint's
+    generation-config processors for this request (None: the checkpoint's, per `generation_config`).
     """
 
     n: int = 1
@@ -148,6 +170,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
     speculative: bool = True  # False: this request never speculates (engine/spec_decode/proposer.py)
+    generation_constraints: GenerationConstraints | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -201,6 +224,10 @@ class SamplingParams:
         )
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.generation_constraints is not None and not isinstance(self.generation_constraints,
+                                                                      GenerationConstraints):
+            raise ValueError(f"generation_constraints must be a GenerationConstraints, got "
+                             f"{self.generation_constraints!r}")
 
     @property
     def is_greedy(self) -> bool:

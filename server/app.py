@@ -127,7 +127,7 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
         is_encoder_decoder=model_config.decoder_start_token_id is not None,
         decoder_start_token_id=model_config.decoder_start_token_id,
         reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, chat_template or engine.chat_template),
-        scheduling_policy=config.scheduling_policy,
+        scheduling_policy=config.scheduling_policy, generation_config=model_config.generation_config,
     )
     metrics = ServerMetrics(engine, names[0])
     max_queue = resolve_max_queue(config.max_queue, config.max_num_seqs, engine.stats().num_kv_blocks_total)

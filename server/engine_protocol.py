@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from kvserve.engine.generation_config import GenerationConfig
     from kvserve.engine.outputs import EngineStats, RequestOutput
     from kvserve.engine.pooling_params import PoolerConfig, PoolingParams
     from kvserve.engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class ModelInfo(Protocol):
     decoder_start_token_id: int | None  # encoder-decoder models only
     task: str  # "generate" | "embed"
     pooler: PoolerConfig | None  # embedding defaults; None: the model cannot embed
+    generation_config: GenerationConfig  # --generation-config: request defaults and processors
 
 
 class ServingEngine(Protocol):

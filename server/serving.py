@@ -16,6 +16,7 @@ from contextlib import aclosing
 from typing import Any
 
 from kvserve.engine.beam_search import BeamSearch
+from kvserve.engine.generation_config import beam_step_constraints
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -231,19 +232,26 @@ class Serving:
         decoder_start = vreq.decoder_prompt_token_ids or [start_id]
         beam_starts = [decoder_start if start_id is not None else p.token_ids for p in vreq.prompts]
         search = BeamSearch(beam_starts, vreq.beam, self.engine.model_config.eos_token_ids)
-        step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True)
+        constraints = self.engine.model_config.generation_config.constraints
 
-        async def next_token_logprobs(request_id: str, prompt_idx: int, token_ids: list[int]) -> dict[int, float]:
+        def step_params(step: int) -> SamplingParams:   # the checkpoint's processors as of this step
+            return SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True,
+                                  generation_constraints=beam_step_constraints(constraints, step, vreq.beam.max_tokens))
+
+        async def next_token_logprobs(request_id: str, prompt_idx: int, token_ids: list[int],
+                                      params: SamplingParams) -> dict[int, float]:
             final = None
             source, decoder = ((vreq.prompts[prompt_idx].token_ids, token_ids) if start_id is not None
                                else (token_ids, None))
-            async with aclosing(self._engine_stream(vreq, request_id, source, step_params, None, decoder)) as stream:
+            async with aclosing(self._engine_stream(vreq, request_id, source, params, None, decoder)) as stream:
                 async for final in stream:
                     pass
             return {token: lp.logprob for token, lp in final.outputs[0].logprobs[0].items()}
 
         while beams := search.live_beams():
-            tasks = [asyncio.ensure_future(next_token_logprobs(f"{vreq.request_id}-beam{search.step}-{j}", i, tokens))
+            params = step_params(search.step)
+            tasks = [asyncio.ensure_future(next_token_logprobs(f"{vreq.request_id}-beam{search.step}-{j}", i, tokens,
+                                                               params))
                      for j, (i, tokens) in enumerate(beams)]
             try:
                 search.advance(await asyncio.gather(*tasks))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kvserve.engine import SamplingParams, StructuredOutputs
 from kvserve.engine.beam_search import BeamSearchParams
+from kvserve.engine.generation_config import GenerationConfig
 from kvserve.engine.structured_output.limits import GrammarLimits, check_limits
 from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
 from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
@@ -97,6 +98,8 @@ class ModelLimits:
     is_encoder_decoder: bool = False
     decoder_start_token_id: int | None = None   # encoder-decoder models: the decoder's first token
     reasoning_parser: ReasoningParser | None = None   # --reasoning-parser (None: no split)
+    # --generation-config: the checkpoint's defaults for fields a request leaves out
+    generation_config: GenerationConfig = GenerationConfig()
 
 
 def new_request_id(prefix: str) -> str:
@@ -291,9 +294,10 @@ _NOT_WITH_BEAMS = ("stream", "logprobs", "top_logprobs", "echo", "stop", "stop_t
                    "structured_outputs", "tools")
 
 
-def beam_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams | None:
-    """The request's beam search settings (None without use_beam_search); 400 for a field beam
-    search cannot honour, or a beam setting without use_beam_search."""
+def beam_params(req: SamplingFields, max_tokens: int, defaults: GenerationConfig) -> BeamSearchParams | None:
+    """The request's beam search settings (None without use_beam_search; `length_penalty` and
+    `early_stopping` left out: the checkpoint's); 400 for a field beam search cannot honour, or a
+    beam setting without use_beam_search."""
     if not req.use_beam_search:
         for name in ("length_penalty", "early_stopping"):
             if getattr(req, name) is not None:
@@ -307,24 +311,31 @@ def beam_params(req: SamplingFields, max_tokens: int) -> BeamSearchParams | None
     if req.temperature:
         raise bad_request("use_beam_search ranks hypotheses by the model's own log-probabilities: temperature "
                           "must be 0 or unset", param="temperature")
+    length_penalty = req.length_penalty if req.length_penalty is not None else defaults.length_penalty
+    early_stopping = req.early_stopping if req.early_stopping is not None else defaults.early_stopping
     try:
         return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens,
-                                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
-                                early_stopping=bool(req.early_stopping) if req.early_stopping != "never" else "never",
+                                length_penalty=1.0 if length_penalty is None else length_penalty,
+                                early_stopping=bool(early_stopping) if early_stopping != "never" else "never",
                                 ignore_eos=bool(req.ignore_eos))
     except ValueError as exc:
         message = str(exc).replace("beam_width", "n (the beam width)")
         raise bad_request(message, param="n" if "beam_width" in str(exc) else param_for_message(message)) from None
 
 
-def _sampling_params(req: SamplingFields, param_names: dict[str, str], **kwargs: Any) -> SamplingParams:
-    """Build SamplingParams from the request's set fields; its ValueError becomes a 400 naming the field."""
+def _sampling_params(req: SamplingFields, param_names: dict[str, str], defaults: GenerationConfig,
+                     **kwargs: Any) -> SamplingParams:
+    """Build SamplingParams from the request's set fields, then the checkpoint's defaults
+    (--generation-config) for the sampling fields it left out; its ValueError becomes a 400 naming the field."""
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
                  "speculative"):
         value = getattr(req, name)
         if value is not None and kwargs.get(name) is None:   # a caller's value wins over the default
             kwargs[name] = value
+    for name, value in defaults.sampling_defaults.items():
+        if name != "max_tokens" and kwargs.get(name) is None:
+            kwargs[name] = int(value) if name == "top_k" else value
     kwargs["n"] = req.n or 1
     if req.stop:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -371,7 +382,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
             _check_decoder_length(len(prompt.token_ids), decoder_prompt_token_ids, engine_max_tokens, limits)
     constraint, constraint_param = structured_outputs(req, limits)
     params = _sampling_params(
-        req, {"prompt_logprobs": "logprobs"},
+        req, {"prompt_logprobs": "logprobs"}, limits.generation_config,
         max_tokens=engine_max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if is_echo and req.logprobs is not None else None,
@@ -383,7 +394,7 @@ def validate_completion(req: CompletionRequest, limits: ModelLimits, tokenizer: 
         is_scoring_only=is_scoring_only, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, cache_salt=req.cache_salt,
-        beam=beam_params(req, max_tokens), decoder_prompt_token_ids=decoder_prompt_token_ids,
+        beam=beam_params(req, max_tokens, limits.generation_config), decoder_prompt_token_ids=decoder_prompt_token_ids,
         priority=req.priority or 0,
     )
 
@@ -463,7 +474,8 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
           and "skip_special_tokens" not in req.model_fields_set):
         skip_special_tokens = False   # the call marker is a special token
     params = _sampling_params(
-        req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, skip_special_tokens=skip_special_tokens,
+        req, {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, limits.generation_config,
+        skip_special_tokens=skip_special_tokens,
         max_tokens=max_tokens, logprobs=num_logprobs, logit_bias=logit_bias(req, limits),
         structured_outputs=constraint,
     )
@@ -476,7 +488,7 @@ def validate_chat(req: ChatCompletionRequest, limits: ModelLimits, tokenizer: An
         num_logprobs=num_logprobs, is_echo=False, is_scoring_only=False, is_stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         structured_outputs_param=constraint_param, tools=tool_plan, cache_salt=req.cache_salt,
-        beam=beam_params(req, max_tokens), reasoning=reasoning, reasoning_state=reasoning_state,
+        beam=beam_params(req, max_tokens, limits.generation_config), reasoning=reasoning, reasoning_state=reasoning_state,
         priority=req.priority or 0,
     )
 

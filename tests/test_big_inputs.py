@@ -20,6 +20,7 @@ from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fix
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from kvserve.engine import SamplingParams
+from kvserve.engine.generation_config import GenerationConfig
 from kvserve.engine.input_processor import (
     INLINE_MAX_CHARS,
     PromptTooLongError,
@@ -172,7 +173,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(model_path="/fake", dtype="float32", device="cpu",
                                             max_model_len=max_model_len, vocab_size=len(tokenizer), block_size=16,
                                             quantization="none", weight_bytes=0, eos_token_ids=(),
-                                            decoder_start_token_id=None)
+                                            decoder_start_token_id=None, generation_config=GenerationConfig())
         self.is_healthy = True
         self.num_generated = 0
 

@@ -21,7 +21,8 @@ pytest.importorskip("xgrammar")
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import EngineArgs  # noqa: E402
-from kvserve.engine.structured_output.limits import GrammarLimits, check_limits, walk_schema  # noqa: E402
+from kvserve.engine.structured_output.limits import GrammarLimits, check_limits  # noqa: E402
+from kvserve.engine.structured_output.schema import walk_schema  # noqa: E402
 from kvserve.engine.errors import EngineOverloadedError  # noqa: E402
 from kvserve.engine.sampling_params import StructuredOutputs  # noqa: E402
 from server_fixtures import ServerProcess, metric, scrape, server_checkpoint  # noqa: E402,F401

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvserve.engine import SamplingParams
+from kvserve.engine.generation_config import GenerationConfig
 from kvserve.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from kvserve.server.chat import load_chat_template, render_chat
 from kvserve.server.cli import build_parser, load_config, main
@@ -167,7 +168,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(model_path="/fake", dtype="float32", device="cpu", max_model_len=64,
                                             vocab_size=len(tokenizer), block_size=16,
                                             quantization="none", weight_bytes=0, eos_token_ids=(),
-                                            decoder_start_token_id=None)
+                                            decoder_start_token_id=None, generation_config=GenerationConfig())
         self.is_healthy = True
         self.mode = "ok"
         self.aborted: list[str] = []

@@ -10,7 +10,7 @@ from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 
 if TYPE_CHECKING:
     from kvserve.engine.pooling_params import PoolingParams
-    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +40,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority", "pooling",
+        "priority", "pooling", "constraints",
     )
 
     def __init__(
@@ -58,6 +58,7 @@ class Request:
         encoder_token_ids: tuple[int, ...] = (),
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        constraints: GenerationConstraints | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -92,6 +93,8 @@ class Request:
         # an embedding request (defaults resolved): a prefill that samples nothing and finishes once its
         # prompt is computed; `params` then only fills the runner's sampling row
         self.pooling = pooling
+        # generation-config processors on its logits (engine/generation_logits.py); None: none
+        self.constraints = constraints
 
     @property
     def schedule_key(self) -> tuple[int, float]:

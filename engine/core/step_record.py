@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvserve.engine.sampling_params import GenerationConstraints
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -49,6 +51,10 @@ class SamplingInputs(_Record, gc=False):
     num_logprobs: int | None  # top-k logprobs per sampled token; None = no logprobs at all
     num_prompt_logprobs: int | None  # None = no prompt logprobs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to this row's logits
+    # generation-config processors (engine/generation_logits.py), with what they need to know
+    constraints: GenerationConstraints | None = None
+    max_tokens: int = 0  # forced EOS comes as the max_tokens-th output
+    eos_token_ids: tuple[int, ...] = ()  # banned below min_length
 
     @classmethod
     def from_request(cls, request: Request) -> SamplingInputs:
@@ -60,7 +66,10 @@ class SamplingInputs(_Record, gc=False):
                    repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                    frequency_penalty=p.frequency_penalty, seed=request.seed, min_tokens=p.min_tokens,
                    suppressed_token_ids=tuple(suppressed), num_logprobs=p.logprobs,
-                   num_prompt_logprobs=p.prompt_logprobs, logit_bias=tuple(sorted((p.logit_bias or {}).items())))
+                   num_prompt_logprobs=p.prompt_logprobs, logit_bias=tuple(sorted((p.logit_bias or {}).items())),
+                   **({} if request.constraints is None else dict(
+                       constraints=request.constraints, max_tokens=request.max_tokens,
+                       eos_token_ids=tuple(request.eos_token_ids))))
 
     @property
     def has_penalties(self) -> bool:

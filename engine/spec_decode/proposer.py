@@ -102,7 +102,10 @@ class Proposer:
 
 def eligible(request: Request) -> bool:
     """Whether a request may speculate now: not one that opted out, and not while min_tokens bans
-    its stop ids or EOS (the ban holds for some draft rows and not for others)."""
+    its stop ids or EOS (the ban holds for some draft rows and not for others), nor one with
+    generation-config processors (they hold per row of its own tokens)."""
     p = request.params
+    if request.constraints is not None:
+        return False
     bans = bool(p.stop_token_ids) or (not p.ignore_eos and bool(request.eos_token_ids))
     return p.speculative and not (bans and request.num_output_tokens < p.min_tokens)

@@ -18,7 +18,7 @@ import torch
 
 from kvserve.engine.worker.pooler import POOLING_CODES
 from kvserve.engine.worker.sampler import SamplingTensors, _to_device, _to_int64
-from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
+from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS, GenerationConstraints
 from kvserve.engine.core.step_record import NewRequestData, StepRecord
 
 _NO_LOGPROBS = -1  # host arrays only: the row wants no (prompt) logprobs
@@ -60,6 +60,8 @@ class InputBatch:
         self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
         self.logit_bias: list[tuple[tuple[int, float], ...]] = []  # [n] (token id, bias) pairs
+        # [n] generation-config processors: (constraints, max_tokens, eos ids), None for most rows
+        self.constraints: list[tuple[GenerationConstraints, int, tuple[int, ...]] | None] = []
         self.rows_version = 0  # bumped whenever rows join, leave or move (caches key on it)
         # prompt positions already scored, per request: survives a preemption (the recompute
         # must not score them twice), dropped when the request finishes
@@ -122,6 +124,7 @@ class InputBatch:
         self.req_ids = [self.req_ids[i] for i in order]
         self.suppressed = [self.suppressed[i] for i in order]
         self.logit_bias = [self.logit_bias[i] for i in order]
+        self.constraints = [self.constraints[i] for i in order]
         self.row_of = {r: i for i, r in enumerate(self.req_ids)}
         self._sampling = None
         self.rows_version += 1
@@ -166,6 +169,7 @@ class InputBatch:
         self.num_prompt_logprobs[row] = _NO_LOGPROBS if s.num_prompt_logprobs is None else s.num_prompt_logprobs
         self.suppressed.append(s.suppressed_token_ids)
         self.logit_bias.append(s.logit_bias)
+        self.constraints.append(None if s.constraints is None else (s.constraints, s.max_tokens, s.eos_token_ids))
         if s.has_penalties or self.output_counts is not None:
             self._ensure_penalty_rows(row + 1)
         if self.output_counts is not None:

@@ -1,11 +1,13 @@
-"""Per-row changes to the step's logits before the sampler: `logit_bias`, then grammar bitmasks.
+"""Per-row changes to the step's logits before the sampler: `logit_bias`, then the generation
+config's processors (engine/generation_logits.py), then grammar bitmasks.
 
-Both touch only the rows that need them, batched (one indexed add for every biased row,
-one masking call for every constrained row), and both run before the sampler, so
+Each touches only the rows that need them, batched (one indexed add for every biased row,
+one masking call for every constrained row), and all run before the sampler, so
 temperature, top-k/top-p/min-p and penalties then work inside what is left.
 Bias comes first so that a +100 bias cannot re-allow a token the grammar forbids.
-An unconstrained, unbiased batch builds nothing: the check is two host-side values.
-Logprobs returned to the user are those of the logits after these changes.
+An unconstrained, unbiased batch builds nothing: the check is three host-side values.
+Logprobs returned to the user are those of the logits after these changes (after the
+generation config's, transformers' processed scores: `logprob_shift`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvserve.engine.generation_logits import apply_constraints
 from kvserve.engine.worker.input_batch import InputBatch
 from kvserve.engine.spec_decode.verify import SpecRows
 from kvserve.engine.core.step_record import GrammarBitmask
@@ -25,17 +28,23 @@ class LogitsProcessors:
         self.device = device
         self._bias_key: tuple[int, int] | None = None  # (rows_version, num_rows) of the cached bias
         self._bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._constrained_key: tuple[int, int] | None = None
+        self._constrained: list[int] = []  # batch rows with generation-config processors
+        # [B or R] added by the sampler to the logprobs it returns (generation_logits.py); None: nothing
+        self.logprob_shift: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
                  spec: SpecRows | None = None) -> torch.Tensor:
         """`logits` [B, V] for rows 0..B-1 of the batch (with `spec`, a speculative step's [R, V]:
         several rows per speculating request); modified in place and returned."""
+        self.logprob_shift = None
         if spec is not None:
             return self._expanded(logits, grammar, num_rows, spec)
         bias = self._bias_tensors(num_rows)
         if bias is not None:
             rows, ids, values = bias
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        self._constrain(logits, num_rows, None)
         if grammar is not None:
             apply_bitmask(logits, grammar, self.device)
         return logits
@@ -51,9 +60,26 @@ class LogitsProcessors:
             ids = torch.tensor([t for _, pairs in biased for t, _ in pairs], device=self.device)
             values = torch.tensor([b for _, pairs in biased for _, b in pairs], device=self.device)
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        self._constrain(logits, num_rows, spec)
         if grammar is not None:
             apply_bitmask(logits, grammar, self.device)
         return logits
+
+    def _constrain(self, logits: torch.Tensor, num_rows: int, spec: SpecRows | None) -> None:
+        """The generation config's bans and forced tokens (a constrained request never speculates:
+        with `spec`, its one logits row is its first)."""
+        b = self.batch
+        key = (b.rows_version, num_rows)
+        if key != self._constrained_key:
+            self._constrained_key = key
+            self._constrained = [i for i, c in enumerate(b.constraints[:num_rows]) if c is not None]
+        if not self._constrained:
+            return
+        first = None if spec is None else spec.first_row.tolist()
+        rows = [(i if first is None else first[i], i, *b.constraints[i]) for i in self._constrained]
+        with_shift = bool((b.num_logprobs[:num_rows] >= 0).any())
+        self.logprob_shift = apply_constraints(logits, rows, b.token_ids, b.num_tokens, b.num_prompt_tokens,
+                                               with_shift)
 
     def _bias_tensors(self, num_rows: int):
         """(rows [R, 1], ids [R, L], values [R, L]) for the biased rows, rebuilt when the rows change."""

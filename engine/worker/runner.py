@@ -209,7 +209,10 @@ class ModelRunner:
         if is_sampled.any():  # else every request is mid-way through a chunked prefill
             grammar = grammar_bitmask() if grammar_bitmask is not None else None
             logits = self.logits_processors(logits, grammar, num_reqs)  # no-op when unused
-            out = self.sampler(logits, batch.sampling_tensors(num_reqs))
+            tensors = batch.sampling_tensors(num_reqs)
+            if self.logits_processors.logprob_shift is not None:
+                tensors = replace(tensors, logprob_shift=self.logits_processors.logprob_shift)
+            out = self.sampler(logits, tensors)
             token_ids = out.sampled_token_ids.cpu().numpy()  # [B] the one device->host sync
             if is_sampled.all():
                 sampled = token_ids.tolist()
@@ -234,6 +237,8 @@ class ModelRunner:
         drafts = [step.spec_token_ids.get(r, ()) for r in step.req_ids]
         tensors = expand_sampling(batch.sampling_tensors(num_reqs), spec, batch.is_seeded[:num_reqs], drafts,
                                   self.device)
+        if self.logits_processors.logprob_shift is not None:
+            tensors = replace(tensors, logprob_shift=self.logits_processors.logprob_shift)
         out = self.sampler(logits, tensors)
         token_ids = out.sampled_token_ids.cpu().numpy()  # [R] the one device->host sync
         new_tokens, num_accepted = accept(token_ids, spec, drafts)

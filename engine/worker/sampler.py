@@ -70,6 +70,9 @@ class SamplingTensors:
     # penalty state kept on the device by the runner's InputBatch (used instead of the id lists)
     prompt_mask: Tensor | None = None  # [B, V] bool, token occurs in the prompt
     output_counts: Tensor | None = None  # [B, V] float32, occurrences in the output
+    # [B] float32 added to the returned logprobs: the generation config's processed scores
+    # (engine/generation_logits.py); None = nothing to add
+    logprob_shift: Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -175,7 +178,8 @@ class Sampler:
         if t.all_greedy and plain:  # with logprobs (beam search asks for them every step)
             # the raw logits' argmax: no token is strictly more likely, so every rank is 1 (one
             # pass over [B, V] fewer than counting)
-            return _logprob_output(logits, cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True)
+            return _logprob_output(logits, cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True,
+                                   shift=t.logprob_shift)
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:
@@ -200,7 +204,7 @@ class Sampler:
                 token_ids = torch.where(is_greedy, x.argmax(dim=-1), token_ids)
         if not t.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None, None)
-        return _logprob_output(raw, token_ids, t.max_num_logprobs)
+        return _logprob_output(raw, token_ids, t.max_num_logprobs, shift=t.logprob_shift)
 
 
 def apply_suppression(logits: Tensor, token_ids: Tensor) -> Tensor:
@@ -361,9 +365,11 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are_1: bool = False) -> SamplerOutput:
+def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are_1: bool = False,
+                    shift: Tensor | None = None) -> SamplerOutput:
     """The log-softmax of the raw logits [B, V] (any float dtype) at the sampled tokens and its top
-    `num_logprobs`, and each sampled token's rank (1 + tokens strictly more likely)."""
+    `num_logprobs` (plus `shift` [B] per row), and each sampled token's rank (1 + tokens strictly
+    more likely)."""
     k = min(num_logprobs, raw.shape[1])
     fused = cpu_ops.logprobs_topk(raw, token_ids, k)  # one op with a CPU kernel set, else None
     if fused is not None:
@@ -374,6 +380,9 @@ def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are
         sampled_logprobs = (raw.gather(1, token_ids[:, None]) - log_norm).squeeze(1)
         topk_logprobs, topk_ids = raw.topk(k, dim=-1)
         topk_logprobs = topk_logprobs - log_norm
+    if shift is not None:
+        sampled_logprobs = sampled_logprobs + shift
+        topk_logprobs = topk_logprobs + shift[:, None]
     if ranks_are_1:
         ranks = torch.ones_like(token_ids)
     else:  # (comparisons are exact in the logits' own dtype)
