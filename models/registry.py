@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
+from kvserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -20,6 +21,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # the text decoder only
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,
