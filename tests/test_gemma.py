@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 import transformers
+from gguf_files import make_gguf
 from gemma_checkpoints import SLIDING_WINDOW, gemma_config, gemma_tensors, make_gemma_checkpoint
 from test_engine import MAX_TOKENS, assert_greedy_matches, assert_no_leaks, greedy, make_llm
 from test_engine import make_prompts as engine_prompts
@@ -24,7 +25,7 @@ from kvserve.models.attention import Attention
 from kvserve.models.checkpoint_writer import write_checkpoint
 from kvserve.models.gemma import GemmaRMSNorm
 from kvserve.models.hf_config import load_hf_config
-from kvserve.models.loader import get_max_model_len, load_model
+from kvserve.models.loader import get_max_model_len, load_model, resolve_model_path
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES
 
 FAMILIES = ("gemma2", "gemma3")
@@ -139,6 +140,7 @@ def test_norm_weight_plus_one_is_exact_in_fp32():
         assert torch.equal(norm.weight, 1.0 + w.float())
 
 
+@pytest.mark.usefixtures("kernel_set")  # once per CPU kernel set this machine runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_cpu_kernels_close_to_fp32(tmp_path, family):
     """bf16 weights on the CPU backend (packed matmuls, fused rotary/cache ops; the C++ attention
@@ -154,6 +156,32 @@ def test_bf16_cpu_kernels_close_to_fp32(tmp_path, family):
         probs_g, probs_w = g.softmax(-1), w.softmax(-1)
         assert (probs_g - probs_w).abs().max() < 0.05
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_file_loads_the_checkpoints_weights_exactly(tmp_path, family, dtype):
+    """An F32 file written as llama.cpp's converter writes it (norm weights stored as 1 + w) gives
+    the safetensors checkpoint's parameters bit for bit, the same layer set-up, the same logits."""
+    path = make_gguf(tmp_path, family, "F32", dtype=dtype, query_pre_attn_scalar=32)  # llama.cpp: head_dim
+    models = []
+    for model_path in (resolve_model_path(str(path)), str(tmp_path / "hf")):
+        config = load_hf_config(model_path)
+        assert config.architectures == [{"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]]
+        models.append(load_model(model_path, config, torch.float32, "cpu", quantization="none"))
+    from_gguf, from_safetensors = models
+    want = dict(from_safetensors.named_parameters())
+    for name, param in from_gguf.named_parameters():
+        assert torch.equal(param, want[name]), name
+    for a, b in zip(*[[m for m in model.modules() if isinstance(m, Attention)] for model in models], strict=True):
+        assert (a.sliding_window, a.scale, a.logit_softcap) == (b.sliding_window, pytest.approx(b.scale),
+                                                                 b.logit_softcap)
+        assert a.rotary.params == b.rotary.params
+    assert from_gguf.final_logit_softcap == from_safetensors.final_logit_softcap
+    prompts = make_prompts(from_gguf.config.vocab_size, [3, 17])
+    got, want_logits = [PagedRunner(m, 4).step([(i, p, 0) for i, p in enumerate(prompts)]) for m in models]
+    for g, w in zip(got, want_logits):
+        assert torch.equal(g, w)
 
 
 def _multimodal_checkpoint(path, hf_naming_v4: bool) -> tuple[str, torch.nn.Module]:
