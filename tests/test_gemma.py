@@ -233,3 +233,16 @@ def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path, caplog, hf_nami
 
 def test_registered():
     assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"} <= set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_matches_single_rank(gemma_dirs, family):
+    """tp=2 (gloo) against tp=1 with chunked prefill, prefix-cache hits and preemptions in the run
+    (tests/test_tensor_parallel.py's set-up)."""
+    from test_tensor_parallel import _compare_tokens, _run
+
+    want, want_stats = _run(gemma_dirs[family], 1)
+    got, got_stats = _run(gemma_dirs[family], 2)
+    assert got_stats["tp"] == 2 and want_stats["preemptions"] > 0 and want_stats["prefix_hits"] > 0
+    for i, (a, b) in enumerate(zip(want, got)):
+        _compare_tokens(a.outputs[0], b.outputs[0], f"{family} request {i}")
