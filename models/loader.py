@@ -231,8 +231,7 @@ def load_model(
     report.weight_bytes = weight_bytes(model)
     model.weights_report = report
     attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-    backend = select_backend(attention_backend, device, dtype, {layer.head_dim for layer in attn_layers},
-                             has_softcap=any(layer.logit_softcap is not None for layer in attn_layers))
+    backend = select_backend(attention_backend, device, dtype, {layer.head_dim for layer in attn_layers})
     for layer in attn_layers:
         layer.backend = backend
     bind_ops(model, select_ops(device, dtype, backend.name))

@@ -143,14 +143,15 @@ def test_norm_weight_plus_one_is_exact_in_fp32():
 @pytest.mark.usefixtures("kernel_set")  # once per CPU kernel set this machine runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_cpu_kernels_close_to_fp32(tmp_path, family):
-    """bf16 weights on the CPU backend (packed matmuls, fused rotary/cache ops; the C++ attention
-    kernels where no soft-capping) against the fp32 model on the same bf16 checkpoint."""
+    """bf16 on the CPU backend (packed matmuls, fused rotary/cache ops, the C++ attention kernels,
+    soft-capping included) against the fp32 model on the same bf16 checkpoint."""
     path = make_gemma_checkpoint(tmp_path / family, family, dtype="bfloat16")
     config = load_hf_config(path)
     prompts = make_prompts(config.vocab_size, [3, 17, 26])
     want = PagedRunner(load_model(path, config, torch.float32, "cpu"), 4).step(
         [(i, p, 0) for i, p in enumerate(prompts)])
     model = load_model(path, config, torch.bfloat16, "cpu", attention_backend="cpu")
+    assert next(m for m in model.modules() if isinstance(m, Attention)).backend.paged_kernels
     got = PagedRunner(model, 4).step([(i, p, 0) for i, p in enumerate(prompts)])
     for g, w in zip(got, want):
         probs_g, probs_w = g.softmax(-1), w.softmax(-1)

@@ -10,7 +10,6 @@ cycle (tests/test_import_graph.py).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -22,14 +21,11 @@ if TYPE_CHECKING:
     from kvserve.models.attention.layer import AttentionBackend
 
 BACKENDS = ATTENTION_BACKENDS
-logger = logging.getLogger(__name__)
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int],
-                   has_softcap: bool = False) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int]) -> AttentionBackend:
     """The backend called `name` ('auto': the device's best) for a model on `device`; ValueError
-    naming the reason when it cannot run there. `has_softcap`: some layer soft-caps its scores
-    (the CPU backend's C++ kernels cannot; those layers use the torch reference, logged)."""
+    naming the reason when it cannot run there."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -41,11 +37,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
             raise ValueError(f"attention_backend 'cpu' needs device cpu, got {device}")
         from kvserve.models.attention.cpu import CpuAttentionBackend
 
-        backend = CpuAttentionBackend(dtype, head_dims)
-        if has_softcap and backend.paged_kernels:
-            logger.info("attention: the CPU kernels have no logit soft-capping; soft-capped layers attend "
-                        "with the PyTorch reference")
-        return backend
+        return CpuAttentionBackend(dtype, head_dims)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
     if not _triton_available():

@@ -6,8 +6,7 @@
   paged decode kernel for all decode rows at once and the flash-style prefill kernel
   per prefill request, both reading K/V in place through the block table; otherwise
   gather + SDPA (faster than scalar C++ in fp32: `python -m benchmarks.bench_kernels`).
-  The C++ kernels have no logit soft-capping: a soft-capped layer (Gemma 2) attends with the
-  torch reference's soft-capped path (rotary and the cache write still use the C++ ops).
+  Both kernels soft-cap the scores of a layer with `logit_softcap` (Gemma 2).
 Which of these apply is settled once, when the loader builds the backend.
 """
 
@@ -52,18 +51,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super().write_kv(layer, k, v, slots)
 
     def decode(self, layer: Attention, plan: StepPlan, q: Tensor) -> Tensor:
-        if not self.paged_kernels or layer.logit_softcap is not None:
+        if not self.paged_kernels:
             return super().decode(layer, plan, q)
         if layer.kv_cache is None:
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
         return cpu_ops.paged_decode_attention(q, *layer.kv, plan.decode_block_table, plan.decode_seq_lens,
-                                              layer.scale, layer.sliding_window)
+                                              layer.scale, layer.sliding_window, softcap=layer.logit_softcap)
 
     def prefill(self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor,
                 v: Tensor) -> Tensor:
-        if not self.paged_kernels or layer.kv_cache is None or layer.logit_softcap is not None:
+        if not self.paged_kernels or layer.kv_cache is None:
             return super().prefill(layer, plan, p, q, k, v)
         # causal over the paged cache (this chunk's K/V are already written), no gathers
         return cpu_ops.paged_prefill_attention(q[p.start : p.start + p.query_len], *layer.kv,
                                                plan.meta.block_table[p.req_idx], p.seq_len, layer.scale,
-                                               layer.sliding_window)
+                                               layer.sliding_window, softcap=layer.logit_softcap)
