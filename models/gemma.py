@@ -171,6 +171,8 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, has_qk_norm: bool) -> None:
         super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):  # e.g. EmbeddingGemma: not a causal LM
+            raise ValueError("use_bidirectional_attention=True (an encoder, not a causal decoder) is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # sqrt(hidden) as HF multiplies by it: a tensor of the embedding dtype (bf16 rounds it)
         self.embed_scales = {dtype: float(torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu"))

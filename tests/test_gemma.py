@@ -232,6 +232,14 @@ def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path, caplog, hf_nami
     assert_close(PagedRunner(model, 4).step([(i, p, 0) for i, p in enumerate(prompts)]), want)
 
 
+def test_bidirectional_config_is_refused():
+    from kvserve.models.gemma import Gemma3ForCausalLM
+
+    config = transformers.Gemma3TextConfig(**{**gemma_config("gemma3", 100), "use_bidirectional_attention": True})
+    with torch.device("meta"), pytest.raises(ValueError, match="use_bidirectional_attention"):
+        Gemma3ForCausalLM(config)
+
+
 def test_registered():
     assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"} <= set(SUPPORTED_ARCHITECTURES)
 
