@@ -74,7 +74,7 @@ def _pack(fields: str):
 
 
 _LINEAR_BF16, _QUANT_LINEAR = _pack("PqqPqqPPq"), _pack("PqqqqPPqqPPqq")
-_DECODE, _PREFILL = _pack("PqqqqqPPqqPqPqdPqqP"), _pack("PqqqqqPPqqPqqdP")
+_DECODE, _PREFILL = _pack("PqqqqqPPqqPqPqdPqqPd"), _pack("PqqqqqPPqqPqqdPd")
 _LOGPROBS, _ARGMAX = _pack("PqqqqPqPPP"), _pack("PqqqP")
 _RMS_NORM, _ADD_RMS_NORM, _RMS_NORM_HEADS = _pack("PqPPqqdq"), _pack("PPqPPqqd"), _pack("PqqqqPd")
 _ROTARY, _SILU_AND_MUL = _pack("PqPqqqq"), _pack("PqPqq")
@@ -335,12 +335,14 @@ def _check_caches(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                           seq_lens: Tensor, scale: float, window: int | None, bias: Tensor | None = None) -> Tensor:
+                           seq_lens: Tensor, scale: float, window: int | None, bias: Tensor | None = None,
+                           softcap: float | None = None) -> Tensor:
     """q [B, H, D] bf16 (one token per request) over the paged cache [blocks, block_size, KvH, D] -> [B, H*D].
 
     `bias`: float32 [H, L] (L >= every seq_len) added to the scaled scores by distance from the
     query: key t of a request of length s gets `bias[h, L - s + t]`, so column L - 1 is the query's
-    own position (T5's relative bias, `distance_bias`). Where `attention_kernels_apply`."""
+    own position (T5's relative bias, `distance_bias`). `softcap` c: each scaled score s becomes
+    c * tanh(s / c) (Gemma 2; not with `bias`). Where `attention_kernels_apply`."""
     if q.dim() != 3 or q.stride(2) != 1:
         raise RuntimeError("q must be [B, H, D] with contiguous D")
     _check_caches(q, k_cache, v_cache)
@@ -360,15 +362,16 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     _check(_lib.kv_paged_decode_attention(_DECODE(
         q.data_ptr(), q.stride(0), q.stride(1), num_reqs, num_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.shape[2], k_cache.shape[1], block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-        window or 0, scale, bias_ptr, bias_stride, bias_len, out.data_ptr())))
+        window or 0, scale, bias_ptr, bias_stride, bias_len, out.data_ptr(), softcap or 0.0)))
     return out
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table_row: Tensor,
-                            seq_len: int, scale: float, window: int | None) -> Tensor:
+                            seq_len: int, scale: float, window: int | None, softcap: float | None = None) -> Tensor:
     """One request's new tokens q [Lq, H, D] (positions seq_len - Lq ..) over its paged cache -> [Lq, H*D].
 
-    bf16 with a kernel set loaded, head_dim a multiple of 32 (`attention_kernels_apply`)."""
+    bf16 with a kernel set loaded, head_dim a multiple of 32 (`attention_kernels_apply`); `softcap` as
+    in `paged_decode_attention`."""
     if q.dim() != 3 or q.stride(2) != 1:
         raise RuntimeError("q must be [Lq, H, D] bf16")
     _check_caches(q, k_cache, v_cache)
@@ -380,7 +383,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     out = torch.empty(lq, num_heads * head_dim, dtype=_BF16)
     _check(_lib.kv_paged_prefill_attention(_PREFILL(
         q.data_ptr(), q.stride(0), q.stride(1), lq, num_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.shape[2], k_cache.shape[1], block_table_row.data_ptr(), seq_len, window or 0, scale, out.data_ptr())))
+        k_cache.shape[2], k_cache.shape[1], block_table_row.data_ptr(), seq_len, window or 0, scale, out.data_ptr(),
+        softcap or 0.0)))
     return out
 
 

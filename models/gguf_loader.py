@@ -11,6 +11,10 @@ tokenizer come from the file's metadata through transformers' own GGUF support, 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
 halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
 matrices are stored [out, in] and go back to Conv1D's [in, out] that the model file expects.
+Gemma files store every norm weight w as `1 + w` (in fp32, the converter's `data + 1` on the
+fp32-converted tensor); the reader subtracts the 1, as transformers does. `g - 1` of an fp32
+`g = fl(1 + w)` is exact (Sterbenz for g in [0.5, 2]; a multiple of g's ulp above; exact adds below),
+so the model's `1 + (g - 1)` is `g` bit for bit: the safetensors checkpoint's value.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ _DECODER_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 2/3: "ffn_norm" is the norm before the MLP, and each sub-block has a norm after it too
+_GEMMA_BLOCK = {**_DECODER_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -45,6 +53,8 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor a file of `arch` may hold."""
     is_gpt2 = arch == "gpt2"
     glob, block = (_GPT2_GLOBAL, _GPT2_BLOCK) if is_gpt2 else (_DECODER_GLOBAL, _DECODER_BLOCK)
+    if arch in GEMMA_ARCHITECTURES:
+        block = _GEMMA_BLOCK
     prefix = "transformer.h" if is_gpt2 else "model.layers"
     names = {}
     for suffix in ("weight", "bias"):
@@ -89,6 +99,8 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             w = _unpermute(w, num_kv_heads)
         elif arch == "gpt2" and w.ndim == 2 and t.name.startswith("blk."):
             w = w.t()  # back to Conv1D's [in, out]
+        elif arch in GEMMA_ARCHITECTURES and t.name.endswith("norm.weight"):
+            w = w - 1.0  # the file holds Gemma's 1 + w; exact in fp32, and models/gemma.py adds the 1 back exactly
         yield hf_name, w
 
 

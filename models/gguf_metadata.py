@@ -35,12 +35,14 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
-_CONVERSION = 5  # part of the cache key: bump when `_convert` writes something else
+_CONVERSION = 6  # part of the cache key: bump when `_convert` writes something else
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -136,6 +138,36 @@ def gguf_metadata_dir(path: str | os.PathLike) -> Path:
     for warning in json.loads((target / _DONE).read_text())["warnings"]:
         logger.warning("%s %s", path, warning)
     return target
+
+
+# llama.cpp's layer counts of Gemma 2 27B and Gemma 3 27B: the only sizes whose query scale is
+# 1 / sqrt(hidden / heads) (their query_pre_attn_scalar) rather than 1 / sqrt(head_dim)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(config, reader, arch: str) -> None:
+    """What transformers' GGUF conversion leaves at its defaults, set as llama.cpp reads the file:
+    the query scale, the soft-capping values, which layers slide, and Gemma 3's two rotary bases
+    (`rope.freq_base_swa`, else llama.cpp's 10000, for sliding layers; `rope.freq_base` and a
+    linear `rope.scaling` for global ones)."""
+    num_layers = int(config.num_hidden_layers)
+    wide = num_layers == _GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = reader.get_field(f"{arch}.{key}")
+        if value is not None:  # else transformers' default, which is llama.cpp's too
+            setattr(config, key, float(value.contents()))
+    # sliding_window_pattern: n (every n-th layer global), or one bool per layer (True = sliding)
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+               else [(i + 1) % int(pattern) != 0 for i in range(num_layers)])
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if arch == "gemma3":
+        full = {"rope_type": "default", "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 1_000_000.0))}
+        if field(reader, f"{arch}.rope.scaling.type", "none") == "linear":
+            full.update(rope_type="linear", factor=float(field(reader, f"{arch}.rope.scaling.factor")))
+        local = {"rope_type": "default", "rope_theta": float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))}
+        config.rope_parameters = {"sliding_attention": local, "full_attention": full}
 
 
 def llama3_factors(dim: int, theta: float, factor: float, low: float, high: float, old_len: float) -> np.ndarray:
@@ -264,6 +296,8 @@ def _convert(path: Path, out: Path) -> None:
             config.rope_parameters = params
         else:
             config.rope_scaling = params
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(config, reader, arch)
     config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
     _tokenizer_as_the_file_says(out, reader)

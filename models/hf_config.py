@@ -99,7 +99,26 @@ def load_hf_config(model_dir: str | Path) -> Any:
         return config
     import transformers
 
-    return transformers.AutoConfig.from_pretrained(model_dir)
+    return text_part(transformers.AutoConfig.from_pretrained(model_dir))
+
+
+# Multimodal architectures served as their text decoder (models/registry.py): the config read is
+# the nested `text_config`, which carries what the engine reads (vocab_size, max_position_embeddings).
+TEXT_ONLY_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
+def text_part(config: Any) -> Any:
+    """`config`, or for a `TEXT_ONLY_ARCHITECTURES` model its `text_config` under the outer
+    architecture name (so the registry still picks the class that maps the weights' names)."""
+    architectures = getattr(config, "architectures", None) or []
+    text_config = getattr(config, "text_config", None)
+    if not architectures or architectures[0] not in TEXT_ONLY_ARCHITECTURES or text_config is None:
+        return config
+    text_config.architectures = list(architectures)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # the outer config's, when it has them
+        if getattr(config, key, None) is not None:
+            setattr(text_config, key, getattr(config, key))
+    return text_config
 
 
 def read_plain_config(raw: dict[str, Any]) -> CheckpointConfig | None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
+from kvserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
@@ -21,6 +22,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # the text decoder only
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # bare decoders without an LM head (sentence-transformers' embedding checkpoints): embeddings only
     "LlamaModel": LlamaModelForEmbedding,

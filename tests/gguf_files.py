@@ -15,13 +15,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 from checkpoints import make_checkpoint
-from safetensors.numpy import load_file
+from gemma_checkpoints import make_gemma_checkpoint
+from safetensors.torch import load_file
 
 from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from kvserve.models.gguf_loader import gguf_tensor_names
 from kvserve.models.gguf_metadata import llama3_factors
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+             "gemma2": "gemma2", "gemma3": "gemma3"}
+GEMMA = ("gemma2", "gemma3")
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -35,7 +38,8 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     `tokenizer_pre` is the pre-tokenizer type the file names, `add_bos` its add_bos_token (None:
     the file does not say)."""
     out_dir = Path(out_dir)
-    hf_dir = Path(make_checkpoint(out_dir / "hf", family, **overrides))
+    make = make_gemma_checkpoint if family in GEMMA else make_checkpoint
+    hf_dir = Path(make(out_dir / "hf", family, **overrides))
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[family]
     path = out_dir / "model.gguf"
@@ -47,7 +51,9 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     for hf_name, w in load_file(hf_dir / "model.safetensors").items():
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
-        w = w.astype(np.float32)
+        w = w.float().numpy()  # as the converter does first (bf16 included)
+        if arch in GEMMA and hf_name.endswith("norm.weight"):
+            w = w + np.float32(1)  # the converter stores Gemma's 1 + w (in fp32)
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, config["num_attention_heads"])
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
@@ -105,18 +111,37 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
         writer.add_layer_norm_eps(c["layer_norm_epsilon"])
         return
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if arch in GEMMA:
+        _add_gemma_config(writer, c)
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_rope_freq_base(c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    if arch != "gemma3":
+        writer.add_rope_freq_base(c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(c["vocab_size"])
+
+
+def _add_gemma_config(writer: gguf.GGUFWriter, c: dict) -> None:
+    """llama.cpp's Gemma keys: window, soft-capping, which layers slide, Gemma 3's rotary bases."""
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if c.get(key) is not None:
+            getattr(writer, f"add_{key}")(c[key])
+    if c["model_type"] == "gemma3_text":
+        full, local = c["rope_parameters"]["full_attention"], c["rope_parameters"]["sliding_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_rope_freq_base_swa(local["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None) -> None:

@@ -34,7 +34,7 @@ needs_bf16 = pytest.mark.usefixtures("kernel_set")
 
 
 
-def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, bias=None):
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, bias=None, softcap=None):
     """Gather each request's keys, mask, softmax in float64. q [B, H, D] -> [B, H*D].
     bias [H, L]: key t of a request of length n gets bias[:, L - n + t]."""
     num_reqs, num_heads, head_dim = q.shape
@@ -50,6 +50,8 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, 
         scores = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
         if bias is not None:
             scores = scores + bias[:, bias.shape[1] - n + pos].double()
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten())
     return torch.stack(outs)
 
@@ -381,6 +383,25 @@ def test_fused_rotary_avx512_path_is_bitwise_pytorch():
 @pytest.mark.parametrize("num_cached, num_new, window", [
     (0, 1, None), (0, 37, None), (0, 130, None), (45, 20, None), (100, 1, None), (0, 130, 40), (70, 33, 24)])
 def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, num_new, window):
+    check_paged_prefill(heads, head_dim, num_cached, num_new, window, None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_paged_attention_soft_caps_scores(heads, window):
+    """Gemma 2's logit soft-capping (a small cap, so that most scores are capped), decode and
+    prefill (a cached prefix, a window)."""
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 7, *heads, 64, 5)
+    q = q * 4  # large scores
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap=1.5)
+    ref = reference_decode(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap=1.5)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+    assert (got.double() - reference_decode(q, k_cache, v_cache, table, seq_lens, 0.125, window)).abs().max() > 0.1
+    check_paged_prefill(heads, 64, 45, 40, window, 1.5)
+
+
+def check_paged_prefill(heads, head_dim, num_cached, num_new, window, softcap):
     num_heads, num_kv_heads = heads
     seq_len = num_cached + num_new
     q1, k_cache, v_cache, _, _ = random_paged_case(torch.bfloat16, 1, num_heads, num_kv_heads, head_dim)
@@ -392,10 +413,10 @@ def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, 
     qkv = torch.randn(num_new, num_heads + num_kv_heads, head_dim, generator=g).bfloat16()
     q = qkv[:, :num_heads]  # strided, as the model passes it
     scale = head_dim**-0.5
-    got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, row, seq_len, scale, window)
+    got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, row, seq_len, scale, window, softcap=softcap)
     # each new token is a decode over the keys up to its own position
     ref = reference_decode(q, k_cache, v_cache, row.expand(num_new, -1),
-                           torch.arange(num_cached + 1, seq_len + 1), scale, window)
+                           torch.arange(num_cached + 1, seq_len + 1), scale, window, softcap=softcap)
     assert got.shape == (num_new, num_heads * head_dim)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
 

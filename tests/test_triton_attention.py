@@ -49,7 +49,7 @@ def make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32
     return kv[0], kv[1], block_table
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, bias=None):
+def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, bias=None, softcap=None):
     """[T, H, D] fp32: each request's keys gathered by block table, explicit causal/window mask;
     `bias` [H, L]: the score of key t for a query at position p gets bias[:, L - 1 - (p - t)]."""
     block_size = k_cache.shape[1]
@@ -62,6 +62,8 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, win
         v = v_cache[blk, pos % block_size].float().repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - query_len, seq_len)
         scores = torch.einsum("qhd,khd->hqk", q[row:row + query_len].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
             distance = (q_pos[:, None] - pos[None, :]).clamp(min=0)  # [Lq, S]
             scores = scores + bias[:, bias.shape[1] - 1 - distance]
@@ -75,27 +77,28 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, win
 
 
 def run_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, window=None, max_seq_len=None,
-               dtype=torch.float32, atol=1e-4):
+               dtype=torch.float32, atol=1e-4, softcap=None):
     k_cache, v_cache, block_table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     scale = head_dim ** -0.5
     out = ta.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
-                                    scale, window, max_seq_len or max(seq_lens))
+                                    scale, window, max_seq_len or max(seq_lens), softcap=softcap)
     assert out.shape == q.shape and out.dtype == dtype
-    ref = reference(q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), scale, window)
+    ref = reference(q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), scale, window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
 
 
 def run_prefill(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window=None,
-                dtype=torch.float32, atol=1e-4):
+                dtype=torch.float32, atol=1e-4, softcap=None):
     k_cache, v_cache, block_table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
     cu_seqlens_q = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim ** -0.5
     out = ta.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q,
-                                     torch.tensor(seq_lens, dtype=torch.int32), scale, window, max(query_lens))
+                                     torch.tensor(seq_lens, dtype=torch.int32), scale, window, max(query_lens),
+                                     softcap=softcap)
     assert out.shape == q.shape and out.dtype == dtype
-    ref = reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window)
+    ref = reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
 
 
@@ -109,6 +112,14 @@ def run_prefill(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_s
 def test_decode_gqa_head_dims_multiple_splits(num_heads, num_kv_heads, head_dim, block_size):
     # partitions of 32 keys: 1..3 splits per row, ragged across block boundaries
     run_decode([1, 17, 33, 70], num_heads, num_kv_heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_softcap_decode_and_prefill(window):
+    """Gemma 2's logit soft-capping (a small cap, so that it changes most scores), with and without
+    a window, decode over several splits and prefill after a cached prefix."""
+    run_decode([1, 17, 40], 4, 2, 32, 16, window=window, softcap=0.5)
+    run_prefill([9, 40], [9, 13], 4, 2, 32, 16, window=window, softcap=0.5)
 
 
 def test_decode_single_split_writes_out_directly():

@@ -6,6 +6,7 @@
   paged decode kernel for all decode rows at once and the flash-style prefill kernel
   per prefill request, both reading K/V in place through the block table; otherwise
   gather + SDPA (faster than scalar C++ in fp32: `python -m benchmarks.bench_kernels`).
+  Both kernels soft-cap the scores of a layer with `logit_softcap` (Gemma 2).
 Which of these apply is settled once, when the loader builds the backend.
 """
 
@@ -55,7 +56,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if layer.kv_cache is None:
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
         return cpu_ops.paged_decode_attention(q, *layer.kv, plan.decode_block_table, plan.decode_seq_lens,
-                                              layer.scale, layer.sliding_window)
+                                              layer.scale, layer.sliding_window, softcap=layer.logit_softcap)
 
     def prefill(self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor,
                 v: Tensor) -> Tensor:
@@ -64,4 +65,4 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # causal over the paged cache (this chunk's K/V are already written), no gathers
         return cpu_ops.paged_prefill_attention(q[p.start : p.start + p.query_len], *layer.kv,
                                                plan.meta.block_table[p.req_idx], p.seq_len, layer.scale,
-                                               layer.sliding_window)
+                                               layer.sliding_window, softcap=layer.logit_softcap)

@@ -26,6 +26,8 @@ class Attention(nn.Module):
 
     Takes the packed projections qkv [T, (H + 2 KvH) * D], applies `rotary` (a shared
     `RotaryEmbedding`, or None) to q and k, writes k and v into `kv_cache` and attends.
+    `logit_softcap` = c (Gemma 2) caps the scaled scores s as `c * tanh(s / c)` before the mask
+    and the softmax.
     `kv_cache` is assigned by the runner: [2, num_blocks, block_size, num_kv_heads,
     head_dim] (0 = keys, 1 = values; block 0 is the null block); until then (e.g. a
     profiling pass) the layer can only run prefills without a cached prefix. `backend`
@@ -33,7 +35,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, rotary: nn.Module | None = None) -> None:
+                 sliding_window: int | None = None, rotary: nn.Module | None = None,
+                 logit_softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -42,6 +45,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         self.rotary = rotary
         self.backend: AttentionBackend = reference_backend()
         self._kv_cache: Tensor | None = None
@@ -66,7 +72,8 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, backend={self.backend.name}"
+            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, logit_softcap={self.logit_softcap}, "
+            f"backend={self.backend.name}"
         )
 
     def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -209,7 +209,10 @@ class TorchAttentionBackend(AttentionBackend):
         # Query heads h = kv_head * G + g share kv_head: treat the G of them as a query length.
         # (Much faster on CPU than SDPA's enable_gqa with one query per head.)
         q = q.reshape(num_reqs, kv_heads, layer.num_queries_per_kv, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=layer.scale)  # [b, KvH, G, D]
+        if layer.logit_softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=layer.scale)  # [b, KvH, G, D]
+        else:
+            out = softcapped_attention(q, k, v, chunk.mask, layer.scale, layer.logit_softcap)
         return out.reshape(num_reqs, layer.num_heads * head_dim)
 
     def prefill(self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor,
@@ -232,14 +235,14 @@ class TorchAttentionBackend(AttentionBackend):
         ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, KvH, Lk, D]
         needs_window = window is not None and p.seq_len > window
         if num_cached == 0 and not needs_window:
-            out = sdpa_gqa(qi, ki, vi, None, layer.scale)
+            out = sdpa_gqa(qi, ki, vi, None, layer.scale, layer.logit_softcap)
         else:
             q_pos = torch.arange(num_cached, p.seq_len, device=q.device)[:, None]  # [Lq, 1]
             k_pos = torch.arange(first_key, p.seq_len, device=q.device)[None, :]  # [1, Lk]
             mask = k_pos <= q_pos
             if needs_window:
                 mask &= k_pos > q_pos - window
-            out = sdpa_gqa(qi, ki, vi, mask, layer.scale)
+            out = sdpa_gqa(qi, ki, vi, mask, layer.scale, layer.logit_softcap)
         return out[0].transpose(0, 1).reshape(p.query_len, layer.num_heads * layer.head_dim)
 
 
@@ -278,10 +281,33 @@ def gather_blocks(cache: Tensor, block_ids: Tensor) -> tuple[Tensor, Tensor]:
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def sdpa_gqa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """SDPA with fewer KV heads than query heads; causal when `mask` is None."""
+def sdpa_gqa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+             softcap: float | None = None) -> Tensor:
+    """SDPA with fewer KV heads than query heads; causal when `mask` is None. With `softcap`
+    (which SDPA cannot do), `softcapped_attention`."""
+    if softcap is not None:
+        rep = q.shape[1] // k.shape[1]
+        if mask is None:  # causal, the queries being the last Lq keys
+            num_queries, num_keys = q.shape[2], k.shape[2]
+            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+        return softcapped_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask, scale,
+                                    softcap)
     if q.shape[1] != k.shape[1] and not _HAS_ENABLE_GQA:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs)
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                         softcap: float) -> Tensor:
+    """Attention with Gemma 2's logit soft-capping, in HF's eager order: scores = q k^T * scale,
+    capped as `softcap * tanh(scores / softcap)`, masked, softmax in fp32 rounded to q's dtype,
+    times v. q [..., Lq, D], k/v [..., Lk, D] (same number of heads), mask bool broadcastable to
+    [..., Lq, Lk] (True = visible) or None (all visible) -> [..., Lq, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:  # the dtype's minimum as HF adds it, so a row with nothing visible stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

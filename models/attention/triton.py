@@ -39,9 +39,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_all_decode:
             out = triton_attention.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale, layer.sliding_window,
-                meta.max_seq_len)
+                meta.max_seq_len, softcap=layer.logit_softcap)
         else:
             out = triton_attention.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, layer.scale,
-                layer.sliding_window, meta.max_query_len)
+                layer.sliding_window, meta.max_query_len, softcap=layer.logit_softcap)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)

@@ -118,6 +118,14 @@ inline int64_t linear_rows_per_item(int64_t m, int64_t col_items, int64_t tile_m
   return std::clamp<int64_t>((m / parts + tile_m - 1) / tile_m * tile_m, tile_m, block_m);
 }
 
+// Logit soft-capping (DecodeArgs::softcap) of n scores that the kernel scales by `scale` next:
+// s -> cap * tanh(s * scale / cap) / scale, so the scaled score is cap * tanh(scaled / cap) (scale
+// 1: scores already scaled). Scalar: only soft-capped models (Gemma 2) pay for it.
+inline void softcap_scores(float* s, int64_t n, float scale, float cap) {
+  const float to = scale / cap, back = cap / scale;
+  for (int64_t i = 0; i < n; ++i) s[i] = back * std::tanh(s[i] * to);
+}
+
 // Floats per score row in a decode kernel: a multiple of 32, so a row's bf16 probabilities
 // (written over its first half) always have an even, zero-padded length.
 inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }

@@ -39,6 +39,9 @@ struct DecodeArgs {
   // column is distance 0), so a row of it lines up with the keys. nullptr: none.
   const float* bias = nullptr;
   int64_t bias_stride = 0, bias_len = 0;
+  // Gemma 2's logit soft-capping: each scaled score s becomes softcap * tanh(s / softcap) before
+  // the softmax (not combined with `bias`). 0: none.
+  float softcap = 0.f;
 };
 
 // Paged prefill attention: one request's new tokens (positions num_cached .. seq_len - 1)
@@ -47,9 +50,10 @@ struct PrefillArgs {
   int64_t group, head_dim, block_size, q_stride_tok, q_stride_head, cache_stride_block, cache_stride_token;
   int64_t num_cached, seq_len, window;
   float scale;
+  float softcap = 0.f;  // as DecodeArgs::softcap
 };
 
-constexpr int kKernelAbi = 1;  // bumped whenever this struct or a signature changes
+constexpr int kKernelAbi = 2;  // bumped whenever this struct or a signature changes
 
 struct KernelSet {
   int abi;           // kKernelAbi

@@ -8,7 +8,8 @@ place through the block table: each tile of `BLOCK_N` key positions looks up its
 (any block_size works; a key row is `head_dim` contiguous elements), with no gather copy.
 
 Masking (HF Llama/Mistral/Qwen2): the query at position i sees keys j with j <= i and, when
-`sliding_window` = W is set, j > i - W. Scores and softmax are fp32 (exp2 with the scale folded
+`sliding_window` = W is set, j > i - W. With `softcap` = c (Gemma 2) each scaled score s becomes
+c * tanh(s / c) before the mask (HF's order). Scores and softmax are fp32 (exp2 with the scale folded
 in), outputs are in q's dtype. GQA/MQA: query head h reads kv head h // G, G = H / KvH; every
 program owns one kv head and all G of its query heads, so each K/V tile is loaded once for them
 (rows padded with zeros to >= 16 for `tl.dot`).
@@ -85,14 +86,21 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _softcap(s, softcap_log2):
+    """c * tanh(s / c) for scores s in base-2 units (scaled by log2 e), given c * log2 e."""
+    x = s / softcap_log2
+    return softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))  # tanh, saturating at +-1
+
+
+@triton.jit
 def _decode_partition_kernel(
         q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, bias_ptr,
-        qk_scale, sliding_window, block_size, num_splits, bias_len,
+        qk_scale, sliding_window, block_size, num_splits, bias_len, softcap_log2,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_btb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_bias_h,
         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_BIAS: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,6 +132,8 @@ def _decode_partition_kernel(
         k = _load_kv_tile(k_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
                           stride_kb, stride_kt, stride_kh, HEAD_DIM == BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap_log2)
         if HAS_BIAS:  # by distance from the query: key `pos` reads column bias_len - seq_len + pos
             s += tl.load(bias_ptr + heads[:, None] * stride_bias_h + (bias_len - seq_len + pos)[None, :],
                          mask=g_mask[:, None] & valid[None, :], other=0.0) * 1.4426950408889634
@@ -178,11 +188,12 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
-        qk_scale, sliding_window, block_size,
+        qk_scale, sliding_window, block_size, softcap_log2,
         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_btb, stride_ot, stride_oh,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     r = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -219,6 +230,8 @@ def _prefill_kernel(
         k = _load_kv_tile(k_ptr, block_table_row, pos, valid, kv_head, offs_d, d_mask, block_size,
                           stride_kb, stride_kt, stride_kh, HEAD_DIM == BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap_log2)
         visible = pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
@@ -253,7 +266,7 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
 
 
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, scale: float,
-                  sliding_window: int | None) -> tuple[int, int]:
+                  sliding_window: int | None, softcap: float | None = None) -> tuple[int, int]:
     """(G, head_dim) after the shape checks that need no device value."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [T, H, D] and k/v caches [num_blocks, block_size, KvH, D], got q "
@@ -274,6 +287,8 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tens
         raise ValueError(f"scale must be > 0, got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
     return num_heads // num_kv_heads, head_dim
 
 
@@ -289,7 +304,7 @@ def _prepare_out(q: Tensor, out: Tensor | None) -> Tensor:
 @torch.library.custom_op("kvserve::triton_paged_decode_attention", mutates_args=("out",))
 def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                scale: float, sliding_window: int | None, max_seq_len: int, out: Tensor,
-               bias: Tensor | None = None) -> None:
+               bias: Tensor | None = None, softcap: float | None = None) -> None:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -308,11 +323,12 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_out, part_lse, out if bias is None else bias,
         scale * _LOG2E, sliding_window or 0, k_cache.shape[1], num_splits, 0 if bias is None else bias.shape[1],
+        (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0), out.stride(0), out.stride(1), *p_strides, 0 if bias is None else bias.stride(0),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PARTITION_SIZE=partition, HAS_WINDOW=sliding_window is not None, HAS_BIAS=bias is not None,
-        DIRECT_OUT=direct, **config)
+        HAS_SOFTCAP=softcap is not None, DIRECT_OUT=direct, **config)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, *p_strides, out.stride(0), out.stride(1),
@@ -320,14 +336,15 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, max_seq_len, out, bias=None) -> None:
+def _(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, max_seq_len, out, bias=None,
+      softcap=None) -> None:
     return None
 
 
 @torch.library.custom_op("kvserve::triton_paged_prefill_attention", mutates_args=("out",))
 def _prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                 seq_lens: Tensor, scale: float, sliding_window: int | None, max_query_len: int,
-                out: Tensor) -> None:
+                out: Tensor, softcap: float | None = None) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -337,22 +354,23 @@ def _prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor
     config = _prefill_config(q.dtype, head_dim, group)
     _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)](
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,
-        scale * _LOG2E, sliding_window or 0, k_cache.shape[1],
+        scale * _LOG2E, sliding_window or 0, k_cache.shape[1], (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0), out.stride(0), out.stride(1),
         G=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_WINDOW=sliding_window is not None, **config)
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, **config)
 
 
 @_prefill_op.register_fake
 def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_window, max_query_len,
-      out) -> None:
+      out, softcap=None) -> None:
     return None
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                            scale: float, sliding_window: int | None, max_seq_len: int,
-                           out: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+                           out: Tensor | None = None, bias: Tensor | None = None,
+                           softcap: float | None = None) -> Tensor:
     """One new token per request: q [B, H, D] (row stride may exceed H*D) -> [B, H, D] in q's dtype.
 
     block_table [B, max_blocks] and seq_lens [B] (int32; context length including the new token)
@@ -360,8 +378,9 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     e.g. max_model_len under CUDA graphs. Rows with seq_len 0 (padding) give zeros. `bias`: float32
     [H, L] (L >= every seq_len) added to the scaled scores by distance from the query, key t of a
     row of length s getting bias[h, L - s + t] (T5's relative bias; models/cpu_ops has the same).
+    `softcap`: Gemma 2's logit soft-capping of the scaled scores (see the module docstring).
     """
-    _check_inputs(q, k_cache, v_cache, block_table, scale, sliding_window)
+    _check_inputs(q, k_cache, v_cache, block_table, scale, sliding_window, softcap)
     if seq_lens.shape != (q.shape[0],) or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"decode needs seq_lens [B] and block_table [B, max_blocks] for q of {q.shape[0]} "
                          f"rows, got {tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
@@ -375,20 +394,22 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     out = _prepare_out(q, out)
     if q.shape[0] > 0:
         torch.ops.kvserve.triton_paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
-                                                 sliding_window, int(max_seq_len), out, bias)
+                                                 sliding_window, int(max_seq_len), out, bias,
+                                                 None if softcap is None else float(softcap))
     return out
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                             cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, sliding_window: int | None,
-                            max_query_len: int, out: Tensor | None = None) -> Tensor:
+                            max_query_len: int, out: Tensor | None = None,
+                            softcap: float | None = None) -> Tensor:
     """A ragged batch of queries, q [T, H, D] -> [T, H, D] in q's dtype, causal over the paged cache.
 
     Request r owns rows cu_seqlens_q[r]:cu_seqlens_q[r+1] (int32 [B+1]), its last query_len
     positions (seq_len - query_len .. seq_len - 1; a cached prefix may precede them).
-    `max_query_len` (host int) must be >= every query_len.
+    `max_query_len` (host int) must be >= every query_len. `softcap` as in `paged_decode_attention`.
     """
-    _check_inputs(q, k_cache, v_cache, block_table, scale, sliding_window)
+    _check_inputs(q, k_cache, v_cache, block_table, scale, sliding_window, softcap)
     num_seqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or cu_seqlens_q.shape != (num_seqs + 1,) or block_table.shape[0] != num_seqs:
         raise ValueError(f"prefill needs seq_lens [B], cu_seqlens_q [B+1] and block_table [B, max_blocks], got "
@@ -397,5 +418,6 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         q = q.contiguous()
     out = _prepare_out(q, out)
     torch.ops.kvserve.triton_paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
-                                              float(scale), sliding_window, int(max_query_len), out)
+                                              float(scale), sliding_window, int(max_query_len), out,
+                                              None if softcap is None else float(softcap))
     return out

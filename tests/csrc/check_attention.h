@@ -27,9 +27,10 @@ struct PagedCache {
 };
 
 // One query head over keys [first, n) of a request (table row `row`): softmax(scale q.k + bias)
-// @ V in float64, accumulated into out[0 .. d).
+// @ V in float64 (scores soft-capped as softcap * tanh(s / softcap) when softcap > 0), into out[0 .. d).
 inline void reference_head(const PagedCache& c, const int64_t* row, const uint16_t* q, int64_t kv_head,
-                           int64_t first, int64_t n, double scale, const float* bias_row, double* out) {
+                           int64_t first, int64_t n, double scale, const float* bias_row, double* out,
+                           double softcap = 0) {
   const double* dbl = bf16_doubles();
   std::vector<double> s(n - first), qd(c.d);
   for (int64_t i = 0; i < c.d; ++i) qd[i] = dbl[q[i]];
@@ -39,6 +40,7 @@ inline void reference_head(const PagedCache& c, const int64_t* row, const uint16
     double dot = 0;
     for (int64_t i = 0; i < c.d; ++i) dot += qd[i] * dbl[kr[i]];
     s[t - first] = dot * scale + (bias_row ? bias_row[t] : 0.0);
+    if (softcap > 0) s[t - first] = softcap * std::tanh(s[t - first] / softcap);
     mx = std::max(mx, s[t - first]);
   }
   double sum = 0;
@@ -58,6 +60,7 @@ struct DecodeCase {
   bool bias;
   float scale;  // 0: 1 / sqrt(d)
   int64_t extra;  // bias columns past the longest request
+  float softcap = 0.f;
 };
 
 inline void run_decode_case(Ctx& c, const DecodeCase& t, uint64_t seed) {
@@ -81,6 +84,7 @@ inline void run_decode_case(Ctx& c, const DecodeCase& t, uint64_t seed) {
   kvserve::DecodeArgs a{t.kv_heads, t.heads / t.kv_heads, t.d, t.block_size, q_req, t.d,
                         cache.stride_block(), cache.stride_token(), max_blocks, t.window, scale};
   if (t.bias) a.bias = bias.data(), a.bias_stride = bias_len, a.bias_len = bias_len;
+  a.softcap = t.softcap;
   std::vector<double> ref(t.reqs * t.heads * t.d);
   for (int64_t b = 0; b < t.reqs; ++b)
     for (int64_t h = 0; h < t.heads; ++h) {
@@ -88,12 +92,13 @@ inline void run_decode_case(Ctx& c, const DecodeCase& t, uint64_t seed) {
       // key t gets bias[h, bias_len - n + t]: a row pointer shifted so that it is indexed by t
       const float* bias_row = t.bias ? bias.data() + h * bias_len + (bias_len - n) : nullptr;
       reference_head(cache, table.data() + b * max_blocks, q.data() + b * q_req + h * t.d, h / a.group, first, n,
-                     scale, bias_row, ref.data() + (b * t.heads + h) * t.d);
+                     scale, bias_row, ref.data() + (b * t.heads + h) * t.d, t.softcap);
     }
   const std::string shape = fmt("reqs=%lld heads=%lld/%lld d=%lld window=%lld block=%lld", (long long)t.reqs,
                                 (long long)t.heads, (long long)t.kv_heads, (long long)t.d, (long long)t.window,
                                 (long long)t.block_size) +
-                            (t.bias ? fmt(" bias scale=%g extra=%lld", scale, (long long)t.extra) : "");
+                            (t.bias ? fmt(" bias scale=%g extra=%lld", scale, (long long)t.extra) : "") +
+                            (t.softcap > 0 ? fmt(" softcap=%g", t.softcap) : "");
   c.each_host([&] {
     std::vector<uint16_t> out(t.reqs * t.heads * t.d, kBf16Nan);
     c.set->decode_attention(a, q.data(), cache.k.data(), cache.v.data(), table.data(), lens.data(), t.reqs,
@@ -119,12 +124,17 @@ inline void check_decode_attention(Ctx& c) {
     for (int64_t extra : {0, 13})
       for (float scale : {1.f, 0.125f})
         if (c.runs(++seed)) run_decode_case(c, {5, hk.first, hk.second, 64, 0, 16, true, scale, extra}, seed);
+  // Gemma 2's logit soft-capping (a small cap: most scores capped)
+  for (const auto& hk : {std::pair<int64_t, int64_t>{9, 3}, {8, 1}})
+    for (int64_t window : {0, 37})
+      if (c.runs(++seed)) run_decode_case(c, {7, hk.first, hk.second, 64, window, 5, false, 0.f, 0, 1.5f}, seed);
 }
 
 // ---- prefill ----------------------------------------------------------------------------------
 
 struct PrefillCase {
   int64_t heads, kv_heads, d, cached, fresh, window, block_size;
+  float softcap = 0.f;
 };
 
 inline void run_prefill_case(Ctx& c, const PrefillCase& t, uint64_t seed) {
@@ -139,18 +149,19 @@ inline void run_prefill_case(Ctx& c, const PrefillCase& t, uint64_t seed) {
   const float scale = 1.f / std::sqrt((float)t.d);
   const int64_t width = t.heads * t.d, out_stride = width + 16;  // rows of a wider output
   kvserve::PrefillArgs a{t.heads / t.kv_heads, t.d, t.block_size, q_tok, t.d, cache.stride_block(),
-                         cache.stride_token(), t.cached, seq_len, t.window, scale};
+                         cache.stride_token(), t.cached, seq_len, t.window, scale, t.softcap};
   // each new token is a decode over the keys up to its own position
   std::vector<double> ref(t.fresh * width);
   for (int64_t i = 0; i < t.fresh; ++i) {
     const int64_t n = t.cached + i + 1, first = t.window > 0 ? std::max<int64_t>(0, n - t.window) : 0;
     for (int64_t h = 0; h < t.heads; ++h)
       reference_head(cache, row.data(), q.data() + i * q_tok + h * t.d, h / a.group, first, n, scale, nullptr,
-                     ref.data() + i * width + h * t.d);
+                     ref.data() + i * width + h * t.d, t.softcap);
   }
   const std::string shape = fmt("heads=%lld/%lld d=%lld cached=%lld new=%lld window=%lld block=%lld",
                                 (long long)t.heads, (long long)t.kv_heads, (long long)t.d, (long long)t.cached,
-                                (long long)t.fresh, (long long)t.window, (long long)t.block_size);
+                                (long long)t.fresh, (long long)t.window, (long long)t.block_size) +
+                            (t.softcap > 0 ? fmt(" softcap=%g", t.softcap) : "");
   c.each_host([&] {
     std::vector<uint16_t> out(t.fresh * out_stride, kBf16Nan);
     c.set->prefill_attention(a, q.data(), cache.k.data(), cache.v.data(), row.data(), t.kv_heads, t.fresh,
@@ -180,6 +191,8 @@ inline void check_prefill_attention(Ctx& c) {
         if (hk[0] == 9 && d == 64 && c.runs(++seed))  // blocks of 5
           run_prefill_case(c, {hk[0], hk[1], d, s[0], s[1], s[2], 5}, seed);
       }
+  for (const auto& hk : heads)  // Gemma 2's logit soft-capping
+    if (c.runs(++seed)) run_prefill_case(c, {hk[0], hk[1], 64, 45, 40, hk[0] == 9 ? 24 : 0, 16, 1.5f}, seed);
 }
 
 }  // namespace check

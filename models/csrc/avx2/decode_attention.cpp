@@ -178,6 +178,7 @@ void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const ui
       }
   }
   for (int64_t r = 0; r < rows; ++r) {
+    if (a.softcap > 0.f) softcap_scores(&w.scores[r * row_stride], len, a.scale, a.softcap);
     const float* bias = a.bias ? a.bias + (h0 * g_n + r) * a.bias_stride + (a.bias_len - end + start) : nullptr;
     w.denom[r] = softmax_row(&w.scores[r * row_stride], len, a.scale, bias);
   }

@@ -166,6 +166,7 @@ void prefill_block(const PrefillArgs& a, const uint16_t* q, const uint16_t* kc, 
     }
     // chunks every row sees in full skip the mask (padding lanes then score zeros, unused)
     const bool all_visible = t0 + n - 1 <= p_first && t0 >= w.lo[rows - 1];
+    if (a.softcap > 0.f) softcap_scores(w.s.data(), n * lanes, a.scale, a.softcap);
     for (int64_t c = 0; c < cols; ++c) softmax_column(w, c, lanes, t0, n, a.scale, all_visible);
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t gb = std::min<int64_t>(6, rows - r0);

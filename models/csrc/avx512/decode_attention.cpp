@@ -161,6 +161,7 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
   std::vector<float> denom(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * row_stride;
+    if (a.softcap > 0.f) softcap_scores(row, len, 1.f, a.softcap);  // the scores are scaled already
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < len; i += 16) {
       const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);

@@ -111,6 +111,7 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
       token_rows(vc, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0 + k, n, values + k);
     }
     score_chunk<CH>(qp, cols, keys, n_keys, h * d_n, s, lanes);
+    if (a.softcap > 0.f) softcap_scores(s, n_keys * lanes, a.scale, a.softcap);
     // online softmax per 16-row column: mask, new max, rescale factor, bf16 probability pairs
     for (int64_t c = 0; c < cols; ++c) {
       const __m512i pc = _mm512_loadu_si512(pos + 16 * c), lc = _mm512_loadu_si512(lo + 16 * c);

@@ -307,8 +307,9 @@ struct DecodeAttentionArgs {
   const float* bias;
   int64_t bias_stride, bias_len;
   uint16_t* out;
+  double softcap;  // 0: none
 };
-static_assert(sizeof(DecodeAttentionArgs) == 19 * 8, "models/cpu_ops.py packs 19 fields of 8 bytes");
+static_assert(sizeof(DecodeAttentionArgs) == 20 * 8, "models/cpu_ops.py packs 20 fields of 8 bytes");
 
 KV_EXPORT const char* kv_paged_decode_attention(const DecodeAttentionArgs* args) {
   const DecodeAttentionArgs& a = *args;
@@ -321,6 +322,7 @@ KV_EXPORT const char* kv_paged_decode_attention(const DecodeAttentionArgs* args)
       if (a.seq_lens[b] > a.bias_len) return fail("bias is shorter than the longest sequence");
     d.bias = a.bias, d.bias_stride = a.bias_stride, d.bias_len = a.bias_len;
   }
+  d.softcap = static_cast<float>(a.softcap);
   current->decode_attention(d, a.q, a.k_cache, a.v_cache, a.table, a.seq_lens, a.num_reqs, a.out);
   return nullptr;
 }
@@ -335,15 +337,16 @@ struct PrefillAttentionArgs {
   int64_t seq_len, window;
   double scale;
   uint16_t* out;
+  double softcap;  // 0: none
 };
-static_assert(sizeof(PrefillAttentionArgs) == 15 * 8, "models/cpu_ops.py packs 15 fields of 8 bytes");
+static_assert(sizeof(PrefillAttentionArgs) == 16 * 8, "models/cpu_ops.py packs 16 fields of 8 bytes");
 
 KV_EXPORT const char* kv_paged_prefill_attention(const PrefillAttentionArgs* args) {
   const PrefillAttentionArgs& a = *args;
   if (!current) return fail(kNoSet);
   PrefillArgs p{a.num_heads / a.num_kv_heads, a.head_dim, a.block_size, a.q_stride_tok, a.q_stride_head,
                 a.block_size * a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.seq_len - a.lq, a.seq_len,
-                a.window, static_cast<float>(a.scale)};
+                a.window, static_cast<float>(a.scale), static_cast<float>(a.softcap)};
   current->prefill_attention(p, a.q, a.k_cache, a.v_cache, a.table, a.num_kv_heads, a.lq, a.out,
                              a.num_heads * a.head_dim);
   return nullptr;

@@ -118,7 +118,10 @@ void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const ui
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) w.denom[r] = softmax_row(&w.scores[r * stride], len);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (a.softcap > 0.f) softcap_scores(&w.scores[r * stride], len, 1.f, a.softcap);  // scaled already
+    w.denom[r] = softmax_row(&w.scores[r * stride], len);
+  }
   // Pass 2: the values, up to 4 query rows of a head at a time.
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t g = 0; g < g_n; g += 4) {

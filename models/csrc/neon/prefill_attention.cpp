@@ -136,6 +136,8 @@ void prefill_block(const PrefillArgs& a, const uint16_t* q, const uint16_t* kc, 
     for (int k = 0; k < n_keys; ++k) widen_row(rows_at[k] + h * D, &w.v[k * D], D);
     for (int64_t r = 0; r < rows4; r += 4)
       for (int k = 0; k < n4; k += 4) score_tile<CH>(&w.q[r * D], &w.k[k * D], &w.s[r * kPrefillKeys + k]);
+    for (int64_t r = 0; r < rows && a.softcap > 0.f; ++r)
+      softcap_scores(&w.s[r * kPrefillKeys], n_keys, a.scale, a.softcap);
     for (int64_t r = 0; r < rows; ++r)
       online_softmax_row(&w.s[r * kPrefillKeys], t0, n_keys, w.pos[r], w.lo[r], a.scale, w.row_max[r],
                          w.row_sum[r], w.corr[r]);
