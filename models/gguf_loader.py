@@ -9,7 +9,8 @@ tokenizer come from the file's metadata through transformers' own GGUF support, 
 (models/gguf_metadata.py), so they are read as `transformers` reads them.
 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
-halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
+halves become interleaved pairs); `_unpermute` undoes it, as transformers does (Phi-3 files keep
+HF's layout: fused `attn_qkv` and `ffn_up`, not permuted). GPT-2's
 matrices are stored [out, in] and go back to Conv1D's [in, out] that the model file expects.
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.models.gguf_metadata import ROPE_FREQS, field, gguf_architecture, import_gguf, open_gguf
+from kvserve.models.gguf_metadata import ROPE_TENSORS, field, gguf_architecture, import_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ _DECODER_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Phi-3 keeps HF's fused tensors: `attn_qkv` is qkv_proj, `ffn_up` holds gate_up_proj (gate rows first).
+_PHI3_BLOCK = {**_DECODER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -45,6 +48,8 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor a file of `arch` may hold."""
     is_gpt2 = arch == "gpt2"
     glob, block = (_GPT2_GLOBAL, _GPT2_BLOCK) if is_gpt2 else (_DECODER_GLOBAL, _DECODER_BLOCK)
+    if arch == "phi3":
+        block = _PHI3_BLOCK
     prefix = "transformer.h" if is_gpt2 else "model.layers"
     names = {}
     for suffix in ("weight", "bias"):
@@ -78,7 +83,7 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     num_heads = int(field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(field(reader, f"{arch}.attention.head_count_kv", num_heads))
     for t in reader.tensors:
-        if t.name == ROPE_FREQS:
+        if t.name in ROPE_TENSORS:  # rope scaling, read into the config (models/gguf_metadata.py)
             continue
         if t.name not in names:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")

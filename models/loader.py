@@ -195,18 +195,25 @@ def load_model(
     model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
     attention_backend: str = "auto", parallel: ParallelState | None = None,
     quantization: str | None = None, quantization_group_size: int = DEFAULT_GROUP_SIZE,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
     the device's attention backend and fused ops bound to its layers (chosen here, once).
     With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only.
     `quantization` (int8, int4, fp8, none; None: `resolve_quantization`'s choice) is applied as the
-    weights load; `model.weights_report` says the format and the bytes."""
+    weights load; `model.weights_report` says the format and the bytes. `max_model_len` (None: the
+    model's own limit) reaches the modules whose numerics depend on it (`set_max_model_len`:
+    LongRoPE's factors, models/phi3.py)."""
     cls = get_model_class(hf_config)
     device = torch.device(device)
     method = resolve_quantization(quantization, model_dir)
     with phase("model"):
         with torch.device("meta"), tensor_parallel(parallel or ParallelState()):
             model = cls(hf_config)
+        if max_model_len is not None:
+            for module in model.modules():
+                if hasattr(module, "set_max_model_len"):
+                    module.set_max_model_len(max_model_len)
         if method != "none":
             check_quantizable(model, quantization_group_size)  # before any weight is read
             # quantized from the checkpoint's own values: a GGUF file's are exact in fp32, so

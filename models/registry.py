@@ -9,6 +9,7 @@ from torch import nn
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvserve.models.phi3 import Phi3ForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
 
@@ -20,6 +21,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,

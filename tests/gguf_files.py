@@ -10,6 +10,7 @@ tokenizer goes in as tokenizer model "gpt2" with its merges and the ChatML chat 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -21,7 +22,7 @@ from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from kvserve.models.gguf_loader import gguf_tensor_names
 from kvserve.models.gguf_metadata import llama3_factors
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "phi3": "phi3"}
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -67,6 +68,8 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
         writer.add_tensor("rope_freqs.weight", llama3_factors(
             head_dim, rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
             rope["original_max_position_embeddings"]))
+    if arch == "phi3":
+        _add_phi3(writer, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -115,8 +118,25 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch != "phi3":  # (its own: `_add_phi3`)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(c["vocab_size"])
+
+
+def _add_phi3(writer: gguf.GGUFWriter, c: dict) -> None:
+    """What llama.cpp's converter adds for Phi-3: rotary dims, sliding window, LongRoPE factors."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0))
+    writer.add_rope_dimension_count(rotary_dim)
+    writer.add_sliding_window(c.get("sliding_window") or 0)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        original = c["original_max_position_embeddings"]
+        scale = c["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None) -> None:
