@@ -29,7 +29,7 @@ from kvserve.models.hf_config import load_hf_config
 from kvserve.models.layers import rope_parameters
 from kvserve.models.loader import resolve_model_path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 # transformers reads no head_dim from a qwen3 GGUF and no n_positions from a gpt2 one (it keeps
 # its defaults), so its model matches the file only at those values; kvserve reads
