@@ -28,8 +28,10 @@ from kvserve.models.gguf_metadata import ROPE_TENSORS, field, gguf_architecture,
 
 logger = logging.getLogger(__name__)
 
-# Tensor types read: exact ones and the k-quants the gguf package dequantizes.
-TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# Tensor types read (each dequantized exactly as the gguf package's reference does): the float
+# types, the legacy blocks, and the K-quants of llama.cpp's Q4_K_M / Q5_K_M / Q6_K files (with the
+# legacy types it falls back to for rows that are not a multiple of 256).
+TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _DECODER_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DECODER_BLOCK = {
@@ -59,13 +61,17 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     return names
 
 
-# What each tensor type is kept as when the file is served as it comes (`gguf_quantization`).
-_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q4_0": "int4", "Q4_K": "int4"}
+# What each tensor type is kept as when the file is served as it comes (`gguf_quantization`): the
+# format with at least its bits. Only Q8_0 -> int8 and Q4_0 -> int4 give back the file's blocks
+# exactly; the others are re-quantized from their exact values (docs/quantization.md).
+_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
+            "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
 
 
 def gguf_quantization(path: str | os.PathLike) -> str:
     """The quantization that serves the file as it comes: that of the type holding most of its
-    layers' matrix weights (Q8_0, Q6_K: int8; Q4_0, Q4_K: int4; float types: none)."""
+    layers' matrix weights (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1: int8; Q4_0, Q4_1, Q4_K: int4; float
+    types: none). Under int4 the matrices of a wider type stay int8 (`gguf_eight_bit_weights`)."""
     gguf = import_gguf()
     counts: dict[str, int] = {}
     for t in open_gguf(path).tensors:
@@ -73,6 +79,18 @@ def gguf_quantization(path: str | os.PathLike) -> str:
             kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
             counts[kept] = counts.get(kept, 0) + int(t.n_elements)
     return max(counts, key=counts.get) if counts else "none"
+
+
+def gguf_eight_bit_weights(path: str | os.PathLike) -> set[str]:
+    """Hugging Face names of the file's matrices that a model served as int4 holds in int8: those
+    whose type has more than 4 bits (or is a float type), e.g. the Q6_K value and FFN-down
+    matrices of a Q4_K_M file, which llama.cpp keeps at 6 bits on purpose."""
+    gguf = import_gguf()
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
+    return {names[t.name] for t in reader.tensors if t.name in names and len(t.shape) == 2
+            and _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none") != "int4"}
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:

@@ -2,8 +2,9 @@
 llama.cpp's converter writes it, so kvserve and `transformers` can both load it.
 
 The weights get GGUF names, llama-family q/k rows are permuted for llama.cpp's rotary layout,
-GPT-2's Conv1D weights are stored [out, in], matrices are stored in `tensor_type` (norms,
-biases and GPT-2's position table stay F32, as llama.cpp keeps them) and the byte-level BPE
+GPT-2's Conv1D weights are stored [out, in], matrices are stored in `tensor_type` (one type, or a
+K-quant mix such as "Q4_K_M"; norms, biases and GPT-2's position table stay F32, as llama.cpp
+keeps them) and the byte-level BPE
 tokenizer goes in as tokenizer model "gpt2" with its merges and the ChatML chat template.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from checkpoints import make_checkpoint
+from kquants import K_TYPES, quantize_k
 from safetensors.numpy import load_file
 
 from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -43,7 +45,6 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     writer = gguf.GGUFWriter(str(path), arch)
     _add_config(writer, config, arch)
     _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
     for hf_name, w in load_file(hf_dir / "model.safetensors").items():
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -58,6 +59,7 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
         if arch == "gpt2" and not hf_name.startswith(("transformer.", "lm_head.")):
             hf_name = "transformer." + hf_name
         name = to_gguf[hf_name]
+        qtype = gguf.GGMLQuantizationType[tensor_type_of(name, tensor_type)]
         if w.ndim == 2 and name != "position_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
         else:
@@ -77,21 +79,23 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     return path
 
 
-# Where each block of a k-quant keeps its fp16 scales (bytes): gguf cannot quantize to these
-# types, so their blocks are random bytes with sane scales (only dequantization is tested).
-_K_QUANT_SCALES = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}
+# llama.cpp's K-quant mixes (its `llama_tensor_get_type`, simplified): the value and FFN-down
+# matrices and the output matrix one step up, at Q6_K; every other matrix at the base type.
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+_MIX_HIGH = (".attn_v.weight", ".ffn_down.weight")
+
+
+def tensor_type_of(name: str, tensor_type: str) -> str:
+    """The type a matrix `name` gets in a file of `tensor_type` (one type, or a mix in `MIXES`)."""
+    if tensor_type not in MIXES:
+        return tensor_type
+    return "Q6_K" if name.endswith(_MIX_HIGH) or name == "output.weight" else MIXES[tensor_type]
 
 
 def _quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    if qtype.name not in _K_QUANT_SCALES:
-        return gguf.quants.quantize(w, qtype)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (w.size // block_size, type_size), dtype=np.uint8)
-    where = _K_QUANT_SCALES[qtype.name]
-    scales = rng.uniform(1e-3, 1e-2, (len(blocks), (where.stop - where.start) // 2)).astype(np.float16)
-    blocks[:, where] = scales.view(np.uint8)
-    return blocks.reshape(*w.shape[:-1], -1)
+    if qtype.name in K_TYPES:  # the gguf package cannot quantize to these (tests/kquants.py)
+        return quantize_k(w, qtype.name)
+    return gguf.quants.quantize(w, qtype)
 
 
 def _num_layers(config: dict) -> int:
