@@ -357,7 +357,8 @@ class Quantizer:
     def _quantize(self, name: str, m: nn.Module) -> None:
         if not m.weight.numel():
             return
-        bits = 4 if self.method == "int4" and not _is_lm_head(name) and f"{name}.weight" not in self.eight_bit else 8
+        is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
+        bits = 4 if self.method == "int4" and not is_wide else 8
         qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed, self.fp8).to(self.device)
         m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)

@@ -138,7 +138,8 @@ def _add_phi3(writer: gguf.GGUFWriter, c: dict) -> None:
         original = c["original_max_position_embeddings"]
         scale = c["max_position_embeddings"] / original
         writer.add_rope_scaling_orig_ctx_len(original)
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 

@@ -34,8 +34,9 @@ ORIGINAL = 32  # original_max_position_embeddings of the LongRoPE variants
 def longrope(rotary_dim: int, seed: int = 0, rope_type: str = "longrope") -> dict:
     """LongRoPE overrides; the factors are float32 values, as a GGUF file stores them."""
     g = torch.Generator().manual_seed(seed)
-    return dict(rope_scaling={"rope_type": rope_type, "short_factor": (1 + torch.rand(rotary_dim // 2, generator=g)).tolist(),
-                              "long_factor": (1 + 20 * torch.rand(rotary_dim // 2, generator=g)).tolist()},
+    short = (1 + torch.rand(rotary_dim // 2, generator=g)).tolist()
+    long = (1 + 20 * torch.rand(rotary_dim // 2, generator=g)).tolist()
+    return dict(rope_scaling={"rope_type": rope_type, "short_factor": short, "long_factor": long},
                 original_max_position_embeddings=ORIGINAL)
 
 
