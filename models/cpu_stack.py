@@ -7,8 +7,9 @@ layer) to cost about as much again. The host library's decoder stack
 forward with the CPU backend, so its output is bit for bit the same; the runner calls it
 instead of the model when `build` returns one.
 
-A model qualifies when every piece of it is one the C++ loop knows: Llama, Mistral, Qwen2 or
-Qwen3 layers (silu MLP), bf16, one rank, the paged attention kernels, and every matmul on
+A model qualifies when every piece of it is one the C++ loop knows: Llama, Mistral, Qwen2,
+Qwen3 or Phi-3 layers (silu MLP; Phi-3's partial rotary and LongRoPE are in its q/k weights' layout
+and the cos/sin rows the stack is given), bf16, one rank, the paged attention kernels, and every matmul on
 models/cpu_ops' bf16 kernel or models/quantization's int8/int4 kernel. Anything else keeps the
 Python forward; `why_not` says which piece stopped it.
 """

@@ -9,7 +9,8 @@ tokenizer come from the file's metadata through transformers' own GGUF support, 
 (models/gguf_metadata.py), so they are read as `transformers` reads them.
 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
-halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
+halves become interleaved pairs); `_unpermute` undoes it, as transformers does (Phi-3 files keep
+HF's layout: fused `attn_qkv` and `ffn_up`, not permuted). GPT-2's
 matrices are stored [out, in] and go back to Conv1D's [in, out] that the model file expects.
 Gemma files store every norm weight w as `1 + w` (in fp32, the converter's `data + 1` on the
 fp32-converted tensor); the reader subtracts the 1, as transformers does. `g - 1` of an fp32
@@ -27,12 +28,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.models.gguf_metadata import ROPE_FREQS, field, gguf_architecture, import_gguf, open_gguf
+from kvserve.models.gguf_metadata import ROPE_TENSORS, field, gguf_architecture, import_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
 
-# Tensor types read: exact ones and the k-quants the gguf package dequantizes.
-TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# Tensor types read (each dequantized exactly as the gguf package's reference does): the float
+# types, the legacy blocks, and the K-quants of llama.cpp's Q4_K_M / Q5_K_M / Q6_K files (with the
+# legacy types it falls back to for rows that are not a multiple of 256).
+TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _DECODER_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DECODER_BLOCK = {
@@ -45,6 +48,8 @@ _DECODER_BLOCK = {
 _GEMMA_BLOCK = {**_DECODER_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# Phi-3 keeps HF's fused tensors: `attn_qkv` is qkv_proj, `ffn_up` holds gate_up_proj (gate rows first).
+_PHI3_BLOCK = {**_DECODER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -55,6 +60,8 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     glob, block = (_GPT2_GLOBAL, _GPT2_BLOCK) if is_gpt2 else (_DECODER_GLOBAL, _DECODER_BLOCK)
     if arch in GEMMA_ARCHITECTURES:
         block = _GEMMA_BLOCK
+    elif arch == "phi3":
+        block = _PHI3_BLOCK
     prefix = "transformer.h" if is_gpt2 else "model.layers"
     names = {}
     for suffix in ("weight", "bias"):
@@ -64,13 +71,17 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     return names
 
 
-# What each tensor type is kept as when the file is served as it comes (`gguf_quantization`).
-_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q4_0": "int4", "Q4_K": "int4"}
+# What each tensor type is kept as when the file is served as it comes (`gguf_quantization`): the
+# format with at least its bits. Only Q8_0 -> int8 and Q4_0 -> int4 give back the file's blocks
+# exactly; the others are re-quantized from their exact values (docs/quantization.md).
+_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
+            "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
 
 
 def gguf_quantization(path: str | os.PathLike) -> str:
     """The quantization that serves the file as it comes: that of the type holding most of its
-    layers' matrix weights (Q8_0, Q6_K: int8; Q4_0, Q4_K: int4; float types: none)."""
+    layers' matrix weights (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1: int8; Q4_0, Q4_1, Q4_K: int4; float
+    types: none). Under int4 the matrices of a wider type stay int8 (`gguf_eight_bit_weights`)."""
     gguf = import_gguf()
     counts: dict[str, int] = {}
     for t in open_gguf(path).tensors:
@@ -78,6 +89,18 @@ def gguf_quantization(path: str | os.PathLike) -> str:
             kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
             counts[kept] = counts.get(kept, 0) + int(t.n_elements)
     return max(counts, key=counts.get) if counts else "none"
+
+
+def gguf_eight_bit_weights(path: str | os.PathLike) -> set[str]:
+    """Hugging Face names of the file's matrices that a model served as int4 holds in int8: those
+    whose type has more than 4 bits (or is a float type), e.g. the Q6_K value and FFN-down
+    matrices of a Q4_K_M file, which llama.cpp keeps at 6 bits on purpose."""
+    gguf = import_gguf()
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
+    return {names[t.name] for t in reader.tensors if t.name in names and len(t.shape) == 2
+            and _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none") != "int4"}
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
@@ -88,7 +111,7 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     num_heads = int(field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(field(reader, f"{arch}.attention.head_count_kv", num_heads))
     for t in reader.tensors:
-        if t.name == ROPE_FREQS:
+        if t.name in ROPE_TENSORS:  # rope scaling, read into the config (models/gguf_metadata.py)
             continue
         if t.name not in names:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")

@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -41,6 +42,9 @@ ARCHITECTURES: dict[str, str] = {
 # Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors, read into the config's rope parameters (`_phi3_config`).
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = frozenset({ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})
 _DONE = "kvserve_gguf.json"  # written last: a directory with it is complete
 _CONVERSION = 6  # part of the cache key: bump when `_convert` writes something else
 
@@ -208,6 +212,39 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
     return None
 
 
+def _phi3_config(config, reader) -> None:
+    """What transformers' conversion leaves out of a phi3 file's config, as llama.cpp's converter
+    wrote it: partial rotary (`rope.dimension_count`), the sliding window (0: none) and LongRoPE
+    (the `rope_factors_long/short` tensors, `rope.scaling.original_context_length`, and
+    `rope.scaling.attn_factor` when it is not the default transformers computes)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(field(reader, "phi3.rope.freq_base", 10000.0)))
+    params["rope_type"] = "default"
+    rotary_dim = int(field(reader, "phi3.rope.dimension_count", head_dim))
+    params["partial_rotary_factor"] = rotary_dim / head_dim
+    window = int(field(reader, "phi3.attention.sliding_window", 0))
+    config.sliding_window = window or None
+    tensors = {t.name: t for t in reader.tensors}
+    if ROPE_FACTORS_LONG in tensors and ROPE_FACTORS_SHORT in tensors:
+        original = int(field(reader, "phi3.rope.scaling.original_context_length"))
+        params.update(rope_type="longrope", original_max_position_embeddings=original,
+                      long_factor=np.array(tensors[ROPE_FACTORS_LONG].data, dtype=np.float32).tolist(),
+                      short_factor=np.array(tensors[ROPE_FACTORS_SHORT].data, dtype=np.float32).tolist())
+        scale = config.max_position_embeddings / original
+        default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        attn_factor = field(reader, "phi3.rope.scaling.attn_factor", default)
+        if np.float32(attn_factor) != np.float32(default):  # the file's own, not the default in float32
+            params["attention_factor"] = float(attn_factor)
+        config.original_max_position_embeddings = original
+    if hasattr(config, "rope_parameters"):  # transformers >= 5
+        config.rope_parameters = params
+    else:
+        config.partial_rotary_factor = params.pop("partial_rotary_factor")
+        config.rope_theta = params.pop("rope_theta")
+        config.rope_scaling = params if params["rope_type"] == "longrope" else None
+
+
 # Byte-level BPE pre-tokenizer types whose words found whole in the vocabulary skip the merges
 # (llama.cpp treats these so, as the tokenizers they were converted from do: Llama 3's and others').
 IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
@@ -298,6 +335,8 @@ def _convert(path: Path, out: Path) -> None:
             config.rope_scaling = params
     if arch in ("gemma2", "gemma3"):
         _gemma_config(config, reader, arch)
+    if arch == "phi3":
+        _phi3_config(config, reader)
     config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
     _tokenizer_as_the_file_says(out, reader)

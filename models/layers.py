@@ -170,16 +170,29 @@ class RotaryEmbedding(nn.Module):
     The cache is built once in fp32 (like HF) and stored in the model dtype:
     `cos_sin_cache[p] = [cos(p * f) repeated twice, sin(p * f) with the first half negated]`,
     so `x * cos + flip_halves(x) * sin` equals HF's `x * cos + rotate_half(x) * sin` bit for bit.
+
+    Partial rotary (`rotary_dim < head_dim`, HF rotating only the first `rotary_dim` features of a
+    head): every backend rotates pairs (i, i + head_dim / 2), so the model stores q and k with each
+    head's features permuted by `partial_rotary_permutation` (HF's pairs (i, i + rotary_dim / 2)
+    land there) and the cache holds cos 1, sin 0 on the features not rotated, which pass through
+    exactly. q.k is the same sum in another order; v and the attention output are not permuted.
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict) -> None:
+    def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}")
         self.max_position = max_position
         self.params = params
-        rope_inv_freq(head_dim, params)  # validate the rope type at construction
+        self.inv_freq_and_scaling()  # validate the rope type at construction
         self.register_buffer("cos_sin_cache", torch.empty(max_position, 2, head_dim), persistent=False)
         self.reset_buffers()
+
+    def inv_freq_and_scaling(self) -> tuple[Tensor, float]:
+        """Inverse frequencies [rotary_dim // 2] (fp32) and the factor HF multiplies cos and sin by."""
+        return rope_inv_freq(self.rotary_dim, self.params), 1.0
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -187,15 +200,28 @@ class RotaryEmbedding(nn.Module):
         cache = self.cos_sin_cache  # [max_position, 2, head_dim]
         if cache.is_meta:
             return
-        inv_freq = rope_inv_freq(self.head_dim, self.params).to(cache.device)
+        inv_freq, scaling = self.inv_freq_and_scaling()
         positions = torch.arange(self.max_position, device=cache.device, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-        cos, sin = freqs.cos(), freqs.sin()
+        freqs = positions[:, None] * inv_freq.to(cache.device)[None, :]  # [max_position, rotary_dim // 2]
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        num_pass = (self.head_dim - self.rotary_dim) // 2  # per half: features that are not rotated
+        if num_pass:
+            cos = torch.cat((cos, cos.new_ones(self.max_position, num_pass)), dim=-1)
+            sin = torch.cat((sin, sin.new_zeros(self.max_position, num_pass)), dim=-1)
         cache[:, 0].copy_(torch.cat((cos, cos), dim=-1))
         cache[:, 1].copy_(torch.cat((-sin, sin), dim=-1))
 
     def forward(self, positions: Tensor) -> Tensor:  # [T] -> [T, 2, head_dim]
         return self.cos_sin_cache.index_select(0, positions)
+
+
+def partial_rotary_permutation(head_dim: int, rotary_dim: int) -> Tensor:
+    """perm [head_dim] with `new[j] = old[perm[j]]`: HF's rotated pairs (i, i + rotary_dim / 2) at
+    (i, i + head_dim / 2), the features it does not rotate in the rest of each half (in order)."""
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    first = list(range(rot_half)) + list(range(rotary_dim, rotary_dim + half - rot_half))
+    second = list(range(rot_half, rotary_dim)) + list(range(rotary_dim + half - rot_half, head_dim))
+    return torch.tensor(first + second, dtype=torch.int64, device="cpu")
 
 
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:

@@ -122,10 +122,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_cls: type[nn.Module]) -> None:
+    def __init__(self, config: PretrainedConfig, attention_cls: type[nn.Module],
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        if rotary_emb is None:
+            rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb) for i in range(config.num_hidden_layers)
         )
@@ -154,10 +157,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
+        self.model = LlamaModel(config, self.attention_cls, self.rotary_embedding(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+
+    def rotary_embedding(self, config: PretrainedConfig) -> RotaryEmbedding | None:
+        """The rotary embedding every layer shares; None: LlamaModel's (the config's rope type)."""
+        return None
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, hidden]
         return self.model(input_ids, positions)

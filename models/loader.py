@@ -21,7 +21,7 @@ from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
-from kvserve.models.gguf_loader import gguf_quantization, iter_gguf_tensors
+from kvserve.models.gguf_loader import gguf_eight_bit_weights, gguf_quantization, iter_gguf_tensors
 from kvserve.models.heap import release_free_memory
 from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
 from kvserve.models.layers import LazyTensor, default_weight_loader
@@ -75,6 +75,15 @@ def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, La
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, LazyTensor(file=f, name=name)
+
+
+def packed_name(model: nn.Module, name: str) -> str:
+    """A checkpoint weight's parameter name in `model` (`.v_proj.` -> `.qkv_proj.`)."""
+    name = getattr(model, "map_weight_name", lambda n: n)(name) or name
+    for src, (dst, _) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}.")
+    return name
 
 
 def load_weights(model: nn.Module, model_dir: str | os.PathLike,
@@ -195,18 +204,25 @@ def load_model(
     model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
     attention_backend: str = "auto", parallel: ParallelState | None = None,
     quantization: str | None = None, quantization_group_size: int = DEFAULT_GROUP_SIZE,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
     the device's attention backend and fused ops bound to its layers (chosen here, once).
     With `parallel` (tensor parallelism) the layers hold, and load, that rank's shard only.
     `quantization` (int8, int4, fp8, none; None: `resolve_quantization`'s choice) is applied as the
-    weights load; `model.weights_report` says the format and the bytes."""
+    weights load; `model.weights_report` says the format and the bytes. `max_model_len` (None: the
+    model's own limit) reaches the modules whose numerics depend on it (`set_max_model_len`:
+    LongRoPE's factors, models/phi3.py)."""
     cls = get_model_class(hf_config, model_dir)
     device = torch.device(device)
     method = resolve_quantization(quantization, model_dir)
     with phase("model"):
         with torch.device("meta"), tensor_parallel(parallel or ParallelState()):
             model = cls(hf_config)
+        if max_model_len is not None:
+            for module in model.modules():
+                if hasattr(module, "set_max_model_len"):
+                    module.set_max_model_len(max_model_len)
         if method != "none":
             check_quantizable(model, quantization_group_size)  # before any weight is read
             # quantized from the checkpoint's own values: a GGUF file's are exact in fp32, so
@@ -217,7 +233,10 @@ def load_model(
     if method != "none":
         if device.type == "cpu":
             cpu_ops.load()  # the quantized layout is the kernel's where it runs
-        quantizer = Quantizer(model, method, quantization_group_size, dtype, device)
+        eight_bit = frozenset()
+        if quantization is None and method == "int4" and is_gguf(model_dir):  # as it comes: wider matrices int8
+            eight_bit = frozenset(packed_name(model, n) for n in gguf_eight_bit_weights(model_dir))
+        quantizer = Quantizer(model, method, quantization_group_size, dtype, device, eight_bit)
     with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
         load_weights(model, model_dir, None if quantizer is None else quantizer.loaded)
     close_gguf_files()

@@ -332,13 +332,14 @@ def _tied_embedding(model: nn.Module) -> nn.Module | None:
 class Quantizer:
     """Quantizes a model's matrices as the loader completes them (`loaded(name)`), so at most one
     float matrix is resident beside the quantized ones, then the rest in `finish()`: every
-    `Linear` gets a `QuantizedLinear` (`method` int8, int4 or fp8; the LM head int8, or fp8 under
-    fp8) and a tied embedding that 8-bit form (rows looked up in `dtype`, the model's). Float
+    `Linear` gets a `QuantizedLinear` (`method` int8, int4 or fp8; the LM head and `eight_bit`'s
+    matrices int8, or fp8 under fp8) and a tied embedding that 8-bit form (rows looked up in `dtype`, the model's). Float
     weights are freed."""
 
     def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", eight_bit: frozenset[str] = frozenset()) -> None:
         self.model, self.method, self.group, self.dtype = model, method, group, dtype
+        self.eight_bit = eight_bit  # parameter names held int8 under int4 (a GGUF file's wider matrices)
         self.device = torch.device(device)  # where the quantized weights go (staged ones are on the CPU)
         self.fp8 = method == "fp8"
         self.packed = self.device.type == "cpu" and has_kernels() and not self.fp8
@@ -356,7 +357,8 @@ class Quantizer:
     def _quantize(self, name: str, m: nn.Module) -> None:
         if not m.weight.numel():
             return
-        bits = 4 if self.method == "int4" and not _is_lm_head(name) else 8
+        is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
+        bits = 4 if self.method == "int4" and not is_wide else 8
         qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed, self.fp8).to(self.device)
         m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)

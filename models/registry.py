@@ -12,6 +12,7 @@ from kvserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3For
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
+from kvserve.models.phi3 import Phi3ForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # the text decoder only
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # bare decoders without an LM head (sentence-transformers' embedding checkpoints): embeddings only
     "LlamaModel": LlamaModelForEmbedding,

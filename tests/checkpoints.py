@@ -31,9 +31,9 @@ CORPUS = [
     "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048 4096 and punctuation !?;:,.()[]{}",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "phi3": "Phi3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -61,12 +61,15 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
         kw["use_sliding_window"] = False
     if family == "qwen3":
         kw["head_dim"] = 32  # explicit head_dim != hidden / heads
+    if family == "phi3":
+        kw["pad_token_id"] = 0  # Phi3Config's default, 32000, is past the tiny vocabulary
     kw.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }[family]
     return cls(**kw)
 

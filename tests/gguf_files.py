@@ -2,20 +2,23 @@
 llama.cpp's converter writes it, so kvserve and `transformers` can both load it.
 
 The weights get GGUF names, llama-family q/k rows are permuted for llama.cpp's rotary layout,
-GPT-2's Conv1D weights are stored [out, in], matrices are stored in `tensor_type` (norms,
-biases and GPT-2's position table stay F32, as llama.cpp keeps them) and the byte-level BPE
+GPT-2's Conv1D weights are stored [out, in], matrices are stored in `tensor_type` (one type, or a
+K-quant mix such as "Q4_K_M"; norms, biases and GPT-2's position table stay F32, as llama.cpp
+keeps them) and the byte-level BPE
 tokenizer goes in as tokenizer model "gpt2" with its merges and the ChatML chat template.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
 import numpy as np
 from checkpoints import make_checkpoint
 from gemma_checkpoints import make_gemma_checkpoint
+from kquants import K_TYPES, quantize_k
 from safetensors.torch import load_file
 
 from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -23,7 +26,7 @@ from kvserve.models.gguf_loader import gguf_tensor_names
 from kvserve.models.gguf_metadata import llama3_factors
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-             "gemma2": "gemma2", "gemma3": "gemma3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 GEMMA = ("gemma2", "gemma3")
 
 
@@ -46,7 +49,6 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     writer = gguf.GGUFWriter(str(path), arch)
     _add_config(writer, config, arch)
     _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
     for hf_name, w in load_file(hf_dir / "model.safetensors").items():
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -63,6 +65,7 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
         if arch == "gpt2" and not hf_name.startswith(("transformer.", "lm_head.")):
             hf_name = "transformer." + hf_name
         name = to_gguf[hf_name]
+        qtype = gguf.GGMLQuantizationType[tensor_type_of(name, tensor_type)]
         if w.ndim == 2 and name != "position_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
         else:
@@ -73,6 +76,8 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
         writer.add_tensor("rope_freqs.weight", llama3_factors(
             head_dim, rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
             rope["original_max_position_embeddings"]))
+    if arch == "phi3":
+        _add_phi3(writer, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -80,21 +85,23 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     return path
 
 
-# Where each block of a k-quant keeps its fp16 scales (bytes): gguf cannot quantize to these
-# types, so their blocks are random bytes with sane scales (only dequantization is tested).
-_K_QUANT_SCALES = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}
+# llama.cpp's K-quant mixes (its `llama_tensor_get_type`, simplified): the value and FFN-down
+# matrices and the output matrix one step up, at Q6_K; every other matrix at the base type.
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+_MIX_HIGH = (".attn_v.weight", ".ffn_down.weight")
+
+
+def tensor_type_of(name: str, tensor_type: str) -> str:
+    """The type a matrix `name` gets in a file of `tensor_type` (one type, or a mix in `MIXES`)."""
+    if tensor_type not in MIXES:
+        return tensor_type
+    return "Q6_K" if name.endswith(_MIX_HIGH) or name == "output.weight" else MIXES[tensor_type]
 
 
 def _quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    if qtype.name not in _K_QUANT_SCALES:
-        return gguf.quants.quantize(w, qtype)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (w.size // block_size, type_size), dtype=np.uint8)
-    where = _K_QUANT_SCALES[qtype.name]
-    scales = rng.uniform(1e-3, 1e-2, (len(blocks), (where.stop - where.start) // 2)).astype(np.float16)
-    blocks[:, where] = scales.view(np.uint8)
-    return blocks.reshape(*w.shape[:-1], -1)
+    if qtype.name in K_TYPES:  # the gguf package cannot quantize to these (tests/kquants.py)
+        return quantize_k(w, qtype.name)
+    return gguf.quants.quantize(w, qtype)
 
 
 def _num_layers(config: dict) -> int:
@@ -124,7 +131,8 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch != "phi3":  # (its own: `_add_phi3`)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(c["vocab_size"])
 
 
@@ -142,6 +150,23 @@ def _add_gemma_config(writer: gguf.GGUFWriter, c: dict) -> None:
         if full.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(full["factor"])
+
+
+def _add_phi3(writer: gguf.GGUFWriter, c: dict) -> None:
+    """What llama.cpp's converter adds for Phi-3: rotary dims, sliding window, LongRoPE factors."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0))
+    writer.add_rope_dimension_count(rotary_dim)
+    writer.add_sliding_window(c.get("sliding_window") or 0)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        original = c["original_max_position_embeddings"]
+        scale = c["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_files import llama_cpp_permute, make_gguf, make_spm_gguf
+from gguf_files import llama_cpp_permute, make_gguf, make_spm_gguf, tensor_type_of
 from safetensors.torch import load_file
 from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
@@ -29,7 +29,7 @@ from kvserve.models.hf_config import load_hf_config
 from kvserve.models.layers import rope_parameters
 from kvserve.models.loader import resolve_model_path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 # transformers reads no head_dim from a qwen3 GGUF and no n_positions from a gpt2 one (it keeps
 # its defaults), so its model matches the file only at those values; kvserve reads
@@ -55,15 +55,21 @@ def test_logits_match_transformers(tmp_path, family, tensor_type):
     assert_close(got, hf_logits(hf_gguf_model(path), prompts))
 
 
-@pytest.mark.parametrize("tensor_type", [*TENSOR_TYPES, "Q4_K", "Q6_K"])
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M")  # single types and llama.cpp's mixes
+LEGACY_TYPES = ("Q4_1", "Q5_0", "Q5_1")  # what llama.cpp's K-quant files fall back to for rows not of 256
+WIDE = dict(hidden_size=256, intermediate_size=256)  # K-quant blocks hold 256 weights of a row
+
+
+@pytest.mark.parametrize("tensor_type", [*TENSOR_TYPES, *LEGACY_TYPES, *K_QUANT_TYPES])
 def test_dequantized_tensors_equal_reference(tmp_path, tensor_type):
     """Each tensor, with llama.cpp's q/k permutation put back, is the reference's values exactly;
-    unquantized (F32) it is the original checkpoint's weight exactly."""
-    if tensor_type in ("Q4_K", "Q6_K"):  # 256-wide blocks: rows of 256
-        path = make_gguf(tmp_path, "llama", tensor_type, hidden_size=256, intermediate_size=256)
-    else:
-        path = make_gguf(tmp_path, "llama", tensor_type)
+    unquantized (F32) it is the original checkpoint's weight exactly. A mix has each matrix in
+    its own type (Q4_K_M: Q6_K value, FFN-down and output matrices, Q4_K the rest)."""
+    path = make_gguf(tmp_path, "llama", tensor_type, **(WIDE if tensor_type in K_QUANT_TYPES else {}))
     reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            assert t.tensor_type.name == tensor_type_of(t.name, tensor_type), t.name
     original = load_file(tmp_path / "hf" / "model.safetensors")
     loaded = dict(iter_gguf_tensors(path))
     assert set(loaded) == set(original)
@@ -77,6 +83,21 @@ def test_dequantized_tensors_equal_reference(tmp_path, tensor_type):
             assert torch.equal(loaded[name], original[name]), name
         elif tensor_type == "Q8_0":  # near the original: the names and permutation round-trip
             torch.testing.assert_close(loaded[name], original[name], atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_k_quant_logits_match_transformers(tmp_path, family, tensor_type):
+    """K-quant files (and the legacy types their mixes fall back to), held dequantized: the
+    logits equal transformers' on the same file."""
+    path = make_gguf(tmp_path, family, tensor_type, **WIDE, **OVERRIDES.get(family, {}))
+    model_path = resolve_model_path(str(path))
+    config = load_hf_config(model_path)
+    model = load_model(model_path, config, torch.float32, "cpu", quantization="none")
+    prompts = make_prompts(config.vocab_size, lens=[1, 5, 17])
+    runner = PagedRunner(model, block_size=4)
+    got = [runner.step([(i, p, 0)])[0] for i, p in enumerate(prompts)]
+    assert_close(got, hf_logits(hf_gguf_model(path), prompts))
 
 
 def test_config_from_metadata(tmp_path):
@@ -187,15 +208,15 @@ def test_unsupported_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, gpt2"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, phi3, gpt2"):
         load_hf_config(str(path))
     with pytest.raises(ValueError, match="'falcon'"):
         list(iter_gguf_tensors(path))
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path):
-    path = make_gguf(tmp_path, "llama", "Q5_0")
-    with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.]+weight' has type Q5_0.*supported tensor types"):
+    path = make_gguf(tmp_path, "llama", "MXFP4")  # a type the gguf package writes and kvserve does not read
+    with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.]+weight' has type MXFP4.*supported tensor types"):
         list(iter_gguf_tensors(path))
 
 

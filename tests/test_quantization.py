@@ -540,6 +540,36 @@ def test_gguf_is_held_as_its_own_blocks(gguf_files, tensor_type):
     assert emb.dtype == torch.bfloat16 and torch.equal(emb, torch.from_numpy(values).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("tensor_type,method", [("Q4_K_M", "int4"), ("Q6_K", "int8"), ("Q5_0", "int8")])
+def test_k_quant_file_is_held_with_at_least_its_bits(tmp_path, tensor_type, method):
+    """Served as it comes, a Q4_K_M file is int4 but its Q6_K matrices (value, FFN down, head) stay
+    int8; Q6_K and Q5_0 files are int8. The held weights are re-quantized from the file's exact
+    values, within a step of them (about half a step in int8), and not equal to them: K-quant and Q5_0
+    blocks are not Q8_0 / Q4_0 blocks (docs/quantization.md)."""
+    path = make_gguf(tmp_path, "llama", tensor_type, hidden_size=256, intermediate_size=256)
+    model = load(str(path), torch.float32, None)
+    assert model.weights_report.method == method
+    values = dict(iter_gguf_tensors(path))  # the file's exact values under HF names
+    held = quantized_layers(model)
+    wide = {"self_attn.qkv_proj", "mlp.down_proj"} if tensor_type == "Q4_K_M" else set(LLAMA_BLOCK)
+    parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+             "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+    for i in range(2):
+        for module, names in parts.items():
+            weight = held[f"model.layers.{i}.{module}"]
+            assert weight.bits == (8 if module in wide or method == "int8" else 4), module
+            want = torch.cat([values[f"model.layers.{i}.{module.split('.')[0]}.{n}.weight"] for n in names])
+            q, d = weight.unpack()
+            step = d.float().abs().repeat_interleave(weight.group, dim=1)
+            error = (q.float() * d.float().repeat_interleave(weight.group, dim=1) - want).abs()
+            # half a step (int8; int4's clamp at 7: a step), plus the fp16 rounding of the scale (values
+            # are rounded against the unrounded scale, as in llama.cpp's Q8_0 / Q4_0): 2^-11 per level
+            bound = 0.5 + 127 / 2048 if weight.bits == 8 else 1 + 8 / 2048
+            assert (error <= step * bound * (1 + 1e-4)).all(), module
+            assert error.max() > 0, module
+    assert held["lm_head"].bits == 8
+
+
 def checkpoint_of_file_values(gguf_path: Path, hf_dir: Path, out: Path) -> str:
     """A safetensors checkpoint holding exactly a GGUF file's (dequantized) values."""
     out.mkdir()
@@ -670,10 +700,10 @@ def test_group_that_does_not_divide_is_refused_before_weights_load(tmp_path, mon
 
 
 def test_gguf_with_unsupported_tensor_type_still_errors(tmp_path):
-    path = make_gguf(tmp_path, "llama", "Q5_0")
+    path = make_gguf(tmp_path, "llama", "MXFP4")  # a type the gguf package writes and kvserve does not read
     assert loader_module.resolve_quantization(None, str(path)) == "none"
     for method in (None, "int8"):
-        with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.0-9]+weight' has type Q5_0.*supported tensor types"):
+        with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.0-9]+weight' has type MXFP4.*supported tensor types"):
             LLM(model=str(path), quantization=method, device="cpu")
 
 

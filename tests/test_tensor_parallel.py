@@ -15,6 +15,7 @@ import torch
 import transformers
 from checkpoints import make_checkpoint
 from test_engine_core import core_children, is_alive, wait_until
+from test_phi3 import longrope
 
 from kvserve.engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from kvserve.models import layers
@@ -37,6 +38,8 @@ CASES = {  # name: (family, config overrides, tensor_parallel_size)
                                  "intermediate_size": 192, "tie_word_embeddings": True}, 3),
     "llama-int8": ("llama", {}, 2),  # each rank quantizes its shard (row-parallel: whole groups of its inputs)
     "gpt2-int4": ("gpt2", {}, 2),  # int4 Conv1D shards, int8 tied vocab-parallel head
+    # fused qkv/gate_up checkpoint tensors split per rank, q/k rows permuted for partial rotary, LongRoPE
+    "phi3-longrope-partial": ("phi3", dict(partial_rotary_factor=0.5, **longrope(8)), 2),
 }
 QUANTIZATION = {"llama-int8": "int8", "gpt2-int4": "int4"}
 # Quantized activations: a last-bit difference from the ranks' summation order can move one

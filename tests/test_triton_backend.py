@@ -116,3 +116,20 @@ def test_gemma_mixed_steps_match_transformers(tmp_path, family):
         for (i, _, _), logits in zip(chunks, runner.step(chunks)):
             got[i].append(logits)
     assert_close([torch.cat(g) for g in got], want)
+
+
+def test_phi3_partial_rotary_and_longrope(tmp_path):
+    """Phi-4-mini's shape of rotary (partial, LongRoPE): the Triton rotary kernel reads the same
+    cos/sin cache and permuted q/k as every backend; prompts past original_max_position_embeddings."""
+    from checkpoints import make_checkpoint
+    from test_phi3 import longrope
+
+    path = make_checkpoint(tmp_path / "phi3", "phi3", partial_rotary_factor=0.5, **longrope(8))
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = load_model(path, config, torch.float32, "cpu", attention_backend="triton")
+    prompts = make_prompts(config.vocab_size, [33, 40])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = PagedRunner(model, block_size=4, seed=3)
+    got = runner.step([(i, p[:30], 0) for i, p in enumerate(prompts)])
+    rest = runner.step([(i, p[30:], 30) for i, p in enumerate(prompts)])
+    assert_close([torch.cat(pair) for pair in zip(got, rest)], hf_logits(hf_model, prompts))

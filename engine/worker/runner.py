@@ -81,7 +81,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend,
-                                parallel, model_config.quantization, model_config.quantization_group_size)
+                                parallel, model_config.quantization, model_config.quantization_group_size,
+                                max_model_len=max_model_len)
         self.parallel = parallel if parallel is not None and parallel.size > 1 else None
         if join_group is not None:
             join_group()
