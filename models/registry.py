@@ -9,7 +9,9 @@ from torch import nn
 from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvserve.models.mixtral import MixtralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
@@ -20,6 +22,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # mixture of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,
