@@ -11,6 +11,10 @@ tokenizer come from the file's metadata through transformers' own GGUF support, 
 llama.cpp's converter permutes the q/k rows of llama-family files (each head's two rotary
 halves become interleaved pairs); `_unpermute` undoes it, as transformers does. GPT-2's
 matrices are stored [out, in] and go back to Conv1D's [in, out] that the model file expects.
+A mixture of experts' stacked matrices (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`
+[E, out, in]) come one expert at a time under Hugging Face's per-expert names, its router
+(`ffn_gate_inp`) as `mlp.gate` (Qwen3-MoE files: arch `qwen3moe`; Mixtral: arch `llama` with
+`llama.expert_count`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ _DECODER_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router [E, hidden]
 }
+# A mixture of experts' matrices, stacked [E, out, in]: read one expert at a time (`_EXPERTS_PART`).
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERTS_PART = "mlp.experts.{}"
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -51,6 +59,9 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
         names |= {f"{g}.{suffix}": f"{hf}.{suffix}" for g, hf in glob.items()}
         for i in range(num_layers):
             names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{hf}.{suffix}" for g, hf in block.items()}
+            if not is_gpt2:  # "{}": the expert's index
+                names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{_EXPERTS_PART}.{hf}.{suffix}"
+                          for g, hf in _EXPERT_STACKS.items()}
     return names
 
 
@@ -64,7 +75,7 @@ def gguf_quantization(path: str | os.PathLike) -> str:
     gguf = import_gguf()
     counts: dict[str, int] = {}
     for t in open_gguf(path).tensors:
-        if t.name.startswith("blk.") and len(t.shape) == 2:
+        if t.name.startswith("blk.") and len(t.shape) >= 2:  # matrices and stacked experts
             kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
             counts[kept] = counts.get(kept, 0) + int(t.n_elements)
     return max(counts, key=counts.get) if counts else "none"
@@ -89,6 +100,10 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             w = _unpermute(w, num_kv_heads)
         elif arch == "gpt2" and w.ndim == 2 and t.name.startswith("blk."):
             w = w.t()  # back to Conv1D's [in, out]
+        if "{}" in hf_name:  # stacked experts [E, out, in]: under the per-expert names checkpoints use
+            for e in range(w.shape[0]):
+                yield hf_name.format(e), w[e]
+            continue
         yield hf_name, w
 
 
