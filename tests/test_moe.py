@@ -266,3 +266,24 @@ def test_bad_expert_checkpoints_are_refused(tmp_path):
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match="expert"):
         load(path)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_each_rank_holds_its_slice_of_every_expert(moe_dirs, layout):
+    """Tensor parallelism (tp=2 equals tp=1 end to end: tests/test_tensor_parallel.py): gate and up rows
+    and down columns of each expert split like a dense MLP's; the router is whole on every rank."""
+    from kvserve.models.parallel import ParallelState
+
+    model_dir = moe_dirs["mixtral" if layout == "per-expert" else "mixtral-fused"]
+    config = load_hf_config(model_dir)
+    full = load(model_dir).model.layers[1].mlp
+    ranks = [load_model(model_dir, config, torch.float32, "cpu", parallel=ParallelState(r, 2)).model.layers[1].mlp
+             for r in range(2)]
+    inter = config.intermediate_size
+    gate_up = full.experts.gate_up_proj.weight  # [E, 2I, H]
+    for r, mlp in enumerate(ranks):
+        half = slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(mlp.experts.gate_up_proj.weight, torch.cat(
+            [gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1))
+        assert torch.equal(mlp.experts.down_proj.weight, full.experts.down_proj.weight[:, :, half])
+        assert torch.equal(mlp.gate.weight, full.gate.weight)

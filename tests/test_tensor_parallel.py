@@ -37,6 +37,9 @@ CASES = {  # name: (family, config overrides, tensor_parallel_size)
                                  "intermediate_size": 192, "tie_word_embeddings": True}, 3),
     "llama-int8": ("llama", {}, 2),  # each rank quantizes its shard (row-parallel: whole groups of its inputs)
     "gpt2-int4": ("gpt2", {}, 2),  # int4 Conv1D shards, int8 tied vocab-parallel head
+    # mixtures of experts: every expert's intermediate dim split (a dense middle layer in Qwen3-MoE)
+    "qwen3_moe": ("qwen3_moe", {}, 2),
+    "mixtral": ("mixtral", {}, 2),
 }
 QUANTIZATION = {"llama-int8": "int8", "gpt2-int4": "int4"}
 # Quantized activations: a last-bit difference from the ranks' summation order can move one
@@ -81,8 +84,8 @@ def _compare_tokens(a, b, what: str, tol: float = TOL) -> None:
 @pytest.fixture(scope="module")
 def case_dirs(checkpoint_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return {name: checkpoint_dirs[family] if not overrides else make_checkpoint(root / name, family, **overrides)
-            for name, (family, overrides, _) in CASES.items()}
+    return {name: checkpoint_dirs[family] if not overrides and family in checkpoint_dirs
+            else make_checkpoint(root / name, family, **overrides) for name, (family, overrides, _) in CASES.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
