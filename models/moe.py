@@ -11,11 +11,13 @@ layout: Hugging Face's per-expert tensors (`experts.{e}.gate_proj.weight`, what
 `save_pretrained` writes) or the fused 3-D ones (`experts.gate_up_proj`, transformers' module
 layout). How the experts' matmuls run is chosen at load:
 
-* Triton (the ops the loader binds are Triton's, plain weights): one grouped GEMM launch per
-  projection over all experts (models/kernels/triton_moe.py), no host sync.
+* CUDA or the Triton ops (plain weights): one grouped GEMM launch per projection over all
+  experts (models/kernels/triton_moe.py), no host sync (CUDA graphs capture it).
 * otherwise one matmul per active expert on its gathered rows: `F.linear` on the stacked
   weight, or the per-expert CPU kernels (bf16 packed, int8/int4) that models/cpu_model.py and
-  models/quantization.py put in `ExpertLinear.packed`.
+  models/quantization.py put in `ExpertLinear.packed`. The expert counts come to the host for
+  the loop, so while a CUDA graph is captured (quantized experts on CUDA) every expert runs on
+  every token instead, scaled by zero where not chosen (`every_expert`).
 
 Tensor parallelism splits every expert's intermediate dim over the ranks like a dense MLP
 (gate/up rows, down columns); the block all-reduces its summed output once.
@@ -25,6 +27,8 @@ Shapes: T = tokens, k = top_k, E = experts, H = hidden, I = this rank's expert i
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -119,12 +123,18 @@ class ExpertLinear(Linear):
         target.copy_(part.reshape(target.shape))
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def group_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """ids [T, k] -> (order [T*k]: pair indices sorted by expert, stable; token of each sorted pair [T*k];
     counts [E]: pairs per expert). Sorted pair i belongs to token order[i] // k, slot order[i] % k."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not bincount: on CUDA its output size waits for the max id, a host sync that CUDA graphs forbid)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
     return order, order // ids.shape[1], counts
 
 
@@ -146,10 +156,13 @@ class FusedExperts(nn.Module):
         return self.act(gate) * up
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
-        if self.ops.name == "triton" and self.gate_up_proj.packed is None:
+        plain = self.gate_up_proj.packed is None
+        if plain and (self.ops.name == "triton" or (x.is_cuda and _has_triton())):
             from kvserve.models.kernels.triton_moe import fused_experts  # imports triton: only when chosen
 
             return fused_experts(x, weights, ids, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, weights, ids)
         order, tokens, counts = group_by_expert(ids, self.num_experts)
         sorted_weights = weights.flatten()[order]  # [T*k]
         out = torch.zeros_like(x)
@@ -163,6 +176,17 @@ class FusedExperts(nn.Module):
             # transformers' rounding: the product in the weights' dtype (fp32 for Mixtral), then the model's
             out.index_add_(0, rows, (h * sorted_weights[start:start + n, None]).to(x.dtype))
             start += n
+        return out
+
+
+    def every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+        """Every expert on every token, scaled by its routing weight (0 where not chosen): no host
+        sync, so a CUDA graph can hold it (quantized experts on CUDA; it reads every expert)."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            w = (weights * (ids == e)).sum(-1, keepdim=True)  # [T, 1]
+            h = self.down_proj.expert(e, self.activation(self.gate_up_proj.expert(e, x)))
+            out += (h * w).to(x.dtype)
         return out
 
 
