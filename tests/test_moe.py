@@ -297,3 +297,16 @@ def test_each_rank_holds_its_slice_of_every_expert(moe_dirs, layout):
             [gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1))
         assert torch.equal(mlp.experts.down_proj.weight, full.experts.down_proj.weight[:, :, half])
         assert torch.equal(mlp.gate.weight, full.gate.weight)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_active_bytes_counts_the_models_parameters(moe_dirs, family, capsys):
+    from benchmarks.moe_active_bytes import load_config, main, moe_shape
+
+    model = load(moe_dirs[family])
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() >= 2 and "embed_tokens" not in name and "lm_head" not in name)
+    shape = moe_shape(load_config(moe_dirs[family]))
+    assert shape.total == matrices
+    assert shape.experts_read(1) == pytest.approx(2) and shape.experts_read(10 ** 6) == pytest.approx(8)
+    assert main([moe_dirs[family], "--batch", "1,8"]) == 0 and "experts/layer" in capsys.readouterr().out
