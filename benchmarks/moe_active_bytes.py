@@ -5,7 +5,7 @@
 
 A decode step of a dense model reads every weight once, so at batch 1 its speed is bounded by
 memory bandwidth / model bytes. An MoE step reads the attention, the router, the dense layers
-and only the experts its tokens chose: at batch 1, top_k of num_experts per sparse layer. With B
+(and shared experts) and only the experts its tokens chose: at batch 1, top_k of num_experts per sparse layer. With B
 tokens routed uniformly, an expert is chosen by at least one token with probability
 1 - (1 - k/E)^B, so the expected experts read per layer grow toward all of them as B grows.
 (Real routers are not uniform: this is the roofline's shape, not a measurement.) Bytes per
@@ -38,6 +38,7 @@ class MoeShape:
     attention: int  # all layers
     dense_mlp: int  # all dense layers (Qwen3-MoE's mlp_only_layers)
     router: int  # all sparse layers
+    shared: int  # all sparse layers' shared experts and their gates (Qwen2-MoE): every token runs them
     expert: int  # one expert of one layer
     num_sparse_layers: int
     num_experts: int
@@ -46,7 +47,8 @@ class MoeShape:
 
     @property
     def total(self) -> int:
-        return self.attention + self.dense_mlp + self.router + self.expert * self.num_experts * self.num_sparse_layers
+        return (self.attention + self.dense_mlp + self.router + self.shared
+                + self.expert * self.num_experts * self.num_sparse_layers)
 
     def experts_read(self, batch: int) -> float:
         """Expected distinct experts per sparse layer for `batch` uniformly routed tokens."""
@@ -55,7 +57,7 @@ class MoeShape:
     def step_params(self, batch: int) -> float:
         """Layer weights read by a decode step of `batch` tokens (the LM head apart)."""
         experts = self.expert * self.experts_read(batch) * self.num_sparse_layers
-        return self.attention + self.dense_mlp + self.router + experts
+        return self.attention + self.dense_mlp + self.router + self.shared + experts
 
 
 def moe_shape(c: dict) -> MoeShape:
@@ -72,7 +74,10 @@ def moe_shape(c: dict) -> MoeShape:
                     or (i + 1) % c.get("decoder_sparse_step", 1)]
     sparse = layers - len(dense_layers)
     return MoeShape(attention=attention, dense_mlp=len(dense_layers) * 3 * hidden * c["intermediate_size"],
-                    router=sparse * num_experts * hidden, expert=3 * hidden * expert_inter, num_sparse_layers=sparse,
+                    router=sparse * num_experts * hidden,
+                    shared=sparse * (3 * hidden * c.get("shared_expert_intermediate_size", 0) + hidden
+                                     if c.get("shared_expert_intermediate_size") else 0),
+                    expert=3 * hidden * expert_inter, num_sparse_layers=sparse,
                     num_experts=num_experts, top_k=c["num_experts_per_tok"], lm_head=c["vocab_size"] * hidden)
 
 

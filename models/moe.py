@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -190,21 +191,44 @@ class FusedExperts(nn.Module):
         return out
 
 
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's scalar gate of the shared expert, sigmoid(x @ w.T): [T, H] -> [T, 1] (replicated)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size))
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE style shared expert, if a family adds one): [T, H] -> [T, H]."""
+    """Router + experts, and with `shared_intermediate_size` a gated shared expert that every token
+    runs (Qwen2-MoE): [T, H] -> [T, H]."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 renormalize: bool, weights_in_model_dtype: bool) -> None:
+                 renormalize: bool, weights_in_model_dtype: bool, shared_intermediate_size: int = 0) -> None:
         super().__init__()
         self.tp = current()
         self.gate = TopKRouter(num_experts, hidden_size, top_k, renormalize, weights_in_model_dtype)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            from kvserve.models.llama import LlamaMLP  # (llama.py imports nothing of this file)
+
+            shape = SimpleNamespace(hidden_size=hidden_size, intermediate_size=shared_intermediate_size,
+                                    hidden_act=hidden_act)
+            self.shared_expert = LlamaMLP(shape)  # a dense, tensor-parallel MLP
+            self.shared_expert_gate = SharedExpertGate(hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.tp.size > 1:  # each rank summed its slice of every expert's intermediate dim
             self.tp.all_reduce(out)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
 
 

@@ -11,6 +11,7 @@ from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvserve.models.mixtral import MixtralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
 
@@ -25,6 +26,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # mixture of experts (models/moe.py)
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # encoder-decoders (models/seq2seq.py): CPU, PyTorch attention, no tensor parallelism yet
     "BartForConditionalGeneration": BartForConditionalGeneration,

@@ -34,9 +34,10 @@ CORPUS = [
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 # mixture-of-experts families (models/moe.py), tested in tests/test_moe.py
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 @functools.lru_cache(maxsize=4)
@@ -67,6 +68,10 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
     if family == "qwen3_moe":  # 3 layers, the middle one dense (mlp_only_layers)
         kw.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                   norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+    if family == "qwen2_moe":  # a shared expert; the first layer dense
+        kw.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0],
+                  decoder_sparse_step=1, use_sliding_window=False)
     if family == "mixtral":
         kw.update(num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
     kw.update(overrides)
@@ -77,6 +82,7 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
     }[family]
     return cls(**kw)
 

@@ -40,6 +40,7 @@ CASES = {  # name: (family, config overrides, tensor_parallel_size)
     # mixtures of experts: every expert's intermediate dim split (a dense middle layer in Qwen3-MoE)
     "qwen3_moe": ("qwen3_moe", {}, 2),
     "mixtral": ("mixtral", {}, 2),
+    "qwen2_moe": ("qwen2_moe", {}, 2),  # the shared expert: a dense tensor-parallel MLP
 }
 QUANTIZATION = {"llama-int8": "int8", "gpt2-int4": "int4"}
 # Quantized activations: a last-bit difference from the ranks' summation order can move one
