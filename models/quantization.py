@@ -365,7 +365,7 @@ class Quantizer:
             qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(self.device)
             m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
-        self.count += 1
+        self.count += len(m.packed) if isinstance(m.packed, list) else 1
 
     @torch.no_grad()
     def finish(self) -> QuantizationReport:

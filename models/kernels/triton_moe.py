@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvserve.models.kernels import fix_interpreter_scalar_index
+from kvserve.models.moe import group_by_expert
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -110,8 +111,6 @@ def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tens
                   activation: Callable[[Tensor], Tensor]) -> Tensor:
     """The MoE MLP: x [T, H], routing weights/ids [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]:
     two grouped GEMMs around `activation` ([P, 2I] -> [P, I]), outputs scaled and summed per token."""
-    from kvserve.models.moe import group_by_expert
-
     order, tokens, counts = group_by_expert(ids, w13.shape[0])
     h = grouped_gemm(x[tokens], w13, counts)  # [P, 2I], P = T * k pairs sorted by expert
     y = grouped_gemm(activation(h), w2, counts)  # [P, H]
