@@ -1,13 +1,12 @@
 """Mixture-of-experts families (models/moe.py, qwen3_moe.py, mixtral.py, qwen2_moe.py) against transformers.
 
-Tiny random Qwen3-MoE (3 layers, the middle one dense through `mlp_only_layers`), Mixtral and
-Qwen2-MoE (a shared expert, the first layer dense) checkpoints (tests/checkpoints.py), fp32 on the CPU: logits through the paged cache, the engine's
-greedy tokens and log-probs under chunked prefill, prefix hits and preemption, routing (ties
-included) op for op; the CPU kernels (bf16, int8, int4) per expert; GGUF round trips.
-The Triton grouped GEMM is in tests/test_triton_moe.py, tensor parallelism in
-tests/test_tensor_parallel.py.
+Tiny random checkpoints (tests/checkpoints.py): Qwen3-MoE (3 layers, the middle one dense through
+`mlp_only_layers`), Mixtral, and Qwen2-MoE (a shared expert, the first layer dense); fp32 on the
+CPU: logits through the paged cache, the engine's greedy tokens and log-probs under chunked
+prefill, prefix hits and preemption, routing (ties included) op for op; the CPU kernels (bf16,
+int8, int4) per expert; GGUF round trips. The Triton grouped GEMM is in tests/test_triton_moe.py,
+tensor parallelism in tests/test_tensor_parallel.py.
 """
-
 from __future__ import annotations
 
 import shutil
