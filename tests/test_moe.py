@@ -7,6 +7,7 @@ prefill, prefix hits and preemption, routing (ties included) op for op; the CPU 
 int8, int4) per expert; GGUF round trips. The Triton grouped GEMM is in tests/test_triton_moe.py,
 tensor parallelism in tests/test_tensor_parallel.py.
 """
+
 from __future__ import annotations
 
 import shutil
