@@ -158,15 +158,18 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         plain = self.gate_up_proj.packed is None
-        if plain and (self.ops.name == "triton" or (x.is_cuda and _has_triton())):
-            from kvserve.models.kernels.triton_moe import fused_experts  # imports triton: only when chosen
-
-            return fused_experts(x, weights, ids, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        grouped = plain and (self.ops.name == "triton" or (x.is_cuda and _has_triton()))
+        if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.every_expert(x, weights, ids)
         order, tokens, counts = group_by_expert(ids, self.num_experts)
         sorted_weights = weights.flatten()[order]  # [T*k]
         out = torch.zeros_like(x)
+        if grouped:
+            from kvserve.models.kernels.triton_moe import grouped_gemm  # imports triton: only when chosen
+
+            h = grouped_gemm(x[tokens], self.gate_up_proj.weight, counts)  # [T*k, 2I] pairs sorted by expert
+            y = grouped_gemm(self.activation(h), self.down_proj.weight, counts)  # [T*k, H]
+            return out.index_add_(0, tokens, (y * sorted_weights[:, None]).to(x.dtype))
         # one matmul per active expert; the counts come to the host (free on the CPU, where this path runs)
         start = 0
         for e, n in enumerate(counts.tolist()):

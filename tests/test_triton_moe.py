@@ -19,6 +19,7 @@ from test_models import PagedRunner, assert_close, hf_logits, make_prompts  # no
 from test_triton_attention import compile_for_sm90  # noqa: E402
 
 from kvserve.models.kernels import triton_moe  # noqa: E402
+from kvserve.models.kernels.triton_ops import TritonFusedOps  # noqa: E402
 from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.moe import FusedExperts, group_by_expert  # noqa: E402
 
@@ -58,8 +59,15 @@ def test_fused_experts_match_the_torch_path():
     x = torch.randn(9, 64)
     weights, ids = torch.rand(9, 2), torch.stack([torch.randperm(8)[:2] for _ in range(9)])
     want = experts(x, weights, ids)  # the torch path: one F.linear per active expert
-    got = triton_moe.fused_experts(x, weights, ids, experts.gate_up_proj.weight, experts.down_proj.weight,
-                                   experts.activation)
+    experts.ops = TritonFusedOps()  # what the loader binds with the Triton backend: the grouped GEMM
+    calls = []
+    gemm = triton_moe.grouped_gemm
+    triton_moe.grouped_gemm = lambda *args: (calls.append(1), gemm(*args))[1]
+    try:
+        got = experts(x, weights, ids)
+    finally:
+        triton_moe.grouped_gemm = gemm
+    assert len(calls) == 2  # one launch per projection, all experts together
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
@@ -76,7 +84,8 @@ def test_models_with_the_triton_ops_match_transformers(tmp_path, family):
     model_dir = make_checkpoint(tmp_path, family)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend="triton")
-    assert model.model.layers[0].mlp.experts.ops.name == "triton"  # the grouped GEMM path
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert sparse and all(mlp.experts.ops.name == "triton" for mlp in sparse)  # the grouped GEMM path
     prompts = make_prompts(config.vocab_size, [1, 9])
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = PagedRunner(model, block_size=4).step([(i, p, 0) for i, p in enumerate(prompts)])

@@ -11,12 +11,10 @@ the number of tiles (`cdiv(pairs, BM) + E`): programs past the real tiles find n
 do nothing. Plain weights (fp32 / bf16 / fp16 [E, N, K]); fp32 accumulation (fp32 inputs
 without TF32). Quantized experts use the per-expert Triton matmul instead (models/quantization.py).
 
-Under TRITON_INTERPRET=1 it runs on the CPU, which is how tests/test_moe.py checks it.
+Under TRITON_INTERPRET=1 it runs on the CPU, which is how tests/test_triton_moe.py checks it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import triton
@@ -24,7 +22,6 @@ import triton.language as tl
 from torch import Tensor
 
 from kvserve.models.kernels import fix_interpreter_scalar_index
-from kvserve.models.moe import group_by_expert
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -105,14 +102,3 @@ def tile_table(counts: Tensor, block_m: int, num_rows: int) -> tuple[Tensor, Ten
     e = expert.clamp(max=num_experts - 1).long()
     first = row_stop[e] - counts[e] + (t - (tile_stop[e] - tiles[e])) * block_m
     return expert, first.to(torch.int32), row_stop[e]
-
-
-def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
-                  activation: Callable[[Tensor], Tensor]) -> Tensor:
-    """The MoE MLP: x [T, H], routing weights/ids [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]:
-    two grouped GEMMs around `activation` ([P, 2I] -> [P, I]), outputs scaled and summed per token."""
-    order, tokens, counts = group_by_expert(ids, w13.shape[0])
-    h = grouped_gemm(x[tokens], w13, counts)  # [P, 2I], P = T * k pairs sorted by expert
-    y = grouped_gemm(activation(h), w2, counts)  # [P, H]
-    out = torch.zeros_like(x)
-    return out.index_add_(0, tokens, (y * weights.flatten()[order, None]).to(x.dtype))
