@@ -182,7 +182,6 @@ class FusedExperts(nn.Module):
             start += n
         return out
 
-
     def every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         """Every expert on every token, scaled by its routing weight (0 where not chosen): no host
         sync, so a CUDA graph can hold it (quantized experts on CUDA; it reads every expert)."""
