@@ -64,7 +64,8 @@ class OneDnnLinear:
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls.
+    """Repack every bf16 CPU `Linear` (and a tied LM head) once for fast matmuls; stacked experts
+    (models/moe.py's `ExpertLinear`) get one packed matrix per expert.
 
     With a models.cpu_ops kernel set loaded each weight gets its layout, on
     huge pages: their kernel beats oneDNN at every batch size (`python -m benchmarks.bench_kernels`).
@@ -80,11 +81,12 @@ def pack_for_cpu(model: nn.Module) -> int:
     if reorder is None or not torch.backends.mkldnn.is_available():
         return 0
     try:
-        packed = [reorder(m.weight.detach(), None) for m in linears]
+        packed = [[reorder(w, None) for w in m.weight.detach()] if m.weight.dim() == 3
+                  else reorder(m.weight.detach(), None) for m in linears]
     except RuntimeError:  # pragma: no cover - depends on the torch build
         return 0
     for m, weight in zip(linears, packed):
-        m.packed = OneDnnLinear(weight, m.bias)
+        m.packed = [OneDnnLinear(w, None) for w in weight] if isinstance(weight, list) else OneDnnLinear(weight, m.bias)
         m.weight.data = m.weight.data.new_empty(0)
     return len(linears)
 
@@ -96,14 +98,18 @@ def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
         lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
                         and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size  # a rank's shard too
                         and emb.weight.dtype == torch.bfloat16 and emb.packed_lm_head is None), None)
-    weights = [m.weight for m in linears] + ([lm_head.weight] if lm_head is not None else [])
+    # stacked experts ([E, out, in], models/moe.py): one matrix, and one kernel, per expert
+    matrices = [w for m in linears for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])]
+    weights = matrices + ([lm_head.weight] if lm_head is not None else [])
     # one huge-page arena (every decode step streams all of it), filled one matrix at a time
-    slots = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
-    for m, slot in zip(linears, slots):
-        cpu_ops.pack_linear_weight(m.weight.detach(), out=slot)
-        m.packed = KernelLinear(slot, None if m.bias is None else m.bias.detach().float(), m.out_features)
+    slots = iter(hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16))
+    for m in linears:
+        bias = None if m.bias is None else m.bias.detach().float()
+        kernels = [KernelLinear(cpu_ops.pack_linear_weight(w, out=next(slots)), bias, m.out_features)
+                   for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])]
+        m.packed = kernels if m.weight.dim() == 3 else kernels[0]
         m.weight.data = m.weight.data.new_empty(0)
     if lm_head is not None:
-        packed = cpu_ops.pack_linear_weight(lm_head.weight.detach(), out=slots[-1])
+        packed = cpu_ops.pack_linear_weight(lm_head.weight.detach(), out=next(slots))
         lm_head.packed_lm_head = KernelLinear(packed, None, lm_head.weight.shape[0])
     return len(linears)

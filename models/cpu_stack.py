@@ -8,7 +8,8 @@ forward with the CPU backend, so its output is bit for bit the same; the runner 
 instead of the model when `build` returns one.
 
 A model qualifies when every piece of it is one the C++ loop knows: Llama, Mistral, Qwen2,
-Qwen3 or Phi-3 layers (silu MLP; Phi-3's partial rotary and LongRoPE are in its q/k weights' layout
+Qwen3 or Phi-3 layers (a dense silu MLP: mixture-of-experts models run their Python forward, whose
+experts still multiply on the per-op CPU kernels; Phi-3's partial rotary and LongRoPE are in its q/k weights' layout
 and the cos/sin rows the stack is given), bf16, one rank, the paged attention kernels, and every matmul on
 models/cpu_ops' bf16 kernel or models/quantization's int8/int4 kernel. Anything else keeps the
 Python forward; `why_not` says which piece stopped it.
@@ -52,8 +53,10 @@ def why_not(model: nn.Module) -> str | None:
 
 
 def _layer_why_not(layer: nn.Module) -> str | None:
-    if type(layer).forward is not LlamaDecoderLayer.forward or type(layer.mlp).forward is not LlamaMLP.forward:
+    if type(layer).forward is not LlamaDecoderLayer.forward:
         return f"{type(layer).__name__} is not a Llama decoder layer"
+    if type(layer.mlp).forward is not LlamaMLP.forward:  # e.g. a mixture of experts (models/moe.py)
+        return f"its MLP is a {type(layer.mlp).__name__}, not a dense Llama MLP"
     attn = layer.self_attn
     if type(attn).forward not in _ATTENTION_FORWARDS:
         return f"{type(attn).__name__} has its own forward"

@@ -16,6 +16,11 @@ Gemma files store every norm weight w as `1 + w` (in fp32, the converter's `data
 fp32-converted tensor); the reader subtracts the 1, as transformers does. `g - 1` of an fp32
 `g = fl(1 + w)` is exact (Sterbenz for g in [0.5, 2]; a multiple of g's ulp above; exact adds below),
 so the model's `1 + (g - 1)` is `g` bit for bit: the safetensors checkpoint's value.
+
+A mixture of experts' stacked matrices (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`
+[E, out, in]) come one expert at a time under Hugging Face's per-expert names, its router
+(`ffn_gate_inp`) as `mlp.gate` (Qwen3-MoE files: arch `qwen3moe`; Mixtral: arch `llama` with
+`llama.expert_count`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ _DECODER_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router [E, hidden]
 }
 # Gemma 2/3: "ffn_norm" is the norm before the MLP, and each sub-block has a norm after it too
 _GEMMA_BLOCK = {**_DECODER_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
@@ -50,6 +56,9 @@ _GEMMA_BLOCK = {**_DECODER_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # Phi-3 keeps HF's fused tensors: `attn_qkv` is qkv_proj, `ffn_up` holds gate_up_proj (gate rows first).
 _PHI3_BLOCK = {**_DECODER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# A mixture of experts' matrices, stacked [E, out, in]: read one expert at a time (`_EXPERTS_PART`).
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERTS_PART = "mlp.experts.{}"
 _GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
                 "output_norm": "transformer.ln_f", "output": "lm_head"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -68,6 +77,9 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
         names |= {f"{g}.{suffix}": f"{hf}.{suffix}" for g, hf in glob.items()}
         for i in range(num_layers):
             names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{hf}.{suffix}" for g, hf in block.items()}
+            if not is_gpt2:  # "{}": the expert's index
+                names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{_EXPERTS_PART}.{hf}.{suffix}"
+                          for g, hf in _EXPERT_STACKS.items()}
     return names
 
 
@@ -85,7 +97,7 @@ def gguf_quantization(path: str | os.PathLike) -> str:
     gguf = import_gguf()
     counts: dict[str, int] = {}
     for t in open_gguf(path).tensors:
-        if t.name.startswith("blk.") and len(t.shape) == 2:
+        if t.name.startswith("blk.") and len(t.shape) >= 2:  # matrices and stacked experts
             kept = _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none")
             counts[kept] = counts.get(kept, 0) + int(t.n_elements)
     return max(counts, key=counts.get) if counts else "none"
@@ -124,6 +136,10 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             w = w.t()  # back to Conv1D's [in, out]
         elif arch in GEMMA_ARCHITECTURES and t.name.endswith("norm.weight"):
             w = w - 1.0  # the file holds Gemma's 1 + w; exact in fp32, and models/gemma.py adds the 1 back exactly
+        if "{}" in hf_name:  # stacked experts [E, out, in]: under the per-expert names checkpoints use
+            for e in range(w.shape[0]):
+                yield hf_name.format(e), w[e]
+            continue
         yield hf_name, w
 
 

@@ -35,10 +35,13 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
+# A `llama` file with experts (`llama.expert_count`) is a Mixtral.
+MIXTRAL = "MixtralForCausalLM"
 # Llama 3.1+ files store their rope scaling as per-frequency factors, not as the parameters
 # transformers and kvserve compute them from; transformers drops the tensor, and so do we (warned).
 ROPE_FREQS = "rope_freqs.weight"
@@ -312,6 +315,7 @@ def _convert(path: Path, out: Path) -> None:
     arch = gguf_architecture(reader)
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.architectures = [ARCHITECTURES[arch]]
+    config = _with_experts(config, reader, arch)
     # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
     config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
     # transformers leaves Qwen3's head_dim and GPT-2's n_positions at their defaults
@@ -341,3 +345,21 @@ def _convert(path: Path, out: Path) -> None:
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
     _tokenizer_as_the_file_says(out, reader)
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")
+
+
+def _with_experts(config, reader, arch: str):
+    """A mixture of experts' fields that transformers' conversion leaves out: Qwen3-MoE's expert
+    size; a `llama` file with experts becomes a Mixtral config (llama.cpp names both `llama`)."""
+    import transformers
+
+    num_experts = int(field(reader, f"{arch}.expert_count", 0))
+    if arch == "qwen3moe":
+        config.moe_intermediate_size = int(field(reader, f"{arch}.expert_feed_forward_length"))
+    if arch == "llama" and num_experts:
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = transformers.MixtralConfig(**fields)
+        config.num_local_experts = num_experts
+        config.num_experts_per_tok = int(field(reader, f"{arch}.expert_used_count"))
+        config.sliding_window = None
+        config.architectures = [MIXTRAL]
+    return config

@@ -90,7 +90,8 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
                  on_loaded: Callable[[str], None] | None = None) -> set[str]:
     """Copy every checkpoint tensor through its parameter's `weight_loader`; return the loaded names.
 
-    Names go through `model.map_weight_name` (None = skip, e.g. rotary buffers) and
+    Names go through `model.map_weight_name` (None = skip, e.g. rotary buffers; a (name, shard id)
+    pair = a shard the model names itself, e.g. one expert's matrix of stacked experts) and
     `model.packed_modules_mapping` (e.g. `.q_proj.` -> `.qkv_proj.` shard "q"). A
     packed parameter counts as loaded once all of its shards are; then `on_loaded(name)` runs
     (the quantizer: each matrix is quantized as soon as it is whole).
@@ -107,10 +108,13 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
         if name is None:
             continue
         shard_id = None
-        for src, (dst, sid) in mapping.items():
-            if f".{src}." in name:
-                name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
-                break
+        if isinstance(name, tuple):  # the model names the shard itself (one expert of stacked experts)
+            name, shard_id = name
+        else:
+            for src, (dst, sid) in mapping.items():
+                if f".{src}." in name:
+                    name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
+                    break
         param = params.get(name)
         if param is None and name in buffers:
             with torch.no_grad():

@@ -359,10 +359,15 @@ class Quantizer:
             return
         is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
         bits = 4 if self.method == "int4" and not is_wide else 8
-        qw = QuantizedWeight.quantize(m.weight.detach(), bits, self.group, self.packed, self.fp8).to(self.device)
-        m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
+        w = m.weight.detach()
+        if w.dim() == 3:  # stacked experts (models/moe.py): one quantized matrix and matmul per expert
+            m.packed = [QuantizedLinear(QuantizedWeight.quantize(we, bits, self.group, self.packed, self.fp8)
+                                        .to(self.device), None) for we in w]
+        else:
+            qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(self.device)
+            m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
-        self.count += 1
+        self.count += len(m.packed) if isinstance(m.packed, list) else 1
 
     @torch.no_grad()
     def finish(self) -> QuantizationReport:
@@ -388,10 +393,9 @@ def weight_bytes(model: nn.Module) -> int:
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     for m in model.modules():
         for attr in ("packed", "packed_lm_head"):
-            fn = getattr(m, attr, None)
-            qw = getattr(fn, "weight", None)
-            if isinstance(qw, QuantizedWeight):
-                total += qw.nbytes
-            elif isinstance(qw, Tensor):
-                total += qw.nbytes
+            fns = getattr(m, attr, None)
+            for fn in fns if isinstance(fns, list) else [fns]:  # a list: stacked experts' matmuls
+                qw = getattr(fn, "weight", None)
+                if isinstance(qw, (QuantizedWeight, Tensor)):
+                    total += qw.nbytes
     return total

@@ -13,6 +13,9 @@ from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
 from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
 from kvserve.models.phi3 import Phi3ForCausalLM
+from kvserve.models.mixtral import MixtralForCausalLM
+from kvserve.models.qwen2_moe import Qwen2MoeForCausalLM
+from kvserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
 
 if TYPE_CHECKING:
@@ -27,6 +30,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # the text decoder only
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # mixture of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     # bare decoders without an LM head (sentence-transformers' embedding checkpoints): embeddings only
     "LlamaModel": LlamaModelForEmbedding,

@@ -26,8 +26,10 @@ from kvserve.models.gguf_loader import gguf_tensor_names
 from kvserve.models.gguf_metadata import llama3_factors
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+             "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 GEMMA = ("gemma2", "gemma3")
+MOE = ("qwen3_moe", "mixtral")
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -41,6 +43,8 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     `tokenizer_pre` is the pre-tokenizer type the file names, `add_bos` its add_bos_token (None:
     the file does not say)."""
     out_dir = Path(out_dir)
+    if family in MOE:  # experts as 3-D tensors, the way llama.cpp stacks them
+        overrides["fused_experts"] = True
     make = make_gemma_checkpoint if family in GEMMA else make_checkpoint
     hf_dir = Path(make(out_dir / "hf", family, **overrides))
     config = json.loads((hf_dir / "config.json").read_text())
@@ -50,7 +54,7 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     _add_config(writer, config, arch)
     _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos)
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
-    for hf_name, w in load_file(hf_dir / "model.safetensors").items():
+    for hf_name, w in _expert_stacks(load_file(hf_dir / "model.safetensors")):
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
             continue
         w = w.float().numpy()  # as the converter does first (bf16 included)
@@ -64,9 +68,10 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
             w = np.ascontiguousarray(w.T)  # Conv1D [in, out] -> [out, in]
         if arch == "gpt2" and not hf_name.startswith(("transformer.", "lm_head.")):
             hf_name = "transformer." + hf_name
-        name = to_gguf[hf_name]
+        name = to_gguf.get(hf_name) or to_gguf[hf_name.replace(".experts.", ".experts.{}.")]
         qtype = gguf.GGMLQuantizationType[tensor_type_of(name, tensor_type)]
-        if w.ndim == 2 and name != "position_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
+        if (w.ndim >= 2 and name != "position_embd.weight" and not name.endswith("ffn_gate_inp.weight")
+                and qtype != gguf.GGMLQuantizationType.F32):  # (llama.cpp keeps the router in F32)
             writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
@@ -96,6 +101,20 @@ def tensor_type_of(name: str, tensor_type: str) -> str:
     if tensor_type not in MIXES:
         return tensor_type
     return "Q6_K" if name.endswith(_MIX_HIGH) or name == "output.weight" else MIXES[tensor_type]
+
+
+def _expert_stacks(tensors: dict[str, np.ndarray]):
+    """transformers' stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H]) as llama.cpp's
+    `ffn_{gate,up,down}_exps` [E, out, in] (named here `mlp.experts.{gate,up,down}_proj.weight`)."""
+    for name, w in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(w, 2, axis=1)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), np.ascontiguousarray(gate)
+            yield name.replace("gate_up_proj", "up_proj.weight"), np.ascontiguousarray(up)
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", w
+        else:
+            yield name, w
 
 
 def _quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -134,6 +153,12 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     if arch != "phi3":  # (its own: `_add_phi3`)
         writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(c["vocab_size"])
+    num_experts = c.get("num_experts") or c.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        if c.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
 
 
 def _add_gemma_config(writer: gguf.GGUFWriter, c: dict) -> None:

@@ -208,7 +208,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, phi3, gpt2"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*llama, qwen2, qwen3, phi3, qwen3moe, gpt2, gemma2, gemma3"):
         load_hf_config(str(path))
     with pytest.raises(ValueError, match="'falcon'"):
         list(iter_gguf_tensors(path))

@@ -40,6 +40,10 @@ CASES = {  # name: (family, config overrides, tensor_parallel_size)
     "gpt2-int4": ("gpt2", {}, 2),  # int4 Conv1D shards, int8 tied vocab-parallel head
     # fused qkv/gate_up checkpoint tensors split per rank, q/k rows permuted for partial rotary, LongRoPE
     "phi3-longrope-partial": ("phi3", dict(partial_rotary_factor=0.5, **longrope(8)), 2),
+    # mixtures of experts: every expert's intermediate dim split (a dense middle layer in Qwen3-MoE)
+    "qwen3_moe": ("qwen3_moe", {}, 2),
+    "mixtral": ("mixtral", {}, 2),
+    "qwen2_moe": ("qwen2_moe", {}, 2),  # the shared expert: a dense tensor-parallel MLP
 }
 QUANTIZATION = {"llama-int8": "int8", "gpt2-int4": "int4"}
 # Quantized activations: a last-bit difference from the ranks' summation order can move one
@@ -84,8 +88,8 @@ def _compare_tokens(a, b, what: str, tol: float = TOL) -> None:
 @pytest.fixture(scope="module")
 def case_dirs(checkpoint_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return {name: checkpoint_dirs[family] if not overrides else make_checkpoint(root / name, family, **overrides)
-            for name, (family, overrides, _) in CASES.items()}
+    return {name: checkpoint_dirs[family] if not overrides and family in checkpoint_dirs
+            else make_checkpoint(root / name, family, **overrides) for name, (family, overrides, _) in CASES.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -3,6 +3,7 @@
     models/kernels/triton_attention.py  paged decode (flash-decoding, split-K) and varlen prefill attention
     models/kernels/triton_ops.py        fused elementwise ops (rotary + K/V cache write, ...)
     models/kernels/triton_quant.py      weight-only int8 / int4 matmul (models/quantization.py's formats)
+    models/kernels/triton_moe.py        grouped GEMM of a mixture of experts' matrices (models/moe.py)
 
 On the CPU they run only under Triton's interpreter (TRITON_INTERPRET=1, set before importing
 triton), which is how the tests check them.
