@@ -88,6 +88,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
     policy: str = "fcfs"
+    max_loras: int = 0  # most distinct LoRA adapters in the running batch; 0 = LoRA off
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -105,6 +106,23 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters (docs/lora.md): `max_loras` device slots of rank <= `max_lora_rank`, and up to
+    `max_cpu_loras` adapters kept read on the host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        _check_positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +199,12 @@ class EngineArgs:
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
+    # LoRA adapters (LoRAConfig)
+    enable_lora: bool = option(False, "Serve LoRA adapters on the base model (Llama, Mistral, Qwen2, Qwen3): "
+                               "docs/lora.md.")
+    max_loras: int = option(1, "Most distinct LoRA adapters in one batch (device slots).")
+    max_lora_rank: int = option(16, "Largest LoRA rank an adapter may have.")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept read in host memory (default: max_loras).")
     # structured outputs (StructuredOutputsConfig, GrammarLimits)
     grammar_compile_timeout_s: float = option(
         20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
@@ -217,7 +241,14 @@ class EngineArgs:
                            num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
+                               self.max_loras if self.enable_lora else 0)
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank,
+                          self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size)
@@ -240,6 +271,7 @@ class EngineArgs:
         self.cache_config()
         self.scheduler_config()
         self.parallel_config()
+        self.lora_config()
         self.structured_outputs_config()
         self.speculative()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.outputs import RequestOutputBuilder
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -63,6 +64,7 @@ class ProcessedPrompt:
     # encoder-decoder models: `prompt_token_ids` are the encoder's input, these the decoder's first tokens
     decoder_prompt_token_ids: list[int] | None = None
     priority: int = 0  # the priority scheduling policy runs lower values first
+    lora_request: LoRARequest | None = None  # its LoRA adapter (docs/lora.md); None = the base model
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""

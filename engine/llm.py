@@ -11,6 +11,7 @@ from kvserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -48,9 +49,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
-        `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion."""
+        `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion.
+        `lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None: the
+        base model); needs `enable_lora=True` (docs/lora.md)."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -58,8 +62,14 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # validate everything before queueing anything, so a bad prompt leaves no partial batch
-        processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        loras = ([lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt or adapter leaves no partial batch
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.add_lora(lora)
+        processed = [self.engine.process_prompt(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
         request_ids = [f"offline-{next(self._ids)}" for _ in processed]
         added = []
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from functools import partial
 
 from kvserve.engine.config import EngineArgs, RuntimeInfo
@@ -21,6 +22,7 @@ from kvserve.engine.errors import StepFailed
 from kvserve.engine.worker.executor_protocol import Executor
 from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.core.kv_cache import BlockManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
@@ -85,12 +87,16 @@ class LLMEngine:
         tp_size = args.parallel_config().tensor_parallel_size
         if files.decoder_start_token_id is not None:
             _check_encoder_decoder(args, tp_size)
+        lora_config = args.lora_config()
+        if lora_config is not None and tp_size > 1:
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet (docs/lora.md)")
+        self.lora_enabled = lora_config is not None
         self.runner: Executor
         if tp_size == 1:
             from kvserve.engine.worker.runner import ModelRunner
 
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
-                                      files.hf_config, files.max_model_len)
+                                      files.hf_config, files.max_model_len, lora_config=lora_config)
         else:
             from kvserve.engine.worker.executor import TensorParallelExecutor
             from kvserve.models.parallel import check_tensor_parallel
@@ -146,12 +152,28 @@ class LLMEngine:
                     self.runner.weights_report.describe())
 
     # ---- requests ----------------------------------------------------------
-    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state."""
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
         if params.structured_outputs is not None:
             check_limits(params.structured_outputs, self.grammar_limits)
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            processed = replace(processed, lora_request=lora_request)
         return processed
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (ValueError naming what is wrong); requests naming it
+        later find it read. Without enable_lora: ValueError."""
+        if not self.lora_enabled:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.runner.add_lora(lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter `lora_int_id` (read again if a request names it later); False if unknown."""
+        return self.lora_enabled and self.runner.remove_lora(lora_int_id)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
                       build_outputs: bool = True) -> None:
@@ -161,17 +183,21 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
+        lora = processed.lora_request
+        if lora is not None:  # read and checked before anything is queued
+            self.add_lora(lora)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         # an encoder-decoder request: its source goes to the encoder, its decoder starts afresh
         encoder_ids = tuple(processed.prompt_token_ids) if processed.decoder_prompt_token_ids is not None else ()
         decoder_prompt = processed.decoder_prompt_token_ids or processed.prompt_token_ids
-        root = prefix_root(processed.cache_salt, encoder_ids)
+        root = prefix_root(processed.cache_salt, encoder_ids, None if lora is None else lora.cache_key)
         children = [
             Request(
                 request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority)
+                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority,
+                lora_request=lora)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.core.kv_cache import ROOT_DIGEST
 
 if TYPE_CHECKING:
+    from kvserve.engine.lora_request import LoRARequest
     from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -39,7 +40,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority",
+        "priority", "lora_request",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Request:
         prefix_root: bytes = ROOT_DIGEST,
         encoder_token_ids: tuple[int, ...] = (),
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -87,6 +89,11 @@ class Request:
         # encoder-decoder models: the encoder's input; `prompt_token_ids` are then the decoder's
         self.encoder_token_ids = encoder_token_ids
         self.priority = priority  # lower runs first under the priority scheduling policy
+        self.lora_request = lora_request  # its LoRA adapter (docs/lora.md); None = the base model
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def schedule_key(self) -> tuple[int, float]:

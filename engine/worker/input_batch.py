@@ -51,6 +51,7 @@ class InputBatch:
         self.min_tokens = np.zeros(num_rows, np.int64)
         self.num_logprobs = np.full(num_rows, _NO_LOGPROBS, np.int64)
         self.num_prompt_logprobs = np.full(num_rows, _NO_LOGPROBS, np.int64)
+        self.lora_ids = np.zeros(num_rows, np.int64)  # the row's LoRA adapter; 0 = the base model
         # every per-row array above: compaction moves them all
         self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
@@ -134,6 +135,7 @@ class InputBatch:
         self.block_table[row] = 0
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
+        self.lora_ids[row] = new.lora_id
         self._write_sampling(row, new)
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
