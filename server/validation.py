@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvserve.engine import SamplingParams, StructuredOutputs
 from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.structured_output.limits import GrammarLimits, check_limits
 from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
 from kvserve.server.chat import render_chat
@@ -73,6 +74,7 @@ class ValidatedRequest:
     reasoning: ReasoningParser | None = None   # chat: split the thinking from the answer
     reasoning_state: Literal["open", "reasoning"] = "open"   # where the output starts (ReasoningParser)
     priority: int = 0   # --scheduling-policy priority: lower runs first
+    lora_request: LoRARequest | None = None   # `model` named a LoRA adapter (server/lora.py)
 
 
 # A long agent session has hundreds of messages; every message costs a few tokens of template
@@ -101,6 +103,8 @@ class ModelLimits:
     decoder_start_token_id: int | None = None   # encoder-decoder models: the decoder's first token
     reasoning_parser: ReasoningParser | None = None   # --reasoning-parser (None: no split)
     scheduling_policy: str = "fcfs"   # --scheduling-policy: whether `priority` can be honoured
+    # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): the one dict server/lora.py edits
+    lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
 
 
 def new_request_id(prefix: str) -> str:
@@ -108,10 +112,14 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(name: str | None, limits: ModelLimits) -> str:
-    """The served name to report; 404 unless `name` is one of the served names (or omitted)."""
+    """The served name to report (a LoRA adapter's own); 404 unless `name` is one of the served
+    names, a loaded adapter, or omitted."""
     if name is None or name in limits.served_model_names:
         return limits.served_model_names[0]
-    raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(limits.served_model_names)}",
+    if name in limits.lora_adapters:
+        return name
+    served = [*limits.served_model_names, *limits.lora_adapters]
+    raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}",
                    param="model", code="model_not_found")
 
 
