@@ -107,10 +107,28 @@ def test_bad_adapters_are_400_naming_the_field(lora_server):
     assert_like_reference(dirs, "a", [1, 2, 3], completion_logprobs(client, "a", [1, 2, 3]))  # still serving
 
 
-def test_lora_flags_need_enable_lora(tmp_path):
+def test_lora_flags(monkeypatch):
+    from kvserve.server.cli import build_parser, load_config
     from kvserve.server.config import ServerConfig
+
+    for name in ("KVSERVE_LORA_MODULES", "KVSERVE_ENABLE_LORA"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x", "b=/y",
+                                      "--lora-modules", "c=/z"])
+    config = load_config(args)
+    assert config.lora_modules == ["a=/x", "b=/y", "c=/z"] and config.max_loras == 3
 
     with pytest.raises(ValueError, match="needs --enable-lora"):
         ServerConfig(lora_modules=["a=/x"])
     with pytest.raises(ValueError, match="needs --enable-lora"):
         ServerConfig(allow_runtime_lora_updating=True)
+
+
+def test_a_bad_lora_module_stops_the_start(tmp_path):
+    from kvserve.server.app import create_app
+    from kvserve.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="--lora-modules 'a=.*is not a directory"):
+        create_app(ServerConfig(enable_lora=True, lora_modules=[f"a={tmp_path / 'nope'}"]))
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        create_app(ServerConfig(enable_lora=True, lora_modules=["just-a-path"]))
