@@ -156,6 +156,21 @@ def test_preemption_recomputes_under_the_same_adapter(dirs):
     assert_matches(dirs, prompts, adapters, outs)
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bf16_with_cpu_kernels_and_quantized_base(dirs, quantization):
+    """bf16 on the CPU: the base linears keep their packed (or int8) kernels under the wrappers."""
+    llm = LLM(dirs["base"], dtype="bfloat16", device="cpu", block_size=4, enable_lora=True, max_lora_rank=8,
+              quantization=quantization)
+    assert llm.engine.runner.cpu_stack is None  # no LoRA in the C++ decoder stack: the Python forward
+    prompt = make_prompts([9], seed=6)[0]
+    outs = llm.generate([prompt, prompt], greedy(), use_tqdm=False, lora_request=[requests(dirs)["a"], None])
+    for adapter, out in zip(["a", None], outs):
+        tokens, logprobs, _ = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+        first = out.outputs[0].logprobs[0]
+        assert out.outputs[0].token_ids[0] == tokens[0]
+        assert first[tokens[0]].logprob == pytest.approx(logprobs[0, tokens[0]].item(), abs=0.15)
+
+
 # ---- refused -----------------------------------------------------------------------------------
 
 
