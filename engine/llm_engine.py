@@ -172,7 +172,10 @@ class LLMEngine:
         self.runner.add_lora(lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget adapter `lora_int_id` (read again if a request names it later); False if unknown."""
+        """Forget adapter `lora_int_id` (its id may then name another adapter); False if unknown.
+        ValueError while requests with it are unfinished."""
+        if any(r.lora_id == lora_int_id for r in (*self.scheduler.running, *self.scheduler.waiting)):
+            raise ValueError(f"LoRA adapter {lora_int_id} still has unfinished requests")
         return self.lora_enabled and self.runner.remove_lora(lora_int_id)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,

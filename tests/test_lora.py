@@ -8,6 +8,7 @@ through chunked prefill, prefix-cache hits and preemption; then what is refused.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.lora_request import LoRARequest
 from tests.checkpoints import make_checkpoint
 
-peft = pytest.importorskip("peft")
+# peft is imported where it is used: it imports triton, which tests/test_triton_*.py must import first
+# (after setting TRITON_INTERPRET) when one process runs them all
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 
 TIE_GAP = 1e-4
 MAX_TOKENS = 8
@@ -28,6 +31,8 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def make_adapter(base: str, out: Path, r: int, seed: int, targets: list[str], **config) -> str:
     """A PEFT adapter with random A and B (PEFT starts B at zero: the adapter would change nothing)."""
+    import peft
+
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     lora = peft.LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r), target_modules=targets,
                            lora_dropout=0.0, **config)
@@ -55,6 +60,8 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def reference_model(base: str, adapter: str | None):
+    import peft
+
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter is None:
         return model
@@ -217,6 +224,18 @@ def test_refused_adapters_leave_the_engine_serving(dirs, llm, tmp_path):
         LoRARequest("x", 0, dirs["b"])
     out = llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
     assert_matches(dirs, [[1, 2, 3]], ["b"], out)
+
+
+def test_remove_frees_the_id_for_another_adapter(dirs, llm):
+    engine, prompt = llm.engine, [4, 5, 6]
+    llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 7, dirs["b"]))
+    with pytest.raises(ValueError, match="lora_int_id 7 is already"):
+        engine.add_lora(LoRARequest("b2", 7, dirs["a"]))
+    assert engine.remove_lora(7) and not engine.remove_lora(7)
+    other = _edit_config(dirs["b"], Path(dirs["b"]).parent / "b-alpha", lora_alpha=9)
+    out = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b2", 7, other))
+    base = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+    assert out[0].outputs[0].logprobs != base[0].outputs[0].logprobs  # the new adapter's scaling, not the old
 
 
 def test_lora_request_needs_enable_lora(dirs):

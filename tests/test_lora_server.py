@@ -3,6 +3,8 @@ them, load/unload at run time behind the API key, bad adapters are 400s, unknown
 
 from __future__ import annotations
 
+import importlib.util
+
 import httpx
 import openai
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from tests.server_fixtures import ServerProcess, metric, scrape
 from tests.test_lora import ALL_TARGETS, MAX_TOKENS, make_adapter, make_prompts, reference_greedy
 
-pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 KEY = "lora-key"
 
 
