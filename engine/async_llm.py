@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
 from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.pooling_params import PoolingParams
@@ -151,16 +152,17 @@ class AsyncLLM:
         return self._stats
 
     # ---- asyncio side ------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
 
         `prompt` is text, token ids, or a dict `{"prompt": text}` / `{"prompt_token_ids": [...]}`
         with an optional `"cache_salt"` (only requests with the same salt share cached KV).
 
         With `PoolingParams` it is an embedding request: one output, its `embedding` set.
+        `lora_request`: the LoRA adapter to run with (the engine needs enable_lora; docs/lora.md).
 
-        Raises ValueError for bad input before yielding. Leaving the loop early
+        Raises ValueError for bad input before yielding (a bad adapter: when the core reads it). Leaving the loop early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
         Outputs that arrive while the consumer is busy are merged into one.
         """
@@ -170,6 +172,8 @@ class AsyncLLM:
         inner = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
         size = len(inner) if isinstance(inner, str) else len(inner) // 8 if isinstance(inner, Sequence) else None
         processed = await run_off_loop(self._check_prompt, prompt, params, num_chars=size)
+        if lora_request is not None:
+            processed = replace(processed, lora_request=lora_request)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic()

@@ -98,6 +98,12 @@ class EngineArgs:
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
+    # LoRA adapters (LoRAConfig)
+    enable_lora: bool = option(False, "Serve LoRA adapters on the base model (Llama, Mistral, Qwen2, Qwen3): "
+                               "docs/lora.md.")
+    max_loras: int = option(1, "Most distinct LoRA adapters in one batch (device slots).")
+    max_lora_rank: int = option(16, "Largest LoRA rank an adapter may have.")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept read in host memory (default: max_loras).")
     # structured outputs (StructuredOutputsConfig, GrammarLimits). The JSON Schema bounds are OpenAI's
     # Structured Outputs limits (max_schema_depth counts every subschema, OpenAI only objects); the others
     # have no OpenAI counterpart and are set an order of magnitude above realistic use.
@@ -136,7 +142,12 @@ class EngineArgs:
         return self.derive(CacheConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return self.derive(SchedulerConfig)
+        return self.derive(SchedulerConfig, max_lora_slots=self.max_loras if self.enable_lora else 0)
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings (checked whether or not LoRA is on); None when it is off."""
+        config = self.derive(LoRAConfig)
+        return config if self.enable_lora else None
 
     def parallel_config(self) -> ParallelConfig:
         return self.derive(ParallelConfig)
@@ -162,6 +173,7 @@ class EngineArgs:
         self.scheduler_config()
         self.parallel_config()
         self.core_config()
+        self.lora_config()
         self.structured_outputs_config()
         self.speculative()
 
@@ -263,10 +275,33 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
     scheduling_policy: str
+    max_lora_slots: int = 0  # most distinct LoRA adapters in the running batch (--max-loras); 0: LoRA off
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@sub_config
+class LoRAConfig:
+    """LoRA adapters (docs/lora.md): `max_loras` device slots of rank <= `max_lora_rank`, and up to
+    `max_cpu_loras` (None: `max_loras`) adapters kept read on the host."""
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+
+    def __post_init__(self) -> None:
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        _check_positive("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 @sub_config

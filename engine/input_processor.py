@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.outputs import RequestOutputBuilder
 from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
@@ -66,6 +67,7 @@ class ProcessedPrompt:
     priority: int = 0  # the priority scheduling policy runs lower values first
     # an embedding request (defaults resolved): its prompt is pooled, nothing is sampled (`params` is greedy)
     pooling: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # its LoRA adapter (docs/lora.md); None = the base model
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""

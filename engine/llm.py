@@ -13,6 +13,7 @@ from kvserve.engine.config import EngineArgs
 from kvserve.engine.generation_config import beam_step_constraints
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
@@ -65,9 +66,12 @@ class LLM:
         return BeamSearchParams(beam_width=g.num_beams or 1, max_tokens=max_tokens, **kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
-        `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion."""
+        `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion.
+        `lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None: the
+        base model); needs `enable_lora=True` (docs/lora.md)."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -75,7 +79,14 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._run(self._add(prompts, params), use_tqdm)
+        loras = ([lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt or adapter leaves no partial batch
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.add_lora(lora)
+        return self._run(self._add(prompts, params, loras), use_tqdm)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -91,9 +102,11 @@ class LLM:
                                        outputs=EmbeddingOutput(np.frombuffer(out.embedding, "<f4").tolist()))
                 for out in outputs]
 
-    def _add(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams]) -> list[str]:
+    def _add(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
+             loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue the requests, all or none: each is validated before any is queued."""
-        processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        loras = loras or [None] * len(prompts)
+        processed = [self.engine.process_prompt(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
         request_ids = [f"offline-{next(self._ids)}" for _ in processed]
         added = []
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from functools import partial
 
 from kvserve.engine.config import EngineArgs, RuntimeInfo
@@ -22,6 +23,7 @@ from kvserve.engine.worker.executor_protocol import Executor
 from kvserve.engine.generation_config import load_generation_config
 from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.core.kv_cache_manager import KVCacheManager, prefix_root
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
@@ -92,12 +94,16 @@ class LLMEngine:
         pooler = None if is_encoder_decoder else read_pooler_config(files.model_path, files.hf_config)
         generation_config = load_generation_config(model_config.generation_config, files.model_path,
                                                    files.hf_config.vocab_size, files.eos_token_ids)
+        lora_config = args.lora_config()
+        if lora_config is not None and tp_size > 1:
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet (docs/lora.md)")
+        self.lora_enabled = lora_config is not None
         self.runner: Executor
         if tp_size == 1:
             from kvserve.engine.worker.runner import ModelRunner
 
             self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
-                                      files.hf_config, files.max_model_len)
+                                      files.hf_config, files.max_model_len, lora_config=lora_config)
         else:
             from kvserve.engine.worker.executor import TensorParallelExecutor
             from kvserve.models.parallel import check_tensor_parallel
@@ -164,13 +170,32 @@ class LLMEngine:
                         "(%s): %s", generation_config.source, applied)
 
     # ---- requests ----------------------------------------------------------
-    def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams,
+                       lora_request: LoRARequest | None = None) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state.
         `PoolingParams` make an embedding request."""
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
         if processed.pooling is None and params.structured_outputs is not None:
             check_limits(params.structured_outputs, self.grammar_limits)
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            processed = replace(processed, lora_request=lora_request)
         return processed
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (ValueError naming what is wrong); requests naming it
+        later find it read. Without enable_lora: ValueError."""
+        if not self.lora_enabled:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.runner.add_lora(lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter `lora_int_id` (its id may then name another adapter); False if unknown.
+        ValueError while requests with it are unfinished."""
+        if any(r.lora_id == lora_int_id for r in (*self.scheduler.running, *self.scheduler.waiting)):
+            raise ValueError(f"LoRA adapter {lora_int_id} still has unfinished requests")
+        return self.lora_enabled and self.runner.remove_lora(lora_int_id)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
                       build_outputs: bool = True) -> None:
@@ -180,11 +205,14 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = processed.params
+        lora = processed.lora_request
+        if lora is not None:  # read and checked before anything is queued
+            self.add_lora(lora)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         # an encoder-decoder request: its source goes to the encoder, its decoder starts afresh
         encoder_ids = tuple(processed.prompt_token_ids) if processed.decoder_prompt_token_ids is not None else ()
         decoder_prompt = processed.decoder_prompt_token_ids or processed.prompt_token_ids
-        root = prefix_root(processed.cache_salt, encoder_ids)
+        root = prefix_root(processed.cache_salt, encoder_ids, None if lora is None else lora.cache_key)
         constraints = (params.generation_constraints if params.generation_constraints is not None
                        else self.info.generation_config.constraints)
         constraints = None if constraints is None or constraints.is_empty else constraints
@@ -194,7 +222,7 @@ class LLMEngine:
                 params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
                 parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
                 arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority,
-                pooling=processed.pooling, constraints=constraints)
+                pooling=processed.pooling, constraints=constraints, lora_request=lora)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:

@@ -70,6 +70,7 @@ from kvserve.server.responses import (
     responses_sse,
     to_chat_request,
 )
+from kvserve.server.lora import LoRAModules, add_lora_routes
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.serving import Admission, Serving, prepend, resolve_max_queue
 from kvserve.server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect
@@ -108,15 +109,22 @@ class AppState:
     serving: Serving
     admission: Admission
     created: int
+    loras: LoRAModules  # LoRA adapters served by name (server/lora.py)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
 
-def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str | None) -> AppState:
+def served_names(config: ServerConfig) -> list[str]:
+    return list(config.served_model_name) or [config.model or DEFAULT_MODEL_NAME]
+
+
+def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str | None,
+                loras: LoRAModules | None = None) -> AppState:
     model_config = engine.model_config
-    names = list(config.served_model_name) or [config.model or DEFAULT_MODEL_NAME]
+    names = served_names(config)
+    loras = loras or LoRAModules({}, names, config.max_lora_rank)
     limits = ModelLimits(
         served_model_names=names, max_model_len=model_config.max_model_len, vocab_size=model_config.vocab_size,
         chat_template=chat_template or engine.chat_template, max_tokens_zero_ok=max_tokens_zero_supported(),
@@ -128,13 +136,14 @@ def build_state(config: ServerConfig, engine: ServingEngine, chat_template: str 
         decoder_start_token_id=model_config.decoder_start_token_id,
         reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, chat_template or engine.chat_template),
         scheduling_policy=config.scheduling_policy, generation_config=model_config.generation_config,
+        lora_adapters=loras.adapters,
     )
     metrics = ServerMetrics(engine, names[0])
     max_queue = resolve_max_queue(config.max_queue, config.max_num_seqs, engine.stats().num_kv_blocks_total)
     return AppState(
         config=config, engine=engine, limits=limits, metrics=metrics,
         serving=Serving(engine, metrics, TokenText(engine.tokenizer)),
-        admission=Admission(engine, max_queue, config.max_num_seqs), created=int(time.time()),
+        admission=Admission(engine, max_queue, config.max_num_seqs), created=int(time.time()), loras=loras,
     )
 
 
@@ -160,6 +169,8 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
     `AsyncLLM(..., wait=False)`) is awaited at start-up, shut down at exit, and watched: if it
     dies, the server stops."""
     chat_template = load_chat_template(config.chat_template)
+    loras = LoRAModules({}, served_names(config), config.max_lora_rank)
+    loras.load_modules(config.lora_modules)  # a bad adapter stops the start before the engine loads
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -176,7 +187,7 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
             except BaseException:
                 await the_engine.shutdown()
                 raise
-        state = build_state(config, the_engine, chat_template)
+        state = build_state(config, the_engine, chat_template, loras)
         app.state.kv = state
         log_startup(state)
         tasks = [asyncio.create_task(state.metrics.run_stats_logger(config.stats_log_interval))]
@@ -194,6 +205,8 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
     app = FastAPI(title="kvserve", version=package_version(), lifespan=lifespan)
     install_error_handlers(app)
     _add_routes(app)
+    if config.allow_runtime_lora_updating:
+        add_lora_routes(app, lambda request: request.app.state.kv.loras)
     install_openapi(app, has_api_key=bool(config.api_key), protects_metrics=config.metrics_require_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
@@ -239,7 +252,19 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
     tenant = request.scope.get(TENANT_SCOPE_KEY)   # set by --cache-salt-per-api-key
     if tenant is not None:
         vreq = dataclasses.replace(vreq, cache_salt=tenant_cache_salt(tenant, vreq.cache_salt))
+    lora = state.limits.lora_adapters.get(vreq.model_name)
+    if lora is not None:
+        vreq = dataclasses.replace(vreq, lora_request=lora)
     num_seqs = state.admission.reserve(vreq)
+    lora_gauge = state.metrics.lora_gauge(vreq.lora_request.lora_name if vreq.lora_request else None)
+    if lora_gauge is not None:
+        lora_gauge.inc()
+
+    def release() -> None:
+        state.admission.release(num_seqs)
+        if lora_gauge is not None:
+            lora_gauge.dec()
+
     outputs = state.serving.outputs(vreq)
     is_handed_over = False
     try:
@@ -260,7 +285,7 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
             finally:
                 await stream.aclose()
                 await outputs.aclose()
-                state.admission.release(num_seqs)
+                release()
 
         is_handed_over = True
         return SSEResponse(release_after())
@@ -275,7 +300,7 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
     finally:
         if not is_handed_over:
             await outputs.aclose()
-            state.admission.release(num_seqs)
+            release()
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -343,12 +368,15 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         state = kv(request)
-        return ModelList(data=[_model_card(state, name) for name in state.limits.served_model_names])
+        cards = [_model_card(state, name) for name in state.limits.served_model_names]
+        return ModelList(data=cards + state.loras.model_cards(state.created, state.limits.max_model_len))
 
     @app.get("/v1/models/{model:path}", responses=errors(404))
     async def model(model: str, request: Request) -> ModelCard:
         state = kv(request)
         check_model(model, state.limits)
+        if model in state.limits.lora_adapters:
+            return next(c for c in state.loras.model_cards(state.created, state.limits.max_model_len) if c.id == model)
         return _model_card(state, model)
 
     @app.get("/health", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}},

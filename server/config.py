@@ -156,6 +156,14 @@ class ServerConfig(_EngineOptions):
         4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
 
+    # --- LoRA adapters (docs/lora.md; --enable-lora) ---
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="LoRA adapters to serve, as NAME=PATH (a PEFT directory); a request "
+        "picks one by `model`. Needs --enable-lora.", json_schema_extra={"nargs": "+", "metavar": "NAME=PATH"})
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key when "
+        "set). Needs --enable-lora.")
+
     # --- tools and structured outputs (docs/structured_outputs.md, "Limits") ---
     max_tools: int = Field(128, gt=0, description="Most tools in one chat request (OpenAI: 128); more is a 400.")
     stats_log_interval: float = Field(
@@ -182,7 +190,7 @@ class ServerConfig(_EngineOptions):
         False, description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
         "with code 1; for debugging.")
 
-    @field_validator("served_model_name", "cors_origin", "api_key", mode="before")
+    @field_validator("served_model_name", "cors_origin", "api_key", "lora_modules", mode="before")
     @classmethod
     def _split_lists(cls, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
@@ -204,6 +212,9 @@ class ServerConfig(_EngineOptions):
         for name in ("cache_salt_per_api_key", "metrics_require_api_key"):
             if getattr(self, name) and not self.api_key:
                 raise ValueError(f"--{name.replace('_', '-')} needs at least one --api-key")
+        for name in ("lora_modules", "allow_runtime_lora_updating"):
+            if getattr(self, name) and not self.enable_lora:
+                raise ValueError(f"--{name.replace('_', '-')} needs --enable-lora")
         return self
 
     def engine_kwargs(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvserve.engine.generation_config import GenerationConfig
+    from kvserve.engine.lora_request import LoRARequest
     from kvserve.engine.outputs import EngineStats, RequestOutput
     from kvserve.engine.pooling_params import PoolerConfig, PoolingParams
     from kvserve.engine.sampling_params import SamplingParams
@@ -49,8 +50,9 @@ class ServingEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams | PoolingParams,
-                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """`prompt`: token ids, or `{"prompt_token_ids": [...], "cache_salt": str}`."""
+                 request_id: str, lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """`prompt`: token ids, or `{"prompt_token_ids": [...], "cache_salt": str}`; `lora_request`
+        (passed only when a request names an adapter): its LoRA adapter."""
 
     async def abort(self, request_id: str) -> None: ...
 

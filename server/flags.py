@@ -60,6 +60,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting
         flags = (flag, *extra.get("aliases", ()))
         if _is_bool(field.annotation):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif _is_list(field.annotation) and extra.get("nargs") == "+":  # vLLM's `--lora-modules a=PATH b=PATH`
+            parser.add_argument(*flags, action="extend", nargs="+", default=None, metavar=metavar or "VALUE",
+                                help=help_text + " (several after one flag, or repeat the flag)")
         elif _is_list(field.annotation):
             parser.add_argument(*flags, action="append", default=None, metavar=metavar or "VALUE",
                                 help=help_text + " (repeat the flag or separate with commas)")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -164,6 +164,13 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length"):   # exported (as 0) from the start
             self.request_success.labels(model_name, reason)
+        self.lora_requests_running = Gauge("kvserve:lora_requests_running",
+                                           "Requests in flight (admitted, not finished) per LoRA adapter.",
+                                           ["model_name", "lora_name"], registry=self.registry)
+
+    def lora_gauge(self, lora_name: str | None) -> Gauge | None:
+        """The adapter's in-flight gauge (None: the base model)."""
+        return None if lora_name is None else self.lora_requests_running.labels(self.model_name, lora_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -399,6 +399,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

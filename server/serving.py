@@ -196,7 +196,8 @@ class Serving:
                 prompt["priority"] = vreq.priority
             if decoder_prompt is not None:
                 prompt["decoder_prompt_token_ids"] = decoder_prompt
-        stream = self.engine.generate(prompt, params, request_id)
+        lora = {"lora_request": vreq.lora_request} if vreq.lora_request is not None else {}
+        stream = self.engine.generate(prompt, params, request_id, **lora)
         try:
             async for out in stream:
                 if tracker is not None:

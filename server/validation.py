@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvserve.engine import SamplingParams, StructuredOutputs
@@ -17,6 +17,7 @@ from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.generation_config import GenerationConfig
 from kvserve.engine.structured_output.limits import GrammarLimits, check_limits
 from kvserve.engine.input_processor import PromptTooLongError, check_prompt_chars
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.sampling_params import MAX_ABS_LOGIT_BIAS
 
 from kvserve.server.chat import render_chat
@@ -74,6 +75,7 @@ class ValidatedRequest:
     reasoning: ReasoningParser | None = None   # chat: split the thinking from the answer
     reasoning_state: Literal["open", "reasoning"] = "open"   # where the output starts (ReasoningParser)
     priority: int = 0   # --scheduling-policy priority: lower runs first
+    lora_request: LoRARequest | None = None   # `model` named a LoRA adapter (server/lora.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ class ModelLimits:
     reasoning_parser: ReasoningParser | None = None   # --reasoning-parser (None: no split)
     # --generation-config: the checkpoint's defaults for fields a request leaves out
     generation_config: GenerationConfig = GenerationConfig()
+    # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): the one dict server/lora.py edits
+    lora_adapters: dict[str, LoRARequest] = field(default_factory=dict)
 
 
 def new_request_id(prefix: str) -> str:
@@ -107,10 +111,14 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(name: str | None, limits: ModelLimits) -> str:
-    """The served name to report; 404 unless `name` is one of the served names (or omitted)."""
+    """The served name to report (a LoRA adapter's own); 404 unless `name` is one of the served
+    names, a loaded adapter, or omitted."""
     if name is None or name in limits.served_model_names:
         return limits.served_model_names[0]
-    raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(limits.served_model_names)}",
+    if name in limits.lora_adapters:
+        return name
+    served = [*limits.served_model_names, *limits.lora_adapters]
+    raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}",
                    param="model", code="model_not_found")
 
 

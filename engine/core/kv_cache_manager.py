@@ -7,7 +7,7 @@ holds and hands the scheduler block ids only.
 Prefix caching: once a block is full, it is registered under a SHA-256 digest
 chained over its parent's digest and its own tokens; the first block's parent is the
 request's root digest (`prefix_root`), which covers every other input that changes the
-block's K/V (the cache salt). A hit also compares the block's stored parent digest and
+block's K/V (the cache salt, the LoRA adapter). A hit also compares the block's stored parent digest and
 token ids with the request's, so even a forged digest collision is a miss, never
 another request's KV (docs/security.md, "Prefix cache"). A freed block keeps its key
 until it is reused, so a later request with the same prefix can pick it back up, and
@@ -37,12 +37,14 @@ def _field(tag: bytes, value: bytes) -> bytes:
     return tag + len(value).to_bytes(8, "little") + value
 
 
-def prefix_root(cache_salt: str | None = None, encoder_token_ids: Sequence[int] = ()) -> bytes:
+def prefix_root(cache_salt: str | None = None, encoder_token_ids: Sequence[int] = (),
+                lora_key: str | None = None) -> bytes:
     """The parent digest of a request's first block.
 
     Every input besides the token ids that changes a block's K/V must be mixed in here, so
-    that requests differing in it never share a block: the cache salt, and an encoder-decoder
-    request's encoder input (the same decoder tokens under another source have other K/V).
+    that requests differing in it never share a block: the cache salt, an encoder-decoder
+    request's encoder input (the same decoder tokens under another source have other K/V), and
+    the LoRA adapter (`LoRARequest.cache_key`: its adapted q/k/v give other K/V).
     Unsalted decoder-only requests share one root.
     """
     material = _KEY_VERSION
@@ -50,6 +52,8 @@ def prefix_root(cache_salt: str | None = None, encoder_token_ids: Sequence[int] 
         material += _field(b"salt", cache_salt.encode("utf-8", "surrogatepass"))
     if encoder_token_ids:
         material += _field(b"encoder", pack_token_ids(encoder_token_ids))
+    if lora_key is not None:
+        material += _field(b"lora", lora_key.encode("utf-8", "surrogatepass"))
     return hashlib.sha256(material).digest()
 
 

@@ -11,6 +11,7 @@ from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 if TYPE_CHECKING:
     from kvserve.engine.pooling_params import PoolingParams
     from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
+    from kvserve.engine.lora_request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +41,7 @@ class Request:
         "num_computed_tokens", "status", "stop_reason", "num_preemptions",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority", "pooling", "constraints",
+        "priority", "pooling", "constraints", "lora_request",
     )
 
     def __init__(
@@ -59,6 +60,7 @@ class Request:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         constraints: GenerationConstraints | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -95,6 +97,11 @@ class Request:
         self.pooling = pooling
         # generation-config processors on its logits (engine/generation_logits.py); None: none
         self.constraints = constraints
+        self.lora_request = lora_request  # its LoRA adapter (docs/lora.md); None = the base model
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def schedule_key(self) -> tuple[int, float]:

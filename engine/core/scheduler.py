@@ -240,6 +240,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._lora_fits(request):
+                break  # its adapter waits for a LoRA slot; nobody overtakes it
             # prompt logprobs and embeddings need every prompt position: no cached prefix for them
             cached_ids, partial = [], (0, 0)
             if not request.skips_prefix_cache:
@@ -269,6 +271,13 @@ class Scheduler:
                                                             encode=num_encoder > 0))
             budget -= num_new + num_encoder
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """At most `max_loras` distinct LoRA adapters run at once (the runner's slots)."""
+        if not request.lora_id or not self.config.max_lora_slots:
+            return True
+        running = {r.lora_id for r in self.running} - {0}
+        return request.lora_id in running or len(running) < self.config.max_lora_slots
 
     def _plan(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -103,16 +103,23 @@ class NewRequestData(_Record):
     cross_len: int = 0
     encoder_token_ids: tuple[int, ...] = ()
     pooling: PoolingInputs | None = None  # an embedding request: pool its prompt, sample nothing
+    # its LoRA adapter (engine/lora_request.py): id (0 = the base model), name and directory
+    lora_id: int = 0
+    lora_name: str = ""
+    lora_path: str = ""
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int], cross_block_ids: list[int] = (),
                      encode: bool = False) -> NewRequestData:
+        lora = request.lora_request
         return cls(req_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
                    output_token_ids=tuple(request.output_token_ids), block_ids=tuple(block_ids),
                    sampling=SamplingInputs.from_request(request), cross_block_ids=tuple(cross_block_ids),
                    cross_len=len(request.encoder_token_ids),
                    encoder_token_ids=tuple(request.encoder_token_ids) if encode else (),
-                   pooling=PoolingInputs.from_request(request))
+                   pooling=PoolingInputs.from_request(request),
+                   lora_id=request.lora_id, lora_name=lora.lora_name if lora else "",
+                   lora_path=lora.lora_path if lora else "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ class InputBatch:
         self.pooling_type = np.zeros(num_rows, np.int8)
         self.pooling_normalize = np.zeros(num_rows, bool)
         self.pooling_dims = np.zeros(num_rows, np.int64)  # 0 = all
+        self.lora_ids = np.zeros(num_rows, np.int64)  # the row's LoRA adapter; 0 = the base model
         # every per-row array above: compaction moves them all
         self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
@@ -142,6 +143,7 @@ class InputBatch:
         self.block_table[row] = 0
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
+        self.lora_ids[row] = new.lora_id
         self._write_sampling(row, new)
         p = new.pooling
         self.pooling_type[row] = 0 if p is None else POOLING_CODES[p.pooling_type]

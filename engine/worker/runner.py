@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.worker.cuda_graphs import DecodeGraphs
 from kvserve.engine.worker.device import resolve_device, resolve_dtype
 from kvserve.engine.worker.input_batch import InputBatch
 from kvserve.engine.worker.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for
 from kvserve.engine.worker.logits_processors import LogitsProcessors
+from kvserve.engine.worker.lora import LoRAManager
 from kvserve.engine.worker.memory_profile import MemoryProfile, profile_kv_budget
 from kvserve.engine.worker.pooler import Pooler
 from kvserve.engine.worker.sampler import Sampler
@@ -67,10 +68,13 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int,
-                 parallel: ParallelState | None = None, join_group: Callable[[], None] | None = None) -> None:
+                 parallel: ParallelState | None = None, join_group: Callable[[], None] | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         """`parallel`: this rank of a tensor-parallel group (None: the whole model here); the
         model loads its shard, then `join_group()` connects the ranks (every later step, the
-        memory profile and the KV pool sizing included, runs in lockstep on all of them)."""
+        memory profile and the KV pool sizing included, runs in lockstep on all of them).
+        `lora_config`: serve LoRA adapters (engine/worker/lora.py); the model then runs its Python
+        forward every step (no CUDA graphs, no CPU decoder stack)."""
         self.device = resolve_device(model_config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread's kernels and graphs go to cuda:N
@@ -89,6 +93,11 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_backend = self.attn_layers[0].backend
+        self.lora: LoRAManager | None = None
+        if lora_config is not None:
+            self.lora = LoRAManager(self.model, hf_config.architectures[0], lora_config.max_loras,
+                                    lora_config.max_lora_rank, lora_config.num_cpu_loras, self.attn_backend.name,
+                                    self.device)
         self.index_dtype = np.int32 if self.attn_backend.index_dtype == torch.int32 else np.int64
         self.staging = HostToDevice(self.device)
         self.memory_profile: MemoryProfile | None = None  # CUDA: what sized the KV pool
@@ -115,7 +124,10 @@ class ModelRunner:
         # encoder-decoder models (models/seq2seq.py): each held request's cross blocks and encoder length
         self.is_encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
         self.cross: dict[str, tuple[tuple[int, ...], int]] = {}
-        if (self.device.type == "cuda" and not model_config.enforce_eager and self.parallel is None
+        eager = model_config.enforce_eager or self.lora is not None
+        if self.lora is not None and not model_config.enforce_eager:
+            logger.info("LoRA enabled: the model runs its Python forward (no CUDA graphs, no CPU decoder stack)")
+        if (self.device.type == "cuda" and not eager and self.parallel is None
                 and not self.is_encoder_decoder):
             if self.attn_backend.supports_cuda_graphs:
                 with phase("CUDA graphs"):
@@ -127,7 +139,7 @@ class ModelRunner:
                 logger.warning("attention backend %r cannot be captured: CUDA graphs off", self.attn_backend.name)
         # the CPU's counterpart of CUDA graphs: the decoder layers as one C++ call per step
         self.cpu_stack: CpuDecoderStack | None = None
-        if (self.device.type == "cpu" and not model_config.enforce_eager and self.parallel is None
+        if (self.device.type == "cpu" and not eager and self.parallel is None
                 and not self.is_encoder_decoder):
             self.cpu_stack = cpu_stack.build(self.model)
 
@@ -146,6 +158,15 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         pass  # nothing runs outside this process
+
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read and check a LoRA adapter now (ValueError naming what is wrong), before a request uses it."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.lora.add(lora_id, name, path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_id)
 
     # ---- warm-up -----------------------------------------------------------
     def warm_up(self) -> bool:
@@ -276,6 +297,10 @@ class ModelRunner:
         computed = np.array(step.num_computed_tokens, np.int64)  # [B]
         query_lens = np.array(step.num_scheduled_tokens, np.int64)  # [B]
         input_ids, positions, last_rows, meta, cu = self._prepare_inputs(computed, query_lens, num_drafts)
+        if self.lora is not None:
+            for new in step.new_requests:
+                self.lora.remember(new.lora_id, new.lora_name, new.lora_path)
+            self.lora.prepare(batch.lora_ids[:num_reqs], query_lens)
         if self.is_encoder_decoder:
             self._encode(step, meta)
         ends = batch.num_tokens[:num_reqs] if num_drafts is None else batch.num_tokens[:num_reqs] + num_drafts

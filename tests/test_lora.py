@@ -1,0 +1,246 @@
+"""LoRA adapters end to end: kvserve's greedy tokens and logprobs equal PEFT's merged model (fp32).
+
+Two random PEFT adapters of different ranks on a tiny random Llama (one on every target with
+plain scaling, one on a few targets with rsLoRA), mixed in one batch with the base model,
+through chunked prefill, prefix-cache hits and preemption; then what is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.lora_request import LoRARequest
+from tests.checkpoints import make_checkpoint
+
+# peft is imported where it is used: it imports triton, which tests/test_triton_*.py must import first
+# (after setting TRITON_INTERPRET) when one process runs them all
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+
+TIE_GAP = 1e-4
+MAX_TOKENS = 8
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: str, out: Path, r: int, seed: int, targets: list[str], **config) -> str:
+    """A PEFT adapter with random A and B (PEFT starts B at zero: the adapter would change nothing)."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r), target_modules=targets,
+                           lora_dropout=0.0, **config)
+    wrapped = peft.get_peft_model(model, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    wrapped.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint(root / "base", "llama")
+    return {
+        "base": base,
+        "a": make_adapter(base, root / "a", 8, seed=1, targets=ALL_TARGETS),
+        "b": make_adapter(base, root / "b", 4, seed=2, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True,
+                          lora_alpha=3),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(base: str, adapter: str | None):
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+@functools.lru_cache(maxsize=None)
+def reference_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]):
+    """(tokens, per-step logprobs [steps, V], steps free of near-ties) from the merged model."""
+    with torch.no_grad():
+        out = reference_model(base, adapter).generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    logits = torch.cat(out.logits).float()
+    top2 = logits.topk(2, dim=-1).values
+    ties = (top2[:, 0] - top2[:, 1] < TIE_GAP).nonzero()
+    trusted = int(ties[0, 0]) if len(ties) else MAX_TOKENS
+    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(logits, -1), trusted
+
+
+def assert_matches(dirs, prompts, adapters, outs) -> None:
+    num_trusted = 0
+    for prompt, adapter, out in zip(prompts, adapters, outs):
+        tokens, logprobs, trusted = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+        got = out.outputs[0]
+        num_trusted += trusted
+        assert got.token_ids[:trusted] == tokens[:trusted], (adapter, len(prompt))
+        for step in range(trusted):
+            for token_id, lp in got.logprobs[step].items():
+                assert lp.logprob == pytest.approx(logprobs[step, token_id].item(), abs=1e-4), (adapter, step)
+    assert num_trusted >= len(prompts) * MAX_TOKENS // 2  # near-ties are rare: the comparison is not vacuous
+
+
+def requests(dirs) -> dict[str | None, LoRARequest | None]:
+    return {None: None, "a": LoRARequest("a", 1, dirs["a"]), "b": LoRARequest("b", 2, dirs["b"])}
+
+
+def make_llm(dirs, **kw) -> LLM:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_loras", 2)
+    kw.setdefault("max_lora_rank", 8)
+    return LLM(dirs["base"], dtype="float32", device="cpu", enable_lora=True, **kw)
+
+
+def make_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+
+MIXED = [None, "a", "b", "a", "b", None]
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"attention_backend": "torch"}],
+                         ids=["default", "chunked-prefill", "torch-attention"])
+def test_batch_mixing_adapters_and_base_matches_merged_peft(dirs, kw):
+    llm = make_llm(dirs, **kw)
+    prompts = make_prompts([1, 3, 7, 17, 30, 9])
+    loras = requests(dirs)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED])
+    assert_matches(dirs, prompts, MIXED, outs)
+    # the adapters change the output: the comparison is not vacuous
+    assert outs[1].outputs[0].token_ids != llm.generate(prompts[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_more_adapters_than_slots_wait_their_turn(dirs):
+    llm = make_llm(dirs, max_loras=1, max_cpu_loras=1)  # every switch re-reads an adapter
+    prompts = make_prompts([5, 6, 7, 8, 9, 10], seed=2)
+    loras = requests(dirs)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED])
+    assert_matches(dirs, prompts, MIXED, outs)
+
+
+def test_prefix_cache_never_shared_between_adapters(dirs):
+    llm = make_llm(dirs)
+    engine, loras = llm.engine, requests(dirs)
+    prompt = make_prompts([20], seed=3)[0]
+    order = ["a", "b", None, "a"]
+    outs, cached = [], []
+    for adapter in order:
+        before = engine.prompt_tokens_cached_total
+        outs += llm.generate(prompt, greedy(), use_tqdm=False, lora_request=loras[adapter])
+        cached.append(engine.prompt_tokens_cached_total - before)
+    assert cached[:3] == [0, 0, 0]  # same tokens, other adapter: no KV reused
+    assert cached[3] > 0  # the same adapter again: its own blocks
+    assert_matches(dirs, [prompt] * 4, order, outs)
+
+
+def test_preemption_recomputes_under_the_same_adapter(dirs):
+    llm = make_llm(dirs, num_kv_blocks=14, max_num_seqs=4)
+    prompts = make_prompts([9, 10, 11, 12], seed=4)
+    adapters = ["a", "b", "a", None]
+    loras = requests(dirs)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in adapters])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_matches(dirs, prompts, adapters, outs)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bf16_with_cpu_kernels_and_quantized_base(dirs, quantization):
+    """bf16 on the CPU: the base linears keep their packed (or int8) kernels under the wrappers."""
+    llm = LLM(dirs["base"], dtype="bfloat16", device="cpu", block_size=4, enable_lora=True, max_lora_rank=8,
+              quantization=quantization)
+    assert llm.engine.runner.cpu_stack is None  # no LoRA in the C++ decoder stack: the Python forward
+    prompt = make_prompts([9], seed=6)[0]
+    outs = llm.generate([prompt, prompt], greedy(), use_tqdm=False, lora_request=[requests(dirs)["a"], None])
+    for adapter, out in zip(["a", None], outs):
+        tokens, logprobs, _ = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+        first = out.outputs[0].logprobs[0]
+        assert out.outputs[0].token_ids[0] == tokens[0]
+        assert first[tokens[0]].logprob == pytest.approx(logprobs[0, tokens[0]].item(), abs=0.15)
+
+
+# ---- refused -----------------------------------------------------------------------------------
+
+
+def _edit_config(src: str, dst: Path, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def llm(dirs) -> LLM:
+    return make_llm(dirs, max_lora_rank=4)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
+    ({"r": 8}, "r=8"),
+    ({"use_dora": True}, "use_dora"),
+    ({"bias": "all"}, "bias"),
+])
+def test_refused_adapter_config_names_the_field(dirs, llm, tmp_path, change, field):
+    path = _edit_config(dirs["b"], tmp_path / "bad", **change)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("bad", 9, path))
+    assert not llm.engine.has_unfinished_requests()
+    assert 9 not in llm.engine.runner.lora.cpu  # nothing half-loaded
+
+
+def test_refused_adapters_leave_the_engine_serving(dirs, llm, tmp_path):
+    with pytest.raises(ValueError, match="max_lora_rank"):  # adapter a has r=8
+        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, dirs["a"]))
+    other = make_checkpoint(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
+    wrong = make_adapter(other, tmp_path / "wrong", 4, seed=3, targets=["q_proj"])
+    with pytest.raises(ValueError, match="base model expects"):
+        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("wrong", 3, wrong))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("none", 4, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, dirs["b"])
+    out = llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+    assert_matches(dirs, [[1, 2, 3]], ["b"], out)
+
+
+def test_remove_frees_the_id_for_another_adapter(dirs, llm):
+    engine, prompt = llm.engine, [4, 5, 6]
+    llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 7, dirs["b"]))
+    with pytest.raises(ValueError, match="lora_int_id 7 is already"):
+        engine.add_lora(LoRARequest("b2", 7, dirs["a"]))
+    assert engine.remove_lora(7) and not engine.remove_lora(7)
+    other = _edit_config(dirs["b"], Path(dirs["b"]).parent / "b-alpha", lora_alpha=9)
+    out = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b2", 7, other))
+    base = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+    assert out[0].outputs[0].logprobs != base[0].outputs[0].logprobs  # the new adapter's scaling, not the old
+
+
+def test_lora_request_needs_enable_lora(dirs):
+    plain = LLM(dirs["base"], dtype="float32", device="cpu", block_size=4)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate([1, 2], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(dirs["base"], device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=1)
