@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 import kvserve
-from kvserve.engine.config import (OPTIONS, CacheConfig, CoreConfig, EngineArgs, GrammarLimits, ModelConfig,
+from kvserve.engine.config import (OPTIONS, CacheConfig, CoreConfig, EngineArgs, GrammarLimits, LoRAConfig, ModelConfig,
                                    ParallelConfig, SchedulerConfig, StructuredOutputsConfig, sub_config)
 from kvserve.server.cli import build_parser as serve_parser
 from kvserve.server.config import ServerConfig
@@ -82,8 +82,9 @@ def test_ray_flags_keep_their_short_spellings():
 # --- declared once: the sub-configs and the rest of the code derive from the declarations ----------
 
 SUB_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CoreConfig, GrammarLimits,
-               StructuredOutputsConfig)
-NOT_OPTIONS = {("StructuredOutputsConfig", "limits")}   # a nested sub-config
+               StructuredOutputsConfig, LoRAConfig)
+# a nested sub-config; the scheduler's adapter slots (--max-loras when --enable-lora, else 0)
+NOT_OPTIONS = {("StructuredOutputsConfig", "limits"), ("SchedulerConfig", "max_lora_slots")}
 PARSED_OPTIONS = {"speculative_config"}   # JSON, parsed into SpeculativeConfig (its own keys and defaults)
 
 
@@ -94,8 +95,8 @@ def test_sub_configs_take_defaults_and_types_from_engine_args(config):
             continue
         assert f.name in OPTIONS, f"{config.__name__}.{f.name} is not an EngineArgs option"
         assert f.default is OPTIONS[f.name].default and f.type == OPTIONS[f.name].type
-    assert config() == EngineArgs().derive(config, **({"limits": GrammarLimits()}
-                                                      if config is StructuredOutputsConfig else {}))
+    derived = {StructuredOutputsConfig: {"limits": GrammarLimits()}, SchedulerConfig: {"max_lora_slots": 0}}
+    assert config() == EngineArgs().derive(config, **derived.get(config, {}))
     assert pickle.loads(pickle.dumps(config())) == config()   # they cross to the engine core and TP ranks
 
 
