@@ -16,6 +16,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from checkpoints import make_checkpoint
 from gemma_checkpoints import make_gemma_checkpoint
 from kquants import K_TYPES, quantize_k
@@ -103,14 +104,14 @@ def tensor_type_of(name: str, tensor_type: str) -> str:
     return "Q6_K" if name.endswith(_MIX_HIGH) or name == "output.weight" else MIXES[tensor_type]
 
 
-def _expert_stacks(tensors: dict[str, np.ndarray]):
+def _expert_stacks(tensors: dict[str, torch.Tensor]):
     """transformers' stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H]) as llama.cpp's
     `ffn_{gate,up,down}_exps` [E, out, in] (named here `mlp.experts.{gate,up,down}_proj.weight`)."""
     for name, w in tensors.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            gate, up = np.split(w, 2, axis=1)
-            yield name.replace("gate_up_proj", "gate_proj.weight"), np.ascontiguousarray(gate)
-            yield name.replace("gate_up_proj", "up_proj.weight"), np.ascontiguousarray(up)
+            gate, up = w.chunk(2, dim=1)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), gate.contiguous()
+            yield name.replace("gate_up_proj", "up_proj.weight"), up.contiguous()
         elif name.endswith("mlp.experts.down_proj"):
             yield name + ".weight", w
         else:

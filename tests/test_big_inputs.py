@@ -136,7 +136,7 @@ class SpyTokenizer:
 def test_process_prompt_refuses_before_tokenizing(tokenizer):
     spy = SpyTokenizer(tokenizer)
     info = SimpleNamespace(max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), kv_capacity_tokens=1024,
-                           is_encoder_decoder=False)
+                           is_encoder_decoder=False, task="generate")
     bound = max_chars_per_token(tokenizer)
     with pytest.raises(ValueError, match="context length"):
         process_prompt(spy, info, "x" * (MAX_MODEL_LEN * bound), SamplingParams(max_tokens=1), bound)
@@ -370,7 +370,7 @@ def _bare_async_llm(tokenizer, max_model_len: int):
     llm = AsyncLLM.__new__(AsyncLLM)
     llm.tokenizer = tokenizer
     llm.info = SimpleNamespace(max_model_len=max_model_len, vocab_size=len(tokenizer), kv_capacity_tokens=10**6,
-                               is_encoder_decoder=False)
+                               is_encoder_decoder=False, task="generate")
     llm._max_chars_per_token = max_chars_per_token(tokenizer)
     llm._streams, llm._error, llm._is_ready, llm._is_stopping = {}, None, True, False
     llm._process = SimpleNamespace(is_alive=lambda: True)

@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from server_fixtures import ServerProcess, cached_server, server_checkpoint, wait_idle  # noqa: F401
 
 from kvserve.engine import SamplingParams
+from kvserve.engine.generation_config import GenerationConfig
 from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from kvserve.server.chat import render_chat
 from kvserve.server.config import ServerConfig
@@ -257,7 +258,7 @@ class ScriptedEngine:
         self.model_config = SimpleNamespace(model_path="/scripted", dtype="float32", device="cpu", max_model_len=4096,
                                             vocab_size=len(tokenizer), block_size=16,
                                             quantization="none", weight_bytes=0, eos_token_ids=(),
-                                            decoder_start_token_id=None)
+                                            decoder_start_token_id=None, generation_config=GenerationConfig())
         self.is_healthy = True
         self.params: list[SamplingParams] = []
 
