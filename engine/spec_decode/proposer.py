@@ -21,7 +21,6 @@ behind `Proposer.draft`, in engine/spec_decode/draft_model.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
