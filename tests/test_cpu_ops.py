@@ -56,6 +56,26 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, 
     return torch.stack(outs)
 
 
+def reference_prefill(q, k_cache, v_cache, block_row, num_cached, scale, window, softcap=None):
+    """Each new token attends, in float64, to the keys up to its own position (within the window).
+    q [N, H, D] for positions num_cached .. num_cached + N - 1 -> [N, H*D]."""
+    num_new, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(num_cached + num_new)
+    slots = block_row[pos // block_size] * block_size + pos % block_size
+    k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, H, D]
+    v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    query_pos = (num_cached + torch.arange(num_new))[:, None]
+    hidden = pos[None, :] > query_pos
+    if window:
+        hidden |= pos[None, :] <= query_pos - window
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", probs, v).flatten(1)
+
+
 def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     seq_lens = torch.randint(1, 200, (num_reqs,), generator=g)
@@ -414,9 +434,7 @@ def check_paged_prefill(heads, head_dim, num_cached, num_new, window, softcap):
     q = qkv[:, :num_heads]  # strided, as the model passes it
     scale = head_dim**-0.5
     got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, row, seq_len, scale, window, softcap=softcap)
-    # each new token is a decode over the keys up to its own position
-    ref = reference_decode(q, k_cache, v_cache, row.expand(num_new, -1),
-                           torch.arange(num_cached + 1, seq_len + 1), scale, window, softcap=softcap)
+    ref = reference_prefill(q, k_cache, v_cache, row, num_cached, scale, window, softcap)
     assert got.shape == (num_new, num_heads * head_dim)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
 

@@ -118,11 +118,19 @@ def test_chat_matches_offline(client, offline):
     assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
-def test_chat_default_max_tokens_uses_remaining_context(client, offline):
-    resp = client.chat.completions.create(model="tiny", messages=CHAT, temperature=0, stop=["\n"],
-                                          extra_body={"ignore_eos": True})
-    assert resp.choices[0].finish_reason in ("stop", "length")
-    assert resp.usage.total_tokens <= MAX_MODEL_LEN
+def test_chat_default_max_tokens_uses_remaining_context(client):
+    def chat(words: int, **kwargs):
+        messages = [{"role": "user", "content": "a " * words}]
+        return client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                              extra_body={"ignore_eos": True}, **kwargs)
+
+    # a prompt that leaves a few tokens of the context (prompt length linear in the words)
+    p100, p200 = (chat(n, max_tokens=1).usage.prompt_tokens for n in (100, 200))
+    words = 100 + (MAX_MODEL_LEN - 12 - p100) * 100 // (p200 - p100)
+    resp = chat(words)
+    assert MAX_MODEL_LEN - 40 < resp.usage.prompt_tokens < MAX_MODEL_LEN
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.total_tokens == MAX_MODEL_LEN
 
 
 def test_chat_n_and_logprobs(client):
