@@ -258,7 +258,7 @@ def load_model(
     for layer in attn_layers:
         layer.backend = backend
     bind_ops(model, select_ops(device, dtype, backend.name))
-    release_free_memory()
+    release_free_memory(collect_cycles=False)
     return model.eval()
 
 

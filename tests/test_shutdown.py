@@ -35,11 +35,12 @@ def running(url: str) -> float:
 
 
 def test_sigterm_lets_a_stream_finish_and_refuses_new_requests(long_checkpoint):
-    srv = ServerProcess(long_checkpoint).wait_ready()   # the default drain period: 30 s
+    # a drain period far longer than the stream needs on any machine, however loaded
+    srv = ServerProcess(long_checkpoint, "--shutdown-timeout", "600").wait_ready()
     try:
         [core] = core_children(srv.proc.pid)
         with httpx.Client(timeout=120) as client:
-            with client.stream("POST", srv.url + "/v1/completions", json=completion(1000, stream=True)) as response:
+            with client.stream("POST", srv.url + "/v1/completions", json=completion(300, stream=True)) as response:
                 srv.proc.send_signal(signal.SIGTERM)   # the stream is open: its first output has arrived
                 health = client.get(srv.url + "/health")
                 refused = client.post(srv.url + "/v1/completions", json=completion(1, stream=False))

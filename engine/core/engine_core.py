@@ -38,6 +38,7 @@ from kvserve.engine.errors import EngineOverloadedError, StepFailed
 from kvserve.engine.worker.executor_protocol import Executor, ExecutorWrapper
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
+from kvserve.models.heap import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
         os._exit(1)
     # What start-up made (the model, the tokenizer, imported modules) lives as long as the process:
     # out of the collector's sight, a full collection no longer walks it in the middle of a step.
-    gc.collect()
+    release_free_memory()  # a full collection, then what loading freed goes back to the OS
     gc.freeze()
     conn.send_bytes(messages.encode(Ready(info=engine.info, stats=engine.stats())))
     threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
