@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,26 @@ os.environ.setdefault("KVSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".
 
 from checkpoints import FAMILIES, make_checkpoint  # noqa: E402
 
+CPUS = len(os.sched_getaffinity(0))
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist each worker gets its share of the cores (and so do the servers, engine
+    cores and tensor-parallel ranks it starts, through OMP_NUM_THREADS): workers whose thread
+    pools each want every core wait on each other's preempted threads. Kernel tests still run
+    with every core (`kernel_set`), so the kernels' work splitting is tested."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    threads = max(1, CPUS // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
+
 
 @pytest.fixture(scope="session")
 def checkpoint_dirs(tmp_path_factory) -> dict[str, str]:
@@ -22,6 +43,19 @@ def checkpoint_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(checkpoint_dirs) -> str:
     return checkpoint_dirs["llama"]
+
+
+@contextlib.contextmanager
+def every_core():
+    """torch's thread pool (which the CPU kernels split their work over) at every core, for a while."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPUS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _kernel_sets() -> list[str]:
@@ -43,11 +77,12 @@ def kernel_set(request):
     if request.param == "none" or not cpu_ops.load():
         pytest.skip("no CPU kernel set runs here: " + ", ".join(
             f"{isa} needs {' and '.join(cpu_isa.missing_flags(isa))}" for isa in cpu_isa.ISAS))
-    previous = cpu_ops.use_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        cpu_ops.use_isa(previous)
+    with every_core():
+        previous = cpu_ops.use_isa(request.param)
+        try:
+            yield request.param
+        finally:
+            cpu_ops.use_isa(previous)
 
 
 @pytest.fixture(params=[*[s for s in _kernel_sets() if s != "none"], "none"])
@@ -57,8 +92,9 @@ def kernel_set_or_none(request):
 
     if not cpu_ops.load():
         pytest.skip("kvserve's CPU host library could not be built here")
-    previous = cpu_ops.use_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        cpu_ops.use_isa(previous)
+    with every_core():
+        previous = cpu_ops.use_isa(request.param)
+        try:
+            yield request.param
+        finally:
+            cpu_ops.use_isa(previous)
