@@ -10,7 +10,9 @@ with `peft` (once; reused by later runs).
 * throughput: --num-requests prompts of --input-len random tokens, --output-len new tokens each (greedy,
   EOS ignored), all handed to `LLM.generate` at once; on the base model alone (no `enable_lora`), then
   spread round-robin over N adapters (`enable_lora`, `max_loras=N`) for each N of --num-adapters.
-  Output tokens/s and the ratio to the base model's.
+  Output tokens/s and the ratio to the base model's. N = 0: `enable_lora` but every request on the
+  base model (what serving adapters costs before any adapter runs: on the CPU, whether the C++
+  decoder stack stays on).
 * batch1: one request's decode time per output token (the run minus a 1-token run, over the remaining
   tokens, as benchmarks/bench_offline.py), on the base model and under one adapter.
 
@@ -67,17 +69,18 @@ def _prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[i
     return [rng.integers(3, vocab_size, length).tolist() for _ in range(count)]
 
 
-def _make_llm(args, num_adapters: int):
+def _make_llm(args, num_adapters: int | None):
     from kvserve.engine import LLM
 
-    lora = dict(enable_lora=True, max_loras=num_adapters, max_lora_rank=args.rank) if num_adapters else {}
+    lora = {} if num_adapters is None else {"enable_lora": True, "max_loras": max(num_adapters, 1),
+                                            "max_lora_rank": args.rank}
     llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False,
               max_num_seqs=max(args.num_requests, 1), **lora)
     stack = llm.engine.runner.cpu_stack is not None
     return llm, stack
 
 
-def _requests(paths: list[Path], num_adapters: int, count: int):
+def _requests(paths: list[Path], num_adapters: int | None, count: int):
     from kvserve.engine.lora_request import LoRARequest
 
     if not num_adapters:
@@ -86,7 +89,7 @@ def _requests(paths: list[Path], num_adapters: int, count: int):
     return [loras[i % num_adapters] for i in range(count)]
 
 
-def throughput(args, paths: list[Path], num_adapters: int) -> dict:
+def throughput(args, paths: list[Path], num_adapters: int | None) -> dict:
     llm, stack = _make_llm(args, num_adapters)
     vocab = llm.engine.info.vocab_size
     loras = _requests(paths, num_adapters, args.num_requests)
@@ -102,9 +105,9 @@ def throughput(args, paths: list[Path], num_adapters: int) -> dict:
 
 
 def batch1(args, paths: list[Path], with_adapter: bool) -> dict:
-    llm, stack = _make_llm(args, 1 if with_adapter else 0)
+    llm, stack = _make_llm(args, 1 if with_adapter else None)
     vocab = llm.engine.info.vocab_size
-    loras = _requests(paths, 1 if with_adapter else 0, 1)
+    loras = _requests(paths, 1 if with_adapter else None, 1)
     _generate(llm, _prompts(vocab, 1, args.input_len, 99), 4, loras)  # warm-up
     runs = []
     for repeat in range(args.repeats):
@@ -136,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     if not parts <= {"throughput", "batch1"}:
         p.error(f"--parts takes throughput and/or batch1, got {args.parts!r}")
-    if min(counts, default=1) < 1 or max(counts, default=0) > args.max_adapters:
-        p.error(f"--num-adapters must be between 1 and --max-adapters={args.max_adapters}, got {args.num_adapters!r}")
+    if min(counts, default=1) < 0 or max(counts, default=0) > args.max_adapters:
+        p.error(f"--num-adapters must be between 0 and --max-adapters={args.max_adapters}, got {args.num_adapters!r}")
     if min(args.rank, args.num_requests, args.input_len, args.repeats) < 1 or args.output_len < 2:
         p.error("--rank, --num-requests, --input-len and --repeats must be positive, --output-len at least 2")
 
@@ -151,15 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                     "machine": platform.processor() or platform.machine()}
     if "throughput" in parts:
-        rows = ([] if args.skip_base else [throughput(args, paths, 0)]) + [throughput(args, paths, n) for n in counts]
+        rows = ([] if args.skip_base else [throughput(args, paths, None)]) + [throughput(args, paths, n) for n in counts]
         base = None if args.skip_base else rows[0]["output_tok_s"]
         print(f"{args.num_requests} requests, {args.input_len} prompt + {args.output_len} new tokens, rank {args.rank}")
         print(f"{'adapters':>8} {'stack':>5} {'output tok/s':>12} {'vs base':>8}")
         for row in rows:
             row["vs_base"] = None if base is None else row["output_tok_s"] / base
             ratio = "" if base is None else f"{row['vs_base']:8.1%}"
-            print(f"{row['num_adapters'] or 'base':>8} {'on' if row['cpu_stack'] else 'off':>5} "
-                  f"{row['output_tok_s']:12.1f} {ratio}")
+            name = "base" if row["num_adapters"] is None else row["num_adapters"]
+            print(f"{name:>8} {'on' if row['cpu_stack'] else 'off':>5} {row['output_tok_s']:12.1f} {ratio}")
         result["throughput"] = rows
     if "batch1" in parts:
         rows = [batch1(args, paths, False), batch1(args, paths, True)]

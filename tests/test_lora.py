@@ -227,8 +227,8 @@ def test_bf16_stack_runs_the_adapters_with_the_python_forwards_bits(dirs32, quan
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_outs]
     if quantization is None:  # (int8 weights alone move these logits further from PEFT's fp32 model)
         assert_near_peft(dirs32, prompts, adapters, outs)
-    plain = outs[1].outputs[0].token_ids  # the adapters change the output: the comparison is not vacuous
-    assert plain != [o for o, a in zip(outs, adapters) if a is None][0].outputs[0].token_ids
+    adapted = outs[1].outputs[0].token_ids  # the adapters change the output: the comparison is not vacuous
+    assert adapted != next(o for o, a in zip(outs, adapters) if a is None).outputs[0].token_ids
 
 
 @pytest.mark.usefixtures("kernel_set")
@@ -240,6 +240,7 @@ def test_cpu_lora_op_matches_the_torch_reference(max_rank):
     import numpy as np
 
     from kvserve.engine.worker.lora import group_tokens
+    from kvserve.models import cpu_ops
     from kvserve.models.layers import PackedLinear
     from kvserve.models.lora import LoRABatch, lora_apply_torch
     from kvserve.models.lora_cpu import CpuLoRALinear
@@ -258,10 +259,8 @@ def test_cpu_lora_op_matches_the_torch_reference(max_rank):
     x = torch.randn(10, 64, generator=g).bfloat16()
     y = torch.randn(10, 176, generator=g).bfloat16()
     got = y.clone()
-    torch_cpu_rows = (batch.meta.token_order, batch.meta.seg_starts, batch.meta.seg_lens, batch.meta.seg_slots)
-    from kvserve.models import cpu_ops
-
-    cpu_ops.lora_apply_(got, x, wrapper.packed_a, wrapper.packed_b, wrapper.shard_n, wrapper.rank_pad, torch_cpu_rows)
+    rows = (batch.meta.token_order, batch.meta.seg_starts, batch.meta.seg_lens, batch.meta.seg_slots)
+    cpu_ops.lora_apply_(got, x, wrapper.packed_a, wrapper.packed_b, wrapper.shard_n, wrapper.rank_pad, rows)
     want = lora_apply_torch(y.float(), x.float(), wrapper.lora_a.float(), wrapper.lora_b.float(), batch.meta)
     assert torch.equal(got[3:5], y[3:5])  # the base rows are untouched
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)

@@ -57,7 +57,9 @@ struct LoraSegments {
 
 // Scratch grown to the largest step, reused after that.
 struct LoraScratch {
-  std::vector<uint16_t> x, shrunk, delta;
+  struct Chunk { int64_t a, b, c; };  // rows: (start, len, slot); columns: (shard, first column, columns)
+  std::vector<Chunk> row_chunks, col_chunks;
+  std::vector<uint16_t> shrunk;
 };
 
 // Fills `l` from the packed shapes; an error for shapes that do not fit.

@@ -1,12 +1,15 @@
 // LoRA adapters on the CPU (models/lora_cpu.py, docs/lora.md): y[t] += (x[t] @ A[slot].T) @ B[slot].T for
-// the rows t of each slot, as models/lora.py's torch reference groups them: the rows gathered slot
-// by slot, one shrink per slot and one expand per (slot, shard), both on the set's linear_bf16 (the
-// shrink's output rounded to bf16 as torch's bf16 matmul rounds it), then one add per element.
-// Plain host code over the set's kernel: nothing here depends on the instruction set.
+// the rows t of each slot, as models/lora.py's torch reference groups them: each slot's rows
+// gathered, shrunk on A (the output rounded to bf16, as torch's bf16 matmul rounds it), expanded
+// on each shard's own block of B, and added to y (rounded once, as the torch path's index_add_).
+// Both matmuls are the set's linear_bf16, whose output bits do not depend on how rows and columns
+// are split: plain host code, nothing here depends on the instruction set.
 //
-// Threads: with at least as many matmuls in a step as threads, the matmuls are spread over the
-// threads (each one then runs on its thread alone: a nested parallel_for is inline); with fewer
-// (one or two adapters), each matmul splits its own columns and rows over all of them.
+// Threads: one parallel region for the shrinks (a task per slot and chunk of rows) and one for the
+// expands and adds (a task per chunk of rows and chunk of a shard's columns); the kernel calls in
+// a task run on its thread alone (a nested parallel_for is inline). A linear's LoRA work at batch 1
+// is a few microseconds, less than waking the threads costs, so small work runs on the calling
+// thread with no region at all.
 
 #include <string>
 
@@ -15,6 +18,10 @@
 namespace kvserve::host_lib {
 namespace {
 
+constexpr int64_t kRowChunk = 32;         // rows per task
+constexpr int64_t kColChunk = 256;       // output columns per expand task (a multiple of 64)
+constexpr int64_t kInlineWork = 1 << 18;  // multiply-adds below which one thread does everything
+
 template <typename T>
 T* grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
@@ -22,17 +29,6 @@ T* grow(std::vector<T>& v, int64_t n) {
 }
 
 int64_t blocks_of(int64_t n) { return (n + 63) / 64; }
-
-template <typename Fn>
-void for_each_task(int64_t n, const Fn& fn) {
-  if (n >= num_threads()) {
-    parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) fn(i);
-    });
-  } else {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-  }
-}
 
 }  // namespace
 
@@ -72,32 +68,42 @@ void lora_apply(const LoraLinear& l, const LoraSegments& s, const uint16_t* x, i
   const int64_t rows = s.num_rows, k = l.k, rp = l.rank_pad, width = l.num_shards * rp;
   if (rows == 0) return;
   const KernelSet& set = *kernel_set();
-  uint16_t* xs = grow(scratch.x, rows * k);           // [rows, k]: x's adapted rows, slot by slot
-  uint16_t* shrunk = grow(scratch.shrunk, rows * width);  // [rows, shards * rank_pad]
-  uint16_t* delta = grow(scratch.delta, rows * l.n);  // shard s: [rows, shard_n[s]] from rows * shard_offset[s]
-  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) std::memcpy(xs + i * k, x + s.token_order[i] * ldx, k * 2);
-  });
+  // (start, len, slot) chunks of rows within one slot, and (shard, first column, columns) chunks
+  std::vector<LoraScratch::Chunk>& row_chunks = scratch.row_chunks;
+  std::vector<LoraScratch::Chunk>& col_chunks = scratch.col_chunks;
+  row_chunks.clear(), col_chunks.clear();
+  for (int64_t g = 0; g < s.num_segments; ++g)
+    for (int64_t r = 0; r < s.lens[g]; r += kRowChunk)
+      row_chunks.push_back({s.starts[g] + r, std::min(kRowChunk, s.lens[g] - r), s.slots[g]});
+  for (int64_t sh = 0; sh < l.num_shards; ++sh)
+    for (int64_t c = 0; c < l.shard_n[sh]; c += kColChunk)
+      col_chunks.push_back({sh, c, std::min(kColChunk, l.shard_n[sh] - c)});
+  const int64_t num_rc = static_cast<int64_t>(row_chunks.size()), num_cc = static_cast<int64_t>(col_chunks.size());
+  const bool small = rows * (k * width + l.n * rp) < kInlineWork;
+  uint16_t* shrunk = grow(scratch.shrunk, rows * width);  // [rows, shards * rank_pad], slot by slot
   const int64_t a_slot = l.a_blocks * k * 64, b_slot = l.b_blocks * rp * 64;
-  for_each_task(s.num_segments, [&](int64_t g) {
-    const int64_t start = s.starts[g];
-    set.linear_bf16(xs + start * k, k, s.lens[g], l.a + s.slots[g] * a_slot, k / 2, l.a_blocks, nullptr,
-                    shrunk + start * width, width);
+  parallel_for(0, num_rc, small ? num_rc : 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> xs_buffer;
+    for (int64_t c = begin; c < end; ++c) {
+      const LoraScratch::Chunk& rc = row_chunks[c];
+      uint16_t* xs = grow(xs_buffer, rc.b * k);  // [len, k]: the chunk's rows of x
+      for (int64_t i = 0; i < rc.b; ++i) std::memcpy(xs + i * k, x + s.token_order[rc.a + i] * ldx, k * 2);
+      set.linear_bf16(xs, k, rc.b, l.a + rc.c * a_slot, k / 2, l.a_blocks, nullptr, shrunk + rc.a * width, width);
+    }
   });
-  for_each_task(s.num_segments * l.num_shards, [&](int64_t task) {
-    const int64_t g = task / l.num_shards, sh = task % l.num_shards, start = s.starts[g], n = l.shard_n[sh];
-    set.linear_bf16(shrunk + start * width + sh * rp, width, s.lens[g],
-                    l.b + s.slots[g] * b_slot + l.shard_block[sh] * rp * 64, rp / 2, blocks_of(n), nullptr,
-                    delta + rows * l.shard_offset[sh] + start * n, n);
-  });
-  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      uint16_t* out = y + s.token_order[i] * ldy;
-      for (int64_t sh = 0; sh < l.num_shards; ++sh) {
-        const int64_t n = l.shard_n[sh], offset = l.shard_offset[sh];
-        const uint16_t* d = delta + rows * offset + i * n;
-        for (int64_t j = 0; j < n; ++j)
-          out[offset + j] = float_to_bf16(bf16_to_float(out[offset + j]) + bf16_to_float(d[j]));
+  parallel_for(0, num_rc * num_cc, small ? num_rc * num_cc : 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> delta_buffer;
+    uint16_t* delta = grow(delta_buffer, kRowChunk * kColChunk);  // [len, columns]
+    for (int64_t task = begin; task < end; ++task) {
+      const LoraScratch::Chunk &rc = row_chunks[task / num_cc], &cc = col_chunks[task % num_cc];
+      const int64_t sh = cc.a, col = cc.b, n = cc.c;
+      set.linear_bf16(shrunk + rc.a * width + sh * rp, width, rc.b,
+                      l.b + rc.c * b_slot + (l.shard_block[sh] + col / 64) * rp * 64, rp / 2, blocks_of(n), nullptr,
+                      delta, n);
+      for (int64_t i = 0; i < rc.b; ++i) {
+        uint16_t* out = y + s.token_order[rc.a + i] * ldy + l.shard_offset[sh] + col;
+        const uint16_t* d = delta + i * n;
+        for (int64_t j = 0; j < n; ++j) out[j] = float_to_bf16(bf16_to_float(out[j]) + bf16_to_float(d[j]));
       }
     }
   });
