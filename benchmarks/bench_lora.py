@@ -14,7 +14,7 @@ with `peft` (once; reused by later runs).
   base model (what serving adapters costs before any adapter runs: on the CPU, whether the C++
   decoder stack stays on).
 * batch1: one request's decode time per output token (the run minus a 1-token run, over the remaining
-  tokens, as benchmarks/bench_offline.py), on the base model and under one adapter.
+  tokens, as benchmarks/bench_offline.py), on the base model and under one adapter, alternating.
 
 Medians of --repeats runs; every run is kept in the JSON (--out).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -104,18 +105,23 @@ def throughput(args, paths: list[Path], num_adapters: int | None) -> dict:
     return {"num_adapters": num_adapters, "cpu_stack": stack, "output_tok_s": statistics.median(runs), "runs": runs}
 
 
-def batch1(args, paths: list[Path], with_adapter: bool) -> dict:
-    llm, stack = _make_llm(args, 1 if with_adapter else None)
-    vocab = llm.engine.info.vocab_size
-    loras = _requests(paths, 1 if with_adapter else None, 1)
-    _generate(llm, _prompts(vocab, 1, args.input_len, 99), 4, loras)  # warm-up
-    runs = []
-    for repeat in range(args.repeats):
-        whole = _generate(llm, _prompts(vocab, 1, args.input_len, args.seed + repeat), args.output_len, loras)
-        first = _generate(llm, _prompts(vocab, 1, args.input_len, args.seed + 100 + repeat), 1, loras)
-        runs.append(1000 * (whole - first) / (args.output_len - 1))
-    llm.shutdown()
-    return {"adapter": with_adapter, "cpu_stack": stack, "tpot_ms": statistics.median(runs), "runs": runs}
+def batch1(args, paths: list[Path]) -> list[dict]:
+    """Batch-1 decode on the base model and under one adapter, the two engines alternating run by
+    run (a shared machine's load moves between minutes: alternating keeps the pair comparable)."""
+    engines = [_make_llm(args, None), _make_llm(args, 1)]
+    loras = [None, _requests(paths, 1, 1)]
+    vocab = engines[0][0].engine.info.vocab_size
+    runs: list[list[float]] = [[], []]
+    for repeat in range(-1, args.repeats):  # -1: warm-up
+        for i, (llm, _) in enumerate(engines):
+            whole = _generate(llm, _prompts(vocab, 1, args.input_len, args.seed + repeat + 1), args.output_len, loras[i])
+            first = _generate(llm, _prompts(vocab, 1, args.input_len, args.seed + 101 + repeat), 1, loras[i])
+            if repeat >= 0:
+                runs[i].append(1000 * (whole - first) / (args.output_len - 1))
+    for llm, _ in engines:
+        llm.shutdown()
+    return [{"adapter": bool(i), "cpu_stack": engines[i][1], "tpot_ms": statistics.median(runs[i]), "runs": runs[i]}
+            for i in range(2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = build_adapters(Path(args.model), args.work_dir / f"adapters-r{args.rank}", args.max_adapters, args.rank,
                            args.seed)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()},
-                    "machine": platform.processor() or platform.machine()}
+                    "machine": platform.processor() or platform.machine(), "loadavg_start": os.getloadavg()}
     if "throughput" in parts:
         rows = ([] if args.skip_base else [throughput(args, paths, None)]) + [throughput(args, paths, n) for n in counts]
         base = None if args.skip_base else rows[0]["output_tok_s"]
@@ -165,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>8} {'on' if row['cpu_stack'] else 'off':>5} {row['output_tok_s']:12.1f} {ratio}")
         result["throughput"] = rows
     if "batch1" in parts:
-        rows = [batch1(args, paths, False), batch1(args, paths, True)]
+        rows = batch1(args, paths)
         overhead = rows[1]["tpot_ms"] / rows[0]["tpot_ms"] - 1
         print(f"batch 1 decode: base {rows[0]['tpot_ms']:.2f} ms/token, one adapter {rows[1]['tpot_ms']:.2f} "
               f"ms/token ({overhead:+.1%}; stack {'on' if rows[1]['cpu_stack'] else 'off'} with the adapter)")
         result["batch1"] = {"runs": rows, "overhead": overhead}
+    result["loadavg_end"] = os.getloadavg()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

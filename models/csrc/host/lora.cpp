@@ -72,14 +72,18 @@ void lora_apply(const LoraLinear& l, const LoraSegments& s, const uint16_t* x, i
   std::vector<LoraScratch::Chunk>& row_chunks = scratch.row_chunks;
   std::vector<LoraScratch::Chunk>& col_chunks = scratch.col_chunks;
   row_chunks.clear(), col_chunks.clear();
-  for (int64_t g = 0; g < s.num_segments; ++g)
-    for (int64_t r = 0; r < s.lens[g]; r += kRowChunk)
-      row_chunks.push_back({s.starts[g] + r, std::min(kRowChunk, s.lens[g] - r), s.slots[g]});
-  for (int64_t sh = 0; sh < l.num_shards; ++sh)
-    for (int64_t c = 0; c < l.shard_n[sh]; c += kColChunk)
-      col_chunks.push_back({sh, c, std::min(kColChunk, l.shard_n[sh] - c)});
-  const int64_t num_rc = static_cast<int64_t>(row_chunks.size()), num_cc = static_cast<int64_t>(col_chunks.size());
+  // small work runs on this thread: whole segments and shards, the fewest kernel calls
   const bool small = rows * (k * width + l.n * rp) < kInlineWork;
+  const int64_t row_chunk = small ? rows : kRowChunk;
+  for (int64_t g = 0; g < s.num_segments; ++g)
+    for (int64_t r = 0; r < s.lens[g]; r += row_chunk)
+      row_chunks.push_back({s.starts[g] + r, std::min(row_chunk, s.lens[g] - r), s.slots[g]});
+  for (int64_t sh = 0; sh < l.num_shards; ++sh) {
+    const int64_t col_chunk = small ? l.shard_n[sh] : kColChunk;
+    for (int64_t c = 0; c < l.shard_n[sh]; c += col_chunk)
+      col_chunks.push_back({sh, c, std::min(col_chunk, l.shard_n[sh] - c)});
+  }
+  const int64_t num_rc = static_cast<int64_t>(row_chunks.size()), num_cc = static_cast<int64_t>(col_chunks.size());
   uint16_t* shrunk = grow(scratch.shrunk, rows * width);  // [rows, shards * rank_pad], slot by slot
   const int64_t a_slot = l.a_blocks * k * 64, b_slot = l.b_blocks * rp * 64;
   parallel_for(0, num_rc, small ? num_rc : 1, [&](int64_t begin, int64_t end) {
@@ -93,10 +97,10 @@ void lora_apply(const LoraLinear& l, const LoraSegments& s, const uint16_t* x, i
   });
   parallel_for(0, num_rc * num_cc, small ? num_rc * num_cc : 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint16_t> delta_buffer;
-    uint16_t* delta = grow(delta_buffer, kRowChunk * kColChunk);  // [len, columns]
     for (int64_t task = begin; task < end; ++task) {
       const LoraScratch::Chunk &rc = row_chunks[task / num_cc], &cc = col_chunks[task % num_cc];
       const int64_t sh = cc.a, col = cc.b, n = cc.c;
+      uint16_t* delta = grow(delta_buffer, rc.b * n);  // [len, columns]
       set.linear_bf16(shrunk + rc.a * width + sh * rp, width, rc.b,
                       l.b + rc.c * b_slot + (l.shard_block[sh] + col / 64) * rp * 64, rp / 2, blocks_of(n), nullptr,
                       delta, n);
