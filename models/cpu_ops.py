@@ -58,11 +58,13 @@ _SIGNATURES = {
     "kv_rms_norm_heads_": (_ARGS, c_char_p),
     "kv_write_kv_cache": (_ARGS, c_char_p),
     "kv_apply_token_bitmask_": (_ARGS, c_char_p),
+    "kv_lora_apply": (_ARGS, c_char_p),
     "kv_stack_new": ([_F], _P),
     "kv_stack_free": ([_P], None),
     "kv_stack_add_linear": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], c_char_p),
     "kv_stack_add_layer": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F], c_char_p),
-    "kv_stack_forward": ([_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I], c_char_p),
+    "kv_stack_add_lora": ([_P, _P, _P, _I, _I, _P, _I], c_char_p),
+    "kv_stack_forward": ([_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I], c_char_p),
 }
 
 
@@ -79,6 +81,7 @@ _LOGPROBS, _ARGMAX = _pack("PqqqqPqPPP"), _pack("PqqqP")
 _RMS_NORM, _ADD_RMS_NORM, _RMS_NORM_HEADS = _pack("PqPPqqdq"), _pack("PPqPPqqd"), _pack("PqqqqPd")
 _ROTARY, _SILU_AND_MUL = _pack("PqPqqqq"), _pack("PqPqq")
 _WRITE_KV, _TOKEN_BITMASK = _pack("PqPqqqPPqP"), _pack("PqqqqPqPq")
+_LORA_APPLY = _pack("PqPqqPPqqqqPqPPPPqq")
 # models/csrc/host/host.h's Dtype codes
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -536,6 +539,41 @@ def greedy_argmax(logits: Tensor) -> Tensor:
     return logits.argmax(dim=-1)
 
 
+def _check_lora(a: Tensor, b: Tensor, shard_n: Tensor, rank_pad: int, k: int, n: int) -> None:
+    """A LoRA'd linear's packed slots (models/lora_cpu.py): a [S, ceil(shards * rank_pad / 64), k/2, 64, 2],
+    b [S, sum of ceil(shard_n / 64), rank_pad/2, 64, 2], both contiguous bf16; shard_n int64 [shards]."""
+    shards = shard_n.tolist() if shard_n.dtype is torch.int64 and shard_n.is_contiguous() else None
+    if (shards is None or sum(shards) != n or a.dim() != 5 or b.dim() != 5 or a.shape[0] != b.shape[0]
+            or a.shape[1:] != (-(-len(shards) * rank_pad // 64), k // 2, 64, 2)
+            or b.shape[1:] != (sum(-(-m // 64) for m in shards), rank_pad // 2, 64, 2)
+            or a.dtype is not _BF16 or b.dtype is not _BF16 or not a.is_contiguous() or not b.is_contiguous()):
+        raise RuntimeError("LoRA: packed slots must be contiguous bf16 shaped by models/lora_cpu.py")
+
+
+def _lora_rows(rows: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[int, int, int, int, int, int]:
+    """(token_order int64 [R], seg_starts, seg_lens, seg_slots int32 [L]) -> their pointers and L, R."""
+    order, starts, lens, slots = rows
+    if (order.dtype is not torch.int64 or any(t.dtype is not torch.int32 or t.numel() != starts.numel()
+                                              for t in (starts, lens, slots))
+            or not all(t.is_contiguous() and t.is_cpu for t in rows)):
+        raise RuntimeError("LoRA: token_order must be int64, the segments' starts, lengths and slots int32 [L]")
+    return order.data_ptr(), starts.data_ptr(), lens.data_ptr(), slots.data_ptr(), starts.numel(), order.numel()
+
+
+def lora_apply_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, shard_n: Tensor, rank_pad: int,
+                rows: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    """y [T, n] += each adapted row's (x [T, k] @ A[slot].T) @ B[slot].T, bf16 rows, with the slots
+    packed by models/lora_cpu.py and `rows` models/lora.py's grouping (token_order, seg_starts,
+    seg_lens, seg_slots); the set's bf16 linear for both matmuls (models/csrc/host/lora.cpp)."""
+    if (x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.stride(1) != 1 or y.stride(1) != 1
+            or x.dtype is not _BF16 or y.dtype is not _BF16 or not x.is_cpu or not y.is_cpu):
+        raise RuntimeError("LoRA: x [T, in] and y [T, out] must be bf16 rows")
+    _check_lora(a, b, shard_n, rank_pad, x.shape[1], y.shape[1])
+    _check(_lib.kv_lora_apply(_LORA_APPLY(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], a.data_ptr(), b.data_ptr(), x.shape[1],
+        y.shape[1], shard_n.numel(), rank_pad, shard_n.data_ptr(), a.shape[0], *_lora_rows(rows))))
+
+
 class DecoderStack:
     """A Llama-family model's decoder layers as one C++ call per step (the host library's
     models/csrc/host/decoder_stack.cpp; models/cpu_stack.py builds one). The C++ side points into
@@ -549,6 +587,7 @@ class DecoderStack:
         weakref.finalize(self, _lib.kv_stack_free, self._handle)
         self._tensors: list[Tensor] = []
         self.hidden_size = self.head_dim = 0
+        self._last_linear = (0, 0)  # (k, n) of the last add_linear
 
     def add_linear(self, packed: Tensor, scales: Tensor | None, bias: Tensor | None, n: int, bits: int,
                    group: int) -> None:
@@ -566,6 +605,14 @@ class DecoderStack:
         _check(_lib.kv_stack_add_linear(self._handle, packed.data_ptr(), None if scales is None else scales.data_ptr(),
                                         _bias_ptr(bias, n), n, k, packed.shape[0], bits, group))
         self._tensors += [t for t in (packed, scales, bias) if t is not None]
+        self._last_linear = (k, n)
+
+    def add_lora(self, a: Tensor, b: Tensor, shard_n: Tensor, rank_pad: int) -> None:
+        """Adapter slots (packed by models/lora_cpu.py) on the last `add_linear`'s matmul."""
+        _check_lora(a, b, shard_n, rank_pad, *self._last_linear)
+        _check(_lib.kv_stack_add_lora(self._handle, a.data_ptr(), b.data_ptr(), shard_n.numel(), rank_pad,
+                                      shard_n.data_ptr(), a.shape[0]))
+        self._tensors += [a, b, shard_n]
 
     def add_layer(self, input_norm: Tensor, post_norm: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
                   k_cache: Tensor, v_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, window: int,
@@ -591,10 +638,12 @@ class DecoderStack:
         self.hidden_size, self.head_dim = input_norm.numel(), head_dim
 
     def forward(self, x: Tensor, final_norm: Tensor, cos_sin: Tensor, slots: Tensor, block_table: Tensor,
-                seq_lens: Tensor, query_lens: list[int], seq_lens_cpu: list[int]) -> Tensor:
+                seq_lens: Tensor, query_lens: list[int], seq_lens_cpu: list[int],
+                lora_rows: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """x [T, hidden] bf16 (the embeddings; overwritten as the residual stream) -> the final
         norm's output [T, hidden]. cos_sin [T, 2, D]; slots [T]; block_table [B, max_blocks] and
-        seq_lens [B] int64; query_lens / seq_lens_cpu: each request's new and total token counts."""
+        seq_lens [B] int64; query_lens / seq_lens_cpu: each request's new and total token counts;
+        lora_rows: the rows that use an adapter, grouped by slot (as `lora_apply_`), or None."""
         num_tokens, num_reqs = x.shape[0], len(query_lens)
         if x.dim() != 2 or x.shape[1] != self.hidden_size or x.dtype is not _BF16 or not x.is_contiguous():
             raise RuntimeError(f"DecoderStack: x must be contiguous bf16 [T, {self.hidden_size}]")
@@ -611,5 +660,6 @@ class DecoderStack:
         _check(_lib.kv_stack_forward(
             self._handle, x.data_ptr(), out.data_ptr(), final_norm.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(),
             block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), (c_int64 * num_reqs)(*query_lens),
-            (c_int64 * num_reqs)(*seq_lens_cpu), num_reqs, num_tokens))
+            (c_int64 * num_reqs)(*seq_lens_cpu), num_reqs, num_tokens,
+            *((None, None, None, None, 0, 0) if lora_rows is None else _lora_rows(lora_rows))))
         return out

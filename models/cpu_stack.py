@@ -13,6 +13,11 @@ experts still multiply on the per-op CPU kernels; Phi-3's partial rotary and Lon
 and the cos/sin rows the stack is given), bf16, one rank, the paged attention kernels, and every matmul on
 models/cpu_ops' bf16 kernel or models/quantization's int8/int4 kernel. Anything else keeps the
 Python forward; `why_not` says which piece stopped it.
+
+LoRA (docs/lora.md): a linear wrapped by models/lora_cpu.py's `CpuLoRALinear` joins the stack with
+its packed adapter slots, and each step passes the rows of each slot (the wrappers' shared
+`LoRABatch`); the stack adds the adapters' outputs after that linear with the same op as the
+wrapper's forward. Other LoRA wrappers (fp32, no kernel set) keep the Python forward.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from kvserve.models.attention.metadata import AttentionMetadata
 from kvserve.models.cpu_model import CpuFusedOps, KernelLinear
 from kvserve.models.layers import Linear
 from kvserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvserve.models.lora import LoRABatch, LoRALinear
+from kvserve.models.lora_cpu import CpuLoRALinear
 from kvserve.models.quantization import QuantizedLinear
 from kvserve.models.qwen import Qwen3Attention
 
@@ -73,6 +80,8 @@ def _layer_why_not(layer: nn.Module) -> str | None:
         return "no rotary embedding"
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         linear = getattr(attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
+        if isinstance(linear, LoRALinear) and not isinstance(linear, CpuLoRALinear):
+            return f"{name}'s LoRA adapters are not on the CPU kernels"
         if getattr(linear, "tp_size", 1) != 1:
             return "tensor parallelism"
         if _kernel_of(linear) is None:
@@ -82,7 +91,9 @@ def _layer_why_not(layer: nn.Module) -> str | None:
 
 def _kernel_of(linear: Linear) -> tuple | None:
     """(packed, scales, bias, n, bits, group) of a matmul the stack runs, or None."""
-    packed = linear.packed
+    if isinstance(linear, CpuLoRALinear):
+        linear = linear.base
+    packed = getattr(linear, "packed", None)
     if isinstance(packed, KernelLinear):
         return packed.weight, None, packed.bias, packed.out_features, 16, 0
     if isinstance(packed, QuantizedLinear) and packed.weight.packed and packed.triton is None:
@@ -102,6 +113,8 @@ class CpuDecoderStack:
         self.attention: list[Attention] = [layer.self_attn.attn for layer in self.inner.layers]
         self._caches: list[Tensor | None] = []
         self._stack: cpu_ops.DecoderStack | None = None
+        lora = [m for m in model.modules() if isinstance(m, CpuLoRALinear)]
+        self.lora_batch: LoRABatch | None = lora[0].batch if lora else None
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:  # -> [T, hidden]
         if any(a.kv_cache is not c for a, c in zip(self.attention, self._caches)) or not self._caches:
@@ -109,8 +122,10 @@ class CpuDecoderStack:
         inner = self.inner
         x = inner.embed_tokens(input_ids)  # [T, hidden]: the residual stream, overwritten in place
         cos_sin = inner.rotary_emb.cos_sin_cache.index_select(0, positions.long())  # [T, 2, D]
+        lora = None if self.lora_batch is None else self.lora_batch.meta
+        rows = None if lora is None else (lora.token_order, lora.seg_starts, lora.seg_lens, lora.seg_slots)
         return self._stack.forward(x, inner.norm.weight, cos_sin, meta.slot_mapping, meta.block_table, meta.seq_lens,
-                                   meta.query_lens_cpu, meta.seq_lens_cpu)
+                                   meta.query_lens_cpu, meta.seq_lens_cpu, rows)
 
     def _build(self) -> cpu_ops.DecoderStack:
         self._caches = [a.kv_cache for a in self.attention]
@@ -121,6 +136,8 @@ class CpuDecoderStack:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 stack.add_linear(*_kernel_of(linear))
+                if isinstance(linear, CpuLoRALinear):
+                    stack.add_lora(linear.packed_a, linear.packed_b, linear.shard_n, linear.rank_pad)
             a = attn.attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -136,5 +153,6 @@ def build(model: nn.Module) -> CpuDecoderStack | None:
     if reason is not None:
         logger.info("CPU decoder stack off (%s): steps run the model's Python forward", reason)
         return None
-    logger.info("CPU decoder stack on: %d layers per C++ call", len(model.model.layers))
+    lora = " with LoRA" if any(isinstance(m, CpuLoRALinear) for m in model.modules()) else ""
+    logger.info("CPU decoder stack on%s: %d layers per C++ call", lora, len(model.model.layers))
     return CpuDecoderStack(model)

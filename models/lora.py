@@ -17,8 +17,9 @@ compute every shard. B holds `scaling` already (folded in at load).
 
 Each step the runner sets the batch's per-token slot (-1 = base) in the shared `LoRABatch`;
 the wrappers add the adapters' outputs with the chosen kernel pair: the torch reference here
-(tokens grouped by slot, one matmul pair per adapter in the step) or Triton's
-(models/kernels/triton_lora.py).
+(tokens grouped by slot, one matmul pair per adapter in the step), Triton's
+(models/kernels/triton_lora.py), or in bf16 on the CPU the kernel set's (models/lora_cpu.py,
+whose wrappers the C++ decoder stack also runs).
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ def _target_map(model: nn.Module) -> dict[str, tuple[str, object]]:
 
 
 def wrap_model(model: nn.Module, architecture: str, max_loras: int, max_rank: int, batch: LoRABatch,
-               kernel: LoRAKernel) -> dict[str, LoRALinear]:
-    """Replace every target linear of `model` by a `LoRALinear` (weights loaded already);
-    -> module name -> wrapper."""
+               kernel: LoRAKernel, wrapper_cls: type[LoRALinear] = LoRALinear) -> dict[str, LoRALinear]:
+    """Replace every target linear of `model` by a `wrapper_cls` (weights loaded already; the CPU
+    kernels' is models/lora_cpu.py's); -> module name -> wrapper."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"enable_lora supports {', '.join(SUPPORTED_ARCHITECTURES)}, not {architecture!r}")
     names = {dst for dst, _ in _target_map(model).values()}
@@ -134,7 +135,7 @@ def wrap_model(model: nn.Module, architecture: str, max_loras: int, max_rank: in
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in names and isinstance(child, Linear):
-                wrapper = LoRALinear(child, max_loras, max_rank, batch, kernel, some.dtype, some.device)
+                wrapper = wrapper_cls(child, max_loras, max_rank, batch, kernel, some.dtype, some.device)
                 setattr(module, child_name, wrapper)
                 wrappers[f"{name}.{child_name}" if name else child_name] = wrapper
     return wrappers

@@ -5,6 +5,7 @@ The kernels are built on first use (skipped where no compiler is available; CI h
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -625,6 +626,28 @@ def test_stack_rejects_query_lengths_that_do_not_add_up():
         stack.forward(torch.randn(3, hidden).bfloat16(), *args[:2], torch.tensor([1, 2, 999]), *args[3:], [3], [3])
     out = stack.forward(torch.randn(3, hidden).bfloat16(), *args, [3], [3])  # one prefill of three tokens
     assert out.shape == (3, hidden) and torch.isfinite(out.float()).all()
+
+
+@needs_bf16
+def test_lora_rows_that_do_not_fit_are_refused():
+    """cpu_ops.lora_apply_ (models/lora_cpu.py's packed slots): a slot or a row out of range, segments
+    that do not cover the rows, and packed slots of the wrong shape fail with a message."""
+    a, b = torch.zeros(2, 1, 32, 64, 2).bfloat16(), torch.zeros(2, 1, 4, 64, 2).bfloat16()
+    x, y, shard_n = torch.zeros(3, 64).bfloat16(), torch.zeros(3, 40).bfloat16(), torch.tensor([40])
+
+    def rows(order, starts, lens, slots):
+        i32 = functools.partial(torch.tensor, dtype=torch.int32)
+        return torch.tensor(order, dtype=torch.int64), i32(starts), i32(lens), i32(slots)
+
+    cpu_ops.lora_apply_(y, x, a, b, shard_n, 8, rows([2, 0], [0, 1], [1, 1], [1, 0]))  # fits
+    with pytest.raises(RuntimeError, match="segment 0"):
+        cpu_ops.lora_apply_(y, x, a, b, shard_n, 8, rows([2], [0], [1], [2]))
+    with pytest.raises(RuntimeError, match="row 3 is out of range"):
+        cpu_ops.lora_apply_(y, x, a, b, shard_n, 8, rows([3], [0], [1], [0]))
+    with pytest.raises(RuntimeError, match="do not cover"):
+        cpu_ops.lora_apply_(y, x, a, b, shard_n, 8, rows([0, 1], [0], [1], [0]))
+    with pytest.raises(RuntimeError, match="packed slots"):
+        cpu_ops.lora_apply_(y, x, a, b, shard_n, 16, rows([0], [0], [1], [0]))
 
 
 @needs_bf16

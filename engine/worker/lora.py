@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.models import lora_cpu
 from kvserve.models.lora import (LoRAAdapter, LoRABatch, LoRABatchMeta, LoRAKernel, LoRALinear, load_adapter,
                                  lora_apply_torch, wrap_model)
 
@@ -36,12 +37,16 @@ class LoRAManager:
         self.model, self.device = model, device
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.batch = LoRABatch()
+        # bf16 on the CPU: the kernel set's shrink/expand, which the C++ decoder stack runs too
+        cpu_reason = lora_cpu.fits(model) if device.type == "cpu" else "not on the CPU"
+        wrapper_cls = lora_cpu.CpuLoRALinear if cpu_reason is None else LoRALinear
         self.wrappers: dict[str, LoRALinear] = wrap_model(model, architecture, max_loras, max_lora_rank, self.batch,
-                                                          select_kernel(attention_backend))
+                                                          select_kernel(attention_backend), wrapper_cls)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora id -> adapter, least recent first
         self.paths: dict[int, tuple[str, str]] = {}  # lora id -> (name, path), to reload after an eviction
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
-        logger.info("LoRA: %d slots of rank <= %d on %d linears", max_loras, max_lora_rank, len(self.wrappers))
+        logger.info("LoRA: %d slots of rank <= %d on %d linears (%s)", max_loras, max_lora_rank, len(self.wrappers),
+                    "CPU kernels" if cpu_reason is None else f"{attention_backend} kernels: {cpu_reason}")
 
     def add(self, lora_id: int, name: str, path: str) -> LoRAAdapter:
         """Read (or find) adapter `lora_id` on the CPU; ValueError if it cannot be served."""

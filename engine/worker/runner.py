@@ -73,8 +73,8 @@ class ModelRunner:
         """`parallel`: this rank of a tensor-parallel group (None: the whole model here); the
         model loads its shard, then `join_group()` connects the ranks (every later step, the
         memory profile and the KV pool sizing included, runs in lockstep on all of them).
-        `lora_config`: serve LoRA adapters (engine/worker/lora.py); the model then runs its Python
-        forward every step (no CUDA graphs, no CPU decoder stack)."""
+        `lora_config`: serve LoRA adapters (engine/worker/lora.py): no CUDA graphs then (the model runs
+        its Python forward); on the CPU in bf16 the C++ decoder stack runs the adapters too."""
         self.device = resolve_device(model_config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread's kernels and graphs go to cuda:N
@@ -124,10 +124,10 @@ class ModelRunner:
         # encoder-decoder models (models/seq2seq.py): each held request's cross blocks and encoder length
         self.is_encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
         self.cross: dict[str, tuple[tuple[int, ...], int]] = {}
-        eager = model_config.enforce_eager or self.lora is not None
-        if self.lora is not None and not model_config.enforce_eager:
-            logger.info("LoRA enabled: the model runs its Python forward (no CUDA graphs, no CPU decoder stack)")
-        if (self.device.type == "cuda" and not eager and self.parallel is None
+        eager = model_config.enforce_eager
+        if self.lora is not None and self.device.type == "cuda" and not eager:
+            logger.info("LoRA enabled: the model runs its Python forward (no CUDA graphs)")
+        if (self.device.type == "cuda" and not eager and self.lora is None and self.parallel is None
                 and not self.is_encoder_decoder):
             if self.attn_backend.supports_cuda_graphs:
                 with phase("CUDA graphs"):

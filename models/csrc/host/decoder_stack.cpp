@@ -7,6 +7,10 @@
 //
 // The stack keeps pointers to the weights and KV caches (Python keeps those tensors alive) and
 // its own scratch buffers, grown to the largest step seen and reused after that.
+//
+// LoRA (lora.cpp): a linear may carry adapter slots; each step then names the rows of each slot,
+// and every LoRA'd linear adds their adapters' outputs right after its own, as models/lora.py's
+// wrappers do in the Python forward.
 
 #include <string>
 #include <vector>
@@ -23,6 +27,7 @@ struct StackLinear {
   const uint16_t* scales;
   const float* bias;
   int64_t n, k, col_blocks, bits, group;
+  int64_t lora = -1;  // index of its adapter slots in the stack's loras_, or -1
 
   void operator()(const uint16_t* x, int64_t ldx, int64_t m, uint16_t* y) const {
     if (bits == 16)
@@ -70,6 +75,21 @@ class DecoderStack {
     return nullptr;
   }
 
+  // Adapter slots on the last linear added (before its layer).
+  const char* add_lora(const uint16_t* a, const uint16_t* b, int64_t num_shards, int64_t rank_pad,
+                       const int64_t* shard_n, int64_t num_slots) {
+    if (linears_.size() <= 4 * layers_.size()) return fail("DecoderStack: add_lora follows its linear");
+    StackLinear& linear = linears_.back();
+    if (linear.lora >= 0) return fail("DecoderStack: the linear has adapter slots already");
+    if (!loras_.empty() && num_slots != loras_[0].num_slots) return fail("DecoderStack: the linears' slots differ");
+    LoraLinear l;
+    if (const char* err = lora_linear(l, a, b, linear.k, linear.n, num_shards, rank_pad, shard_n, num_slots))
+      return err;
+    linear.lora = static_cast<int64_t>(loras_.size());
+    loras_.push_back(l);
+    return nullptr;
+  }
+
   // The layer's four matmuls are the last four add_linear calls (qkv, o, gate_up, down).
   const char* add_layer(StackLayer layer, int64_t hidden) {
     if (linears_.size() != 4 * (layers_.size() + 1)) return fail("DecoderStack: add four linears before each layer");
@@ -92,9 +112,15 @@ class DecoderStack {
   // seq_lens [B] (int64); query_lens / seq_lens_cpu: each request's new and total token counts.
   const char* forward(uint16_t* x, uint16_t* out, const uint16_t* final_norm, const uint16_t* cos_sin,
                       const int64_t* slots, const int64_t* block_table, int64_t table_stride, const int64_t* seq_lens,
-                      const int64_t* query_lens, const int64_t* seq_lens_cpu, int64_t num_reqs, int64_t num_tokens) {
+                      const int64_t* query_lens, const int64_t* seq_lens_cpu, int64_t num_reqs, int64_t num_tokens,
+                      const LoraSegments& lora) {
     if (layers_.empty()) return fail("DecoderStack has no layers");
     if (!kernel_set()) return fail("DecoderStack needs a CPU kernel set");
+    if (lora.num_rows > 0) {
+      if (loras_.empty()) return fail("DecoderStack: LoRA rows for a stack without adapter slots");
+      if (const char* err = check_segments(lora, num_tokens, loras_[0].num_slots)) return err;
+    }
+    lora_ = lora;
     const char* err = step_rows(num_tokens, block_table, table_stride, seq_lens, query_lens, seq_lens_cpu, num_reqs);
     if (err) return err;
     const int64_t t = num_tokens, hidden = hidden_;
@@ -113,18 +139,27 @@ class DecoderStack {
       else
         set.add_rms_norm_bf16(x, proj, hidden, l.input_norm, h, t, hidden, l.eps);
       l.qkv(h, hidden, t, qkv);
+      add_lora_outputs(l.qkv, h, hidden, qkv);
       if (const char* err = attention(l, qkv, t, cos_sin, slots, block_table, table_stride, seq_lens, attn)) return err;
       l.o(attn, l.o.k, t, proj);
+      add_lora_outputs(l.o, attn, l.o.k, proj);
       set.add_rms_norm_bf16(x, proj, hidden, l.post_norm, h, t, hidden, l.eps);
       l.gate_up(h, hidden, t, gate_up);
+      add_lora_outputs(l.gate_up, h, hidden, gate_up);
       set.silu_and_mul_bf16(gate_up, l.gate_up.n, act, t, l.down.k);
       l.down(act, l.down.k, t, proj);
+      add_lora_outputs(l.down, act, l.down.k, proj);
     }
     set.add_rms_norm_bf16(x, proj, hidden, final_norm, out, t, hidden, final_eps_);
     return nullptr;
   }
 
  private:
+  // y [T, linear.n] += the step's adapters' outputs for x's rows (ldx apart), if the linear has slots.
+  void add_lora_outputs(const StackLinear& linear, const uint16_t* x, int64_t ldx, uint16_t* y) {
+    if (linear.lora >= 0 && lora_.num_rows > 0) lora_apply(loras_[linear.lora], lora_, x, ldx, y, linear.n, lora_scratch_);
+  }
+
   const char* step_rows(int64_t num_tokens, const int64_t* block_table, int64_t table_stride, const int64_t* seq_lens,
                         const int64_t* query_lens, const int64_t* seq_lens_cpu, int64_t num_reqs) {
     StepRows& r = rows_;
@@ -205,6 +240,9 @@ class DecoderStack {
   int64_t hidden_ = 0, max_qkv_ = 0, max_q_ = 0, max_inter_ = 0;
   StepRows rows_;
   std::vector<uint16_t> h_, proj_, qkv_, attn_, gate_up_, act_, q_dec_, out_dec_;
+  std::vector<LoraLinear> loras_;
+  LoraSegments lora_;  // this step's (valid during forward)
+  LoraScratch lora_scratch_;
 };
 
 }  // namespace kvserve::host_lib
@@ -223,6 +261,12 @@ KV_EXPORT const char* kv_stack_add_linear(DecoderStack* stack, const void* packe
   return stack->add_linear({packed, scales, bias, n, k, col_blocks, bits, group});
 }
 
+// Adapter slots of the last linear added, packed by models/lora_cpu.py (host.h's LoraLinear).
+KV_EXPORT const char* kv_stack_add_lora(DecoderStack* stack, const uint16_t* a, const uint16_t* b, int64_t num_shards,
+                                        int64_t rank_pad, const int64_t* shard_n, int64_t num_slots) {
+  return stack->add_lora(a, b, num_shards, rank_pad, shard_n, num_slots);
+}
+
 // Norm weights bf16 [hidden] (q_norm, k_norm: [D] or null); caches [num_blocks, block_size, KvH, D] bf16.
 KV_EXPORT const char* kv_stack_add_layer(DecoderStack* stack, const uint16_t* input_norm, const uint16_t* post_norm,
                                          const uint16_t* q_norm, const uint16_t* k_norm, uint16_t* k_cache,
@@ -238,7 +282,12 @@ KV_EXPORT const char* kv_stack_add_layer(DecoderStack* stack, const uint16_t* in
 KV_EXPORT const char* kv_stack_forward(DecoderStack* stack, uint16_t* x, uint16_t* out, const uint16_t* final_norm,
                                        const uint16_t* cos_sin, const int64_t* slots, const int64_t* block_table,
                                        int64_t table_stride, const int64_t* seq_lens, const int64_t* query_lens,
-                                       const int64_t* seq_lens_cpu, int64_t num_reqs, int64_t num_tokens) {
+                                       const int64_t* seq_lens_cpu, int64_t num_reqs, int64_t num_tokens,
+                                       const int64_t* lora_rows, const int32_t* lora_starts, const int32_t* lora_lens,
+                                       const int32_t* lora_slots, int64_t lora_segments, int64_t lora_num_rows) {
+  // lora_*: the rows that use an adapter, grouped by slot (lora_num_rows 0: none this step)
+  const kvserve::host_lib::LoraSegments lora{lora_rows, lora_starts, lora_lens, lora_slots, lora_segments,
+                                             lora_num_rows};
   return stack->forward(x, out, final_norm, cos_sin, slots, block_table, table_stride, seq_lens, query_lens,
-                        seq_lens_cpu, num_reqs, num_tokens);
+                        seq_lens_cpu, num_reqs, num_tokens, lora);
 }

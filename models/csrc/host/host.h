@@ -33,3 +33,43 @@ const char* write_kv_cache(const void* k, int64_t k_ld, const void* v, int64_t v
                            void* k_cache, void* v_cache, int64_t num_slots, const int64_t* slots);
 
 }  // namespace kvserve::host_lib
+
+namespace kvserve::host_lib {
+
+// A LoRA'd linear's adapter slots as models/lora_cpu.py packs them for the set's linear_bf16:
+// A of every shard stacked (rank_pad rows per shard; the shrink's output is [rows, num_shards *
+// rank_pad]) and each shard's B on its own (only its block of the block-diagonal B).
+struct LoraLinear {
+  static constexpr int kMaxShards = 4;
+  const uint16_t* a;  // [num_slots][a_blocks][k / 2][64][2]
+  const uint16_t* b;  // [num_slots][b_blocks][rank_pad / 2][64][2]: shard s's column blocks from shard_block[s]
+  int64_t k, n, num_shards, rank_pad, num_slots;
+  int64_t shard_n[kMaxShards], shard_offset[kMaxShards], shard_block[kMaxShards];
+  int64_t a_blocks, b_blocks;
+};
+
+// One step's rows that use an adapter, grouped by slot (models/lora.py's LoRABatchMeta).
+struct LoraSegments {
+  const int64_t* token_order = nullptr;  // [num_rows]: rows of x / y, slot by slot
+  const int32_t *starts = nullptr, *lens = nullptr, *slots = nullptr;  // [num_segments]
+  int64_t num_segments = 0, num_rows = 0;
+};
+
+// Scratch grown to the largest step, reused after that.
+struct LoraScratch {
+  struct Chunk { int64_t a, b, c; };  // rows: (start, len, slot); columns: (shard, first column, columns)
+  std::vector<Chunk> row_chunks, col_chunks;
+  std::vector<uint16_t> shrunk;
+};
+
+// Fills `l` from the packed shapes; an error for shapes that do not fit.
+const char* lora_linear(LoraLinear& l, const uint16_t* a, const uint16_t* b, int64_t k, int64_t n, int64_t num_shards,
+                        int64_t rank_pad, const int64_t* shard_n, int64_t num_slots);
+// An error unless every segment lies within the rows and slots, and every row is < num_tokens.
+const char* check_segments(const LoraSegments& s, int64_t num_tokens, int64_t num_slots);
+// y rows (ldy apart) += the adapters' outputs for x rows (ldx apart), each row through its slot's
+// A then B; y is rounded to bf16 once, as y.index_add_ of the bf16 expand output does.
+void lora_apply(const LoraLinear& l, const LoraSegments& s, const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy,
+                LoraScratch& scratch);
+
+}  // namespace kvserve::host_lib
