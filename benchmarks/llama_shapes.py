@@ -1,4 +1,4 @@
-"""Random-weight Llama checkpoints of real shapes, written straight from device tensors.
+"""Random-weight checkpoints of real shapes (Llama, Gemma 3, Qwen3-MoE), written straight from device tensors.
 
     from benchmarks.llama_shapes import write_llama_checkpoint
     write_llama_checkpoint("/tmp/llama-8b", "llama-8b", device="cuda")
@@ -9,6 +9,13 @@ Shapes (config.json as the Hub has them; only the weights are random):
   llama-8b  Llama-3-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256,
             untied (16 GB in bf16)
   tiny      hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512: CPU smoke tests
+  gemma3-1b Gemma-3-1B-it's text config: hidden 1152, 26 layers, 4 heads, 1 KV head, head_dim 256,
+            MLP 6912 (GeLU-tanh), vocab 262144, tied; sliding window 512 on 5 of every 6 layers
+            (rope base 10000 there, 1e6 on the global ones) (2.0 GB in bf16)
+  qwen3-moe-6l  Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128
+            experts of MLP 768, top 8, vocab 151936, untied) with 6 of its 48 layers, so that
+            its files and a run fit a small machine (4.4 B parameters, 8.7 GB in bf16; a batch-1
+            step reads 0.65 B of them, half of that the LM head)
 
 Each tensor is drawn on `device` (normal, std 0.02; norms 1) and written with safetensors
 in shards of about 2 GiB, with `model.safetensors.index.json`, so no 16 GB `save_pretrained`
@@ -26,7 +33,7 @@ from pathlib import Path
 
 from kvserve.models.checkpoint_writer import random_tensors, write_checkpoint
 
-LLAMA_SHAPES: dict[str, dict] = {
+LLAMA_SHAPES: dict[str, dict] = {  # config.json fields; the architecture is Llama's
     "llama-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
@@ -42,14 +49,39 @@ LLAMA_SHAPES: dict[str, dict] = {
         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
 }
+# Other families, as (architectures[0], model_type, config.json fields).
+OTHER_SHAPES: dict[str, tuple[str, str, dict]] = {
+    "gemma3-1b": ("Gemma3ForCausalLM", "gemma3_text", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=512, layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                         for i in range(26)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)),
+    "qwen3-moe-6l": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=6, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False)),
+}
+SHAPES = sorted(LLAMA_SHAPES) + sorted(OTHER_SHAPES)
 SHARD_BYTES = 2 << 30
 INIT_STD = 0.02
 
 
 def shape_config(shape: str, **overrides) -> dict:
-    if shape not in LLAMA_SHAPES:
-        raise ValueError(f"unknown shape {shape!r}: one of {sorted(LLAMA_SHAPES)}")
-    return {**LLAMA_SHAPES[shape], "bos_token_id": 0, "eos_token_id": 0, **overrides}
+    """config.json's content for `shape` (with `architectures` and `model_type`)."""
+    if shape in LLAMA_SHAPES:
+        arch, model_type, fields = "LlamaForCausalLM", "llama", LLAMA_SHAPES[shape]
+    elif shape in OTHER_SHAPES:
+        arch, model_type, fields = OTHER_SHAPES[shape]
+    else:
+        raise ValueError(f"unknown shape {shape!r}: one of {SHAPES}")
+    return {"architectures": [arch], "model_type": model_type, **fields, "bos_token_id": 0, "eos_token_id": 0,
+            **overrides}
 
 
 def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dtype: str = "bfloat16",
@@ -66,7 +98,7 @@ def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dt
     path.mkdir(parents=True, exist_ok=True)
     for old in path.glob("*.safetensors"):
         old.unlink()
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, **fields}
+    config = {**fields, "dtype": dtype}
     tensors = random_tensors(config, seed=seed, dtype=dtype, device=device, init="normal", std=INIT_STD)
     write_checkpoint(path, config, tensors, ascii_bpe_tokenizer(fields["vocab_size"]), shard_bytes=SHARD_BYTES)
     marker.write_text(json.dumps(recipe) + "\n")

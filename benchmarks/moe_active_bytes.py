@@ -2,6 +2,7 @@
 
     python -m benchmarks.moe_active_bytes /path/to/checkpoint-or-config.json [--batch 1,8,64]
     python -m benchmarks.moe_active_bytes qwen3-30b-a3b      # built-in shapes: qwen3-30b-a3b, mixtral-8x7b
+    python -m benchmarks.moe_active_bytes model-Q4_0.gguf --bandwidth   # a GGUF file's own bytes; measure GB/s
 
 A decode step of a dense model reads every weight once, so at batch 1 its speed is bounded by
 memory bandwidth / model bytes. An MoE step reads the attention, the router, the dense layers
@@ -10,7 +11,11 @@ tokens routed uniformly, an expert is chosen by at least one token with probabil
 1 - (1 - k/E)^B, so the expected experts read per layer grow toward all of them as B grows.
 (Real routers are not uniform: this is the roofline's shape, not a measurement.) Bytes per
 weight: bf16 2; int8 1 + 2/G; int4 0.5 + 2/G (models/quantization.py's formats, G = 32; the
-LM head stays int8). The embedding row lookup is negligible and not counted.
+LM head stays int8). The embedding row lookup is negligible and not counted. For a GGUF file
+the bytes are its tensors' own (whatever each tensor's type: a Q4_0 file's Q6_K head included).
+`--bandwidth` times a plain read of a 1 GiB buffer on this machine and prints the decode
+tokens/s each row's bytes allow at that rate (batch 1: the roofline a measured figure is held
+against).
 """
 
 from __future__ import annotations
@@ -89,6 +94,58 @@ def step_bytes(shape: MoeShape, batch: int, fmt: str) -> float:
     return shape.step_params(batch) * BYTES_PER_WEIGHT[fmt] + head
 
 
+_EXPERTS = ("_exps.weight",)  # llama.cpp's stacked experts: blk.N.ffn_{gate,up,down}_exps.weight
+
+
+@dataclass(frozen=True)
+class GgufBytes:
+    """A GGUF file's bytes by role: what every step reads, and one expert of all sparse layers."""
+
+    dense: float  # attention, routers, norms, dense FFNs, the output head (token_embd if tied)
+    expert: float  # one expert's three matrices, summed over the sparse layers
+    shape: MoeShape
+
+    def step_bytes(self, batch: int) -> float:
+        return self.dense + self.expert * self.shape.experts_read(batch)
+
+
+def gguf_bytes(path: str | Path) -> GgufBytes:
+    """Byte counts of a GGUF mixture of experts, as its tensors are stored."""
+    from kvserve.models.gguf_metadata import field, gguf_architecture, open_gguf
+
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    num_experts, top_k = int(field(reader, f"{arch}.expert_count", 0)), int(field(reader, f"{arch}.expert_used_count", 0))
+    if not num_experts:
+        raise ValueError(f"{path}: no {arch}.expert_count: not a mixture of experts")
+    names = {t.name for t in reader.tensors}
+    dense = expert = 0
+    for t in reader.tensors:
+        if t.name.endswith(_EXPERTS):
+            expert += int(t.n_bytes) / num_experts
+        elif t.name != "token_embd.weight" or "output.weight" not in names:  # a lookup reads one row
+            dense += int(t.n_bytes)
+    layers = int(field(reader, f"{arch}.block_count"))
+    shape = MoeShape(attention=0, dense_mlp=0, router=0, shared=0, expert=0, num_sparse_layers=layers,
+                     num_experts=num_experts, top_k=top_k, lm_head=0)
+    return GgufBytes(dense=dense, expert=expert, shape=shape)
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` sums over a `num_bytes` buffer (torch's threads): a plain read."""
+    import time
+
+    import torch
+
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
 def load_config(source: str) -> dict:
     if source in SHAPES:
         return SHAPES[source]
@@ -101,19 +158,37 @@ def load_config(source: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.moe_active_bytes", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help=f"checkpoint directory, config.json, or one of {', '.join(SHAPES)}")
+    p.add_argument("model", help=f"checkpoint directory, config.json, a .gguf file, or one of {', '.join(SHAPES)}")
     p.add_argument("--batch", default="1,4,16,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--bandwidth", action="store_true", help="measure a plain read's GB/s; print the tok/s roofline")
     args = p.parse_args(argv)
-    shape = moe_shape(load_config(args.model))
+    batches = [int(b) for b in args.batch.split(",")]
+    bandwidth = read_bandwidth() if args.bandwidth else None
+    if bandwidth:
+        print(f"plain read: {bandwidth / 1e9:.1f} GB/s (best of 5 sums over 1 GiB)")
     gib = 2 ** 30
+    if args.model.endswith(".gguf"):
+        counts = gguf_bytes(args.model)
+        print(f"{args.model}: {counts.dense / gib:.2f} GiB read every step, {counts.expert / 2 ** 20:.1f} MiB per expert "
+              f"(all layers); {counts.shape.num_experts} experts, top {counts.shape.top_k}")
+        print(f"{'batch':>6} {'experts/layer':>14} {'GiB/step':>9}" + (f" {'tok/s bound':>12}" if bandwidth else ""))
+        for batch in batches:
+            step = counts.step_bytes(batch)
+            bound = f" {batch * bandwidth / step:>12.1f}" if bandwidth else ""
+            print(f"{batch:>6} {counts.shape.experts_read(batch):>14.1f} {step / gib:>9.3f}{bound}")
+        return 0
+    shape = moe_shape(load_config(args.model))
     print(f"parameters: {shape.total / 1e9:.2f} B in the layers (+ {shape.lm_head / 1e6:.0f} M LM head); "
           f"{shape.num_sparse_layers} sparse layers of {shape.num_experts} experts, top {shape.top_k}")
     print(f"{'batch':>6} {'experts/layer':>14} {'active params':>14} " + " ".join(f"{f + ' GiB':>10}"
                                                                              for f in BYTES_PER_WEIGHT))
-    for batch in (int(b) for b in args.batch.split(",")):
+    for batch in batches:
         cells = " ".join(f"{step_bytes(shape, batch, f) / gib:>10.2f}" for f in BYTES_PER_WEIGHT)
         print(f"{batch:>6} {shape.experts_read(batch):>14.1f} {shape.step_params(batch) / 1e9:>13.2f}B {cells}")
     print("(read per decode step; divide the memory bandwidth by it for the steps/s roofline)")
+    if bandwidth:
+        print(f"batch-1 tok/s bound at {bandwidth / 1e9:.1f} GB/s: " + ", ".join(
+            f"{f} {bandwidth / step_bytes(shape, 1, f):.1f}" for f in BYTES_PER_WEIGHT))
     return 0
 
 

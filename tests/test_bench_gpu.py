@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import transformers
 from safetensors import safe_open
 
 from benchmarks import bench_gpu
-from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
+from benchmarks.llama_shapes import (LLAMA_SHAPES, kv_bytes_per_token, shape_config, weight_bytes_per_step,
+                                     write_llama_checkpoint)
 
 ROW_FIELDS = {"tok_s", "elapsed_s", "num_steps", "ms_per_step", "ideal_ms_per_step", "measured_over_ideal"}
 
@@ -83,3 +85,27 @@ def test_real_shapes_and_bad_arguments(capsys):
     assert "unknown case(s) ['z']" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown shape 'llama-70b'"):
         write_llama_checkpoint("/nonexistent", "llama-70b")
+
+
+@pytest.mark.parametrize("shape, params", [("gemma3-1b", (0.99e9, 1.01e9)), ("qwen3-moe-6l", (4.35e9, 4.37e9))])
+def test_other_family_shapes_build_their_transformers_model(tmp_path, shape, params):
+    """Gemma 3 and Qwen3-MoE shapes: the real config's parameter count; shrunk, a checkpoint that
+    transformers and kvserve load with the same architecture (the layers' kinds for Gemma 3)."""
+    from kvserve.models.hf_config import load_hf_config
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in shape_config(shape).items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert params[0] < sum(p.numel() for p in model.parameters()) < params[1]
+    small = dict(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512)
+    if shape == "qwen3-moe-6l":
+        small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2)
+    path = write_llama_checkpoint(tmp_path / "m", shape, **small)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    ours = load_hf_config(str(path))
+    assert ours.architectures == shape_config(shape)["architectures"]
+    if shape == "gemma3-1b":
+        assert hf.layer_types.count("full_attention") == 4 and hf.layer_types[5] == "full_attention"
+        assert hf.sliding_window == 512 and hf.num_key_value_heads == 1
+    else:
+        assert (hf.num_experts, hf.num_experts_per_tok, hf.num_hidden_layers, hf.moe_intermediate_size) == (8, 2, 2, 32)

@@ -315,3 +315,24 @@ def test_active_bytes_counts_the_models_parameters(moe_dirs, family, capsys):
     assert shape.total == matrices
     assert shape.experts_read(1) == pytest.approx(2) and shape.experts_read(10 ** 6) == pytest.approx(8)
     assert main([moe_dirs[family], "--batch", "1,8"]) == 0 and "experts/layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tensor_type", ["F32", "Q8_0"])
+def test_active_bytes_of_a_gguf_file_are_its_tensors_bytes(tmp_path, tensor_type, capsys):
+    """Every tensor but the looked-up embedding is read each step, experts k of E per layer at batch 1."""
+    from gguf_files import make_gguf
+
+    from benchmarks.moe_active_bytes import gguf_bytes, main
+    from kvserve.models.gguf_metadata import open_gguf
+
+    path = make_gguf(tmp_path, "qwen3_moe", tensor_type)
+    counts = gguf_bytes(path)
+    tensors = open_gguf(path).tensors
+    experts = sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+    tied = not any(t.name == "output.weight" for t in tensors)  # then the embedding is the head, read whole
+    others = sum(int(t.n_bytes) for t in tensors if "_exps." not in t.name and (tied or t.name != "token_embd.weight"))
+    assert counts.dense == others and counts.expert * counts.shape.num_experts == pytest.approx(experts)
+    k, e = counts.shape.top_k, counts.shape.num_experts
+    assert counts.step_bytes(1) == pytest.approx(others + experts * k / e)
+    assert counts.step_bytes(10 ** 6) == pytest.approx(others + experts)
+    assert main([str(path), "--batch", "1,64"]) == 0 and "GiB/step" in capsys.readouterr().out
