@@ -180,8 +180,8 @@ class OutputProcessor:
 
     def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
         token_id, logprob, rank, top_ids, top_lps = lp
-        entry = {tid: Logprob(l, r + 1, self._token_text(tid))
-                 for r, (tid, l) in enumerate(zip(top_ids, top_lps))}
+        entry = {tid: Logprob(tid_lp, r + 1, self._token_text(tid))
+                 for r, (tid, tid_lp) in enumerate(zip(top_ids, top_lps))}
         if token_id not in entry:
             entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
         return entry
