@@ -229,7 +229,7 @@ class RateLimitFilter(logging.Filter):
             return False
         self._last[pattern] = now
         num_suppressed = self._num_suppressed.pop(pattern, 0)
-        if num_suppressed:
+        if num_suppressed and last is not None:  # counted only after a first line
             record.msg = f"{message} ({num_suppressed} similar lines suppressed in the last {now - last:.0f} s)"
             record.args = ()
         if record.exc_info and last is not None:
