@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_bytes = llm.engine.info.weight_bytes
         _warm_engine(llm, config.vocab_size)
         for c in run_cases:
-            record(c, name, lambda c=c: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))
+            record(c, name, lambda c=c, llm=llm: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))
         if profile_tokens:
             try:
                 results[f"{name}_profile"] = prof = profile_kvserve(llm, config.vocab_size, 16 if args.small else 128,

@@ -11,8 +11,9 @@ vocabulary), 64 requests, prompt 128, 128 new tokens, greedy, run alternately:
                at most 12 characters (json_schema_bounded) or small objects with an integer
                range, an enum and an optional boolean (json_schema_mixed)
 Reports output tokens/s (medians over --repeats), each constrained case's share of the plain
-one (the median over repeats of constrained / plain of the same repeat), and where the constrained run's extra time goes: filling the bitmasks (core process,
-per step) and applying them to the logits (runner, per step).
+one (the median over repeats of constrained / plain of the same repeat), and where the
+constrained run's extra time goes: filling the bitmasks (core process, per step) and applying
+them to the logits (runner, per step).
 Then the compile time of a large schema (200 properties of every kind) and of a medium one
 (60), cold (a fresh compiler, tokenizer tables included) and from the cache.
 """

@@ -27,8 +27,9 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 from kvserve.engine.structured_output.limits import check_limits
-from kvserve.engine.input_processor import PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
+from kvserve.engine.input_processor import ProcessedPrompt, PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
 from kvserve.engine.lora_request import LoRARequest
@@ -153,7 +154,7 @@ class AsyncLLM:
 
     # ---- asyncio side ------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
 
         `prompt` is text, token ids, or a dict `{"prompt": text}` / `{"prompt_token_ids": [...]}`
@@ -202,9 +203,9 @@ class AsyncLLM:
             if not is_finished:
                 self._abort_now(request_id)
 
-    def _check_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams):
+    def _check_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
         processed = process_prompt(self.tokenizer, self.info, prompt, params, self._max_chars_per_token)
-        if processed.pooling is None and params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
+        if processed.pooling is None and isinstance(params, SamplingParams) and params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
             check_limits(params.structured_outputs, self._grammar_limits)
         return processed
 
@@ -313,7 +314,7 @@ def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
         stream.wakeup.set()
 
 
-def _core_main(args: EngineArgs, conn, log_level: int, executor_wrapper: ExecutorWrapper | None) -> None:
+def _core_main(args: EngineArgs, conn: Connection, log_level: int, executor_wrapper: ExecutorWrapper | None) -> None:
     from kvserve.engine.core.engine_core import run_engine_core
 
     run_engine_core(args, conn, log_level, executor_wrapper)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, dataclass_transform
 
 from kvserve.engine.pooling_params import TASKS, PoolerConfig
 from kvserve.engine.spec_decode.config import SpeculativeConfig
@@ -24,14 +24,18 @@ from kvserve.engine.generation_config import GenerationConfig, check_mode
 from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
                                      check_quantization)
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES_PREFIXES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 _Config = TypeVar("_Config")
+_SubConfig = TypeVar("_SubConfig", bound="DataclassInstance")
 
 
-def option(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
+def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, metavar: str | None = None,
            unit: str | None = None, server_default: Any = None, aliases: tuple[str, ...] = ()) -> Any:
     """An options dataclass field (`EngineArgs`, and the server's `RayServeOptions`) with what the
     CLIs show for it: `help`, `choices`, a `metavar`, a `unit` ("bytes": the server also reads
@@ -161,7 +165,7 @@ class EngineArgs:
     def structured_outputs_config(self) -> StructuredOutputsConfig:
         return self.derive(StructuredOutputsConfig, limits=self.derive(GrammarLimits))
 
-    def derive(self, config: type[_Config], **values: Any) -> _Config:
+    def derive(self, config: type[_SubConfig], **values: Any) -> _SubConfig:
         """`config` (a `sub_config`) with this object's values of its options, by name."""
         names = [f.name for f in dataclasses.fields(config) if f.name not in values]
         return config(**{name: getattr(self, name) for name in names}, **values)
@@ -178,10 +182,10 @@ class EngineArgs:
         self.speculative()
 
 
-OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(EngineArgs)}
+OPTIONS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
 
-def check_choices(options: Any, declared: dict[str, dataclasses.Field] | None = None) -> None:
+def check_choices(options: Any, declared: dict[str, dataclasses.Field[Any]] | None = None) -> None:
     """ValueError for a field of the dataclass `options` whose value is not one of the `choices` its
     `option(...)` declares (found in `declared` by name, else on `options` itself); None passes
     where None is the option's default."""
@@ -192,6 +196,7 @@ def check_choices(options: Any, declared: dict[str, dataclasses.Field] | None = 
             raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
 
 
+@dataclass_transform(frozen_default=True)
 def sub_config(cls: type[_Config]) -> type[_Config]:
     """Make `cls` a frozen, slotted dataclass of some of `EngineArgs`' options. The class body names
     each option it carries with its type (checked against `EngineArgs`) and no default: the default
@@ -359,7 +364,7 @@ class StructuredOutputsConfig:
     grammar_compile_timeout_s: float
     max_grammar_queue: int | None
     grammar_compile_threads: int | None
-    limits: GrammarLimits = field(default_factory=GrammarLimits)
+    limits: GrammarLimits = field(default_factory=GrammarLimits)  # type: ignore[arg-type]  # (sub_config defaults)
 
     def __post_init__(self) -> None:
         timeout_s = self.grammar_compile_timeout_s

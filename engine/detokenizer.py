@@ -33,6 +33,7 @@ deltas are joined on demand, so appending is not quadratic either.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 # How many trailing prompt tokens seed the decode window (vLLM uses 5 as well).
 PROMPT_CONTEXT_TOKENS = 5
@@ -51,7 +52,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer,  # transformers.PreTrainedTokenizerFast (or anything with .decode)
+        tokenizer: Any,  # transformers.PreTrainedTokenizerFast (or anything with .decode)
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool,
         stop: Sequence[str],

@@ -46,7 +46,7 @@ class GenerationConfig:
     def default_sampling_params(self) -> SamplingParams:
         """kvserve's defaults with the checkpoint's in place of them (vLLM's `get_default_sampling_params`)."""
         values = {k: int(v) if k in ("top_k", "max_tokens") else v for k, v in self.sampling_defaults.items()}
-        return SamplingParams(**values)
+        return SamplingParams(**values)  # type: ignore[arg-type]  # names from _SAMPLING_FIELDS, numbers all
 
     def describe(self) -> str:
         """The defaults and processors applied, for the start-up log."""
@@ -88,7 +88,7 @@ def load_generation_config(mode: str, model_path: str, vocab_size: int,
     return parse_generation_config(raw, str(path), vocab_size, eos_token_ids)
 
 
-def parse_generation_config(raw: dict, source: str, vocab_size: int,
+def parse_generation_config(raw: dict[str, Any], source: str, vocab_size: int,
                             eos_token_ids: tuple[int, ...]) -> GenerationConfig:
     """Validate the fields kvserve applies (others are ignored, as transformers' unknown ones are)."""
     check = _Checker(raw, source, vocab_size)
@@ -101,7 +101,7 @@ def parse_generation_config(raw: dict, source: str, vocab_size: int,
         defaults = {k: v for k, v in defaults.items() if k in ("repetition_penalty", "max_tokens")}
         defaults["temperature"] = 0.0
     check.sampling(defaults)
-    num_beams = check.number("num_beams", int_only=True, lo=1)
+    num_beams = check.integer("num_beams", lo=1)
     length_penalty = check.number("length_penalty")
     early_stopping = raw.get("early_stopping")
     if early_stopping not in (None, True, False, "never"):
@@ -110,10 +110,10 @@ def parse_generation_config(raw: dict, source: str, vocab_size: int,
     bad_words = tuple(w for w in check.bad_words() if not (len(w) == 1 and w[0] in eos_token_ids))
     forced_eos = check.token_ids("forced_eos_token_id")
     constraints = GenerationConstraints(
-        no_repeat_ngram_size=check.number("no_repeat_ngram_size", int_only=True, lo=0) or 0,
+        no_repeat_ngram_size=check.integer("no_repeat_ngram_size", lo=0) or 0,
         bad_words_ids=bad_words,
-        min_length=check.number("min_length", int_only=True, lo=0) or 0,
-        min_new_tokens=check.number("min_new_tokens", int_only=True, lo=0) or 0,
+        min_length=check.integer("min_length", lo=0) or 0,
+        min_new_tokens=check.integer("min_new_tokens", lo=0) or 0,
         forced_bos_token_id=check.token_id("forced_bos_token_id"),
         forced_eos_token_ids=forced_eos)
     return GenerationConfig(source=source, sampling_defaults=defaults, num_beams=num_beams,
@@ -124,7 +124,7 @@ def parse_generation_config(raw: dict, source: str, vocab_size: int,
 class _Checker:
     """Field checks that raise ValueError naming the file, the field and the value."""
 
-    def __init__(self, raw: dict, source: str, vocab_size: int) -> None:
+    def __init__(self, raw: dict[str, Any], source: str, vocab_size: int) -> None:
         self.raw, self.source, self.vocab_size = raw, source, vocab_size
 
     def error(self, name: str, expected: str) -> ValueError:
@@ -140,6 +140,10 @@ class _Checker:
         if lo is not None and value < lo:
             raise self.error(name, f">= {lo}")
         return value
+
+    def integer(self, name: str, lo: int | None = None) -> int | None:
+        value = self.number(name, int_only=True, lo=lo)
+        return None if value is None else int(value)
 
     def sampling(self, defaults: dict[str, float]) -> None:
         """The defaults as a request would give them: SamplingParams' own checks, named here."""

@@ -103,7 +103,7 @@ def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
     return value, check_cache_salt(prompt.get("cache_salt"))
 
 
-def process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams | PoolingParams,
+def process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: SamplingParams | PoolingParams,
                    max_chars_per_token: int | None = None) -> ProcessedPrompt:
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
     (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing.
@@ -134,7 +134,7 @@ def check_constraints(c: GenerationConstraints, vocab_size: int) -> None:
                          f"non-empty, got {c!r}")
 
 
-def _process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
+def _process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
                     decoder_prompt: list[int] | None, max_chars_per_token: int | None) -> ProcessedPrompt:
     prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
@@ -176,7 +176,7 @@ def _process_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: Sa
                            cache_salt=cache_salt)
 
 
-def process_pooling_prompt(tokenizer, info: RuntimeInfo, prompt: PromptType, params: PoolingParams,
+def process_pooling_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: PoolingParams,
                            max_chars_per_token: int | None = None) -> ProcessedPrompt:
     """An embedding request: its whole prompt within the context length and the KV cache."""
     if info.pooler is None:
@@ -212,6 +212,7 @@ def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: Samp
         raise ValueError("prompt_logprobs is not supported for encoder-decoder models (the prompt is "
                          "the encoder's input, which is not scored)")
     if decoder_prompt is None:
+        assert info.decoder_start_token_id is not None  # every encoder-decoder checkpoint has one
         decoder_prompt = [info.decoder_start_token_id]
     else:
         decoder_prompt = list(decoder_prompt)
@@ -264,7 +265,7 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     spell one character per byte); added tokens match their literal text. Computed once at
     start-up: it reads the whole vocabulary.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend: Any = getattr(tokenizer, "backend_tokenizer", None)
     model = getattr(backend, "model", None)
     if model is None or type(model).__name__ != "BPE":
         return None   # WordPiece maps a too-long word to one [UNK]; Unigram fuses unknowns
@@ -280,7 +281,7 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     return longest * (_MAX_CODE_POINTS_PER_COMPOSED_CHAR if is_composing else 1)
 
 
-def _components(component: Any, list_key: str) -> list[dict]:
+def _components(component: Any, list_key: str) -> list[dict[str, Any]]:
     """A tokenizers normalizer/pre-tokenizer as its JSON nodes, Sequences flattened."""
     if component is None:
         return []
@@ -292,7 +293,7 @@ def _components(component: Any, list_key: str) -> list[dict]:
     return nodes
 
 
-def _keeps_chars(node: dict, keeping: set[str]) -> bool:
+def _keeps_chars(node: dict[str, Any], keeping: set[str]) -> bool:
     kind = node.get("type")
     if kind == "Replace":   # e.g. Llama's " " -> "▁"; a pattern replaced by less text drops characters
         pattern = node.get("pattern", {}).get("String")
@@ -323,7 +324,7 @@ _GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "mistral", "qwen3", "gpt2"}
 _GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Any:
     """The checkpoint's tokenizer, as `transformers.AutoTokenizer` picks it (its choice of class
     depends on config.json and the transformers version: both processes must agree).
 
@@ -345,7 +346,7 @@ def load_tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
-def _load_named_tokenizer(path: Path):
+def _load_named_tokenizer(path: Path) -> Any:
     """The class the directory's tokenizer_config.json names, loaded directly: AutoTokenizer would
     import transformers' config machinery, and with it torch (a GGUF file's converted tokenizer
     names its family's class, e.g. Qwen2Tokenizer)."""
@@ -357,7 +358,7 @@ def _load_named_tokenizer(path: Path):
 
 
 def _names_generic_fast_tokenizer(path: str) -> bool:
-    def read(name: str) -> dict:
+    def read(name: str) -> dict[str, Any]:
         try:
             value = json.loads((Path(path) / name).read_text())
         except (OSError, ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -11,24 +12,35 @@ from tqdm.auto import tqdm
 from kvserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.generation_config import beam_step_constraints
-from kvserve.engine.input_processor import PromptType
+from kvserve.engine.input_processor import ProcessedPrompt, PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.lora_request import LoRARequest
-from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]  # one prompt given as token ids
-    for p in prompts:
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+        return [items]  # one prompt given as token ids
+    for p in items:
         if not isinstance(p, (str, list, tuple, dict)):
             raise ValueError(f"each prompt must be a str, a list of token ids or a prompt dict, "
                              f"got {type(p).__name__}")
-    return prompts
+    return items
+
+
+def _floats(embedding: bytes | None) -> list[float]:
+    assert embedding is not None  # every pooling request's output carries its vector
+    return np.frombuffer(embedding, "<f4").tolist()
+
+
+def _first_logprobs(out: RequestOutput) -> dict[int, Logprob]:
+    logprobs = out.outputs[0].logprobs
+    assert logprobs is not None  # asked for with logprobs=k
+    return logprobs[0]
 
 
 class LLM:
@@ -36,7 +48,7 @@ class LLM:
     `tensor_parallel_size=2` (docs/scaling.md) or `generation_config="vllm"`
     (docs/generation_config.md)."""
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -46,10 +58,10 @@ class LLM:
         self.engine.shutdown()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -65,7 +77,7 @@ class LLM:
         max_tokens = max_tokens or int(g.sampling_defaults.get("max_tokens", 16))
         return BeamSearchParams(beam_width=g.num_beams or 1, max_tokens=max_tokens, **kwargs)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
@@ -88,7 +100,7 @@ class LLM:
             self.engine.add_lora(lora)
         return self._run(self._add(prompts, params, loras), use_tqdm)
 
-    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as `generate` takes them): the final hidden states pooled
         (`last` or `mean`, the model's default unless `pooling_params` says), L2-normalized by default."""
@@ -99,10 +111,10 @@ class LLM:
             raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
         outputs = self._run(self._add(prompts, params), use_tqdm)
         return [EmbeddingRequestOutput(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
-                                       outputs=EmbeddingOutput(np.frombuffer(out.embedding, "<f4").tolist()))
+                                       outputs=EmbeddingOutput(_floats(out.embedding)))
                 for out in outputs]
 
-    def _add(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
+    def _add(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
              loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Queue the requests, all or none: each is validated before any is queued."""
         loras = loras or [None] * len(prompts)
@@ -119,7 +131,7 @@ class LLM:
             raise
         return request_ids
 
-    def beam_search(self, prompts, params: BeamSearchParams | None = None,
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
         scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first.
@@ -134,8 +146,8 @@ class LLM:
         seq2seq = self.engine.info.is_encoder_decoder
         bar = tqdm(total=params.max_tokens, desc="beam search steps", disable=not use_tqdm)
 
-        def request(item, beam: list[int]) -> dict:
-            req = ({"prompt_token_ids": item.prompt_token_ids, "decoder_prompt_token_ids": beam} if seq2seq
+        def request(item: ProcessedPrompt, beam: list[int]) -> dict[str, Any]:
+            req: dict[str, Any] = ({"prompt_token_ids": item.prompt_token_ids, "decoder_prompt_token_ids": beam} if seq2seq
                    else {"prompt_token_ids": beam})
             if item.cache_salt:  # a beam shares cached blocks only under its prompt's salt (docs/security.md)
                 req["cache_salt"] = item.cache_salt
@@ -151,10 +163,11 @@ class LLM:
                                   generation_constraints=constrained)
             outputs = self.generate(requests, step, use_tqdm=False)
             bar.update(1)
-            return [{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
+            return [{token: lp.logprob for token, lp in _first_logprobs(out).items()} for out in outputs]
 
         try:
-            starts = [item.decoder_prompt_token_ids if seq2seq else item.prompt_token_ids for item in processed]
+            starts = [list(item.decoder_prompt_token_ids or ()) if seq2seq else item.prompt_token_ids
+                      for item in processed]
             results = beam_search(starts, params, self.engine.info.eos_token_ids, next_token_logprobs)
         finally:
             bar.close()

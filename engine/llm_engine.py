@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from kvserve.engine.config import EngineArgs, RuntimeInfo
+from kvserve.engine.config import EngineArgs, ModelConfig, RuntimeInfo
 from kvserve.engine.errors import StepFailed
 from kvserve.engine.worker.executor_protocol import Executor
 from kvserve.engine.generation_config import load_generation_config
@@ -33,7 +33,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.core.scheduler import Scheduler, StepPlan
 from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.structured_output.grammar import StructuredOutputManager, fill_threads_for
-from kvserve.engine.tokenizer import load_model_files
+from kvserve.engine.tokenizer import ModelFiles, load_model_files
 from kvserve.models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class LLMEngine:
                                                  hf, files.max_model_len, tp_size)
         self.info = RuntimeInfo(
             model_path=files.model_path,
-            architecture=files.hf_config.architectures[0],
+            architecture=files.hf_config.architectures[0],  # type: ignore[index]  # the registry found it
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device=str(self.runner.device),
             vocab_size=files.hf_config.vocab_size,
@@ -175,7 +175,7 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state.
         `PoolingParams` make an embedding request."""
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
-        if processed.pooling is None and params.structured_outputs is not None:
+        if processed.pooling is None and isinstance(params, SamplingParams) and params.structured_outputs is not None:
             check_limits(params.structured_outputs, self.grammar_limits)
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
@@ -188,14 +188,16 @@ class LLMEngine:
         later find it read. Without enable_lora: ValueError."""
         if not self.lora_enabled:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
-        self.runner.add_lora(lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
+        # LoRA runs on the in-process ModelRunner only (no tensor parallelism), not in the protocol
+        self.runner.add_lora(  # type: ignore[attr-defined]
+            lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (its id may then name another adapter); False if unknown.
         ValueError while requests with it are unfinished."""
         if any(r.lora_id == lora_int_id for r in (*self.scheduler.running, *self.scheduler.waiting)):
             raise ValueError(f"LoRA adapter {lora_int_id} still has unfinished requests")
-        return self.lora_enabled and self.runner.remove_lora(lora_int_id)
+        return self.lora_enabled and self.runner.remove_lora(lora_int_id)  # type: ignore[attr-defined]
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
                       build_outputs: bool = True) -> None:
@@ -238,7 +240,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams) -> None:
         self.add_processed(request_id, self.process_prompt(prompt, params))
 
-    def _proposer(self, args: EngineArgs, model_config, files) -> Proposer | None:
+    def _proposer(self, args: EngineArgs, model_config: ModelConfig, files: ModelFiles) -> Proposer | None:
         spec = args.speculative()
         if spec is None:
             return None

@@ -38,29 +38,29 @@ class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
 
 
 # ---- server -> core ------------------------------------------------------------------------
-class AddRequest(_Message, tag="add"):
+class AddRequest(_Message, frozen=True, tag="add"):
     request_id: str
     prompt: ProcessedPrompt
     arrival_time: float
 
 
-class AbortRequest(_Message, tag="abort"):
+class AbortRequest(_Message, frozen=True, tag="abort"):
     """The client has gone: the core drops the request and frees its blocks."""
 
     request_id: str
 
 
-class Stop(_Message, tag="stop"):
+class Stop(_Message, frozen=True, tag="stop"):
     """Finish the current step and exit (server -> core, and rank 0 -> worker)."""
 
 
 # ---- core -> server ------------------------------------------------------------------------
-class Ready(_Message, tag="ready"):
+class Ready(_Message, frozen=True, tag="ready"):
     info: RuntimeInfo
     stats: EngineStats
 
 
-class StartFailed(_Message, tag="start_failed"):
+class StartFailed(_Message, frozen=True, tag="start_failed"):
     """Loading failed (core -> server, worker -> rank 0). The exception crosses as text: its type
     (`module.QualName`), its message and the traceback where it was raised."""
 
@@ -105,30 +105,30 @@ def _rebuild(error_type: str, message: str) -> BaseException:
     return RuntimeError(f"{name}: {message}")
 
 
-class StepOutputs(_Message, tag="step_outputs"):
+class StepOutputs(_Message, frozen=True, tag="step_outputs"):
     deltas: list[RequestDelta]
     stats: EngineStats
 
 
-class Stats(_Message, tag="stats"):
+class Stats(_Message, frozen=True, tag="stats"):
     stats: EngineStats
 
 
-class Rejected(_Message, tag="rejected"):
+class Rejected(_Message, frozen=True, tag="rejected"):
     """The request is invalid (a ValueError: a bad grammar, a limit): the client gets a 400."""
 
     request_id: str
     message: str
 
 
-class Overloaded(_Message, tag="overloaded"):
+class Overloaded(_Message, frozen=True, tag="overloaded"):
     """The request was refused for now (the grammar compile queue is full): retry later."""
 
     request_id: str
     message: str
 
 
-class StepFailedRequests(_Message, tag="step_failed"):
+class StepFailedRequests(_Message, frozen=True, tag="step_failed"):
     """A step raised; its requests are aborted, the engine goes on."""
 
     request_ids: list[str]
@@ -136,21 +136,21 @@ class StepFailedRequests(_Message, tag="step_failed"):
     stats: EngineStats
 
 
-class Dead(_Message, tag="dead"):
+class Dead(_Message, frozen=True, tag="dead"):
     """The loop died; the core process exits."""
 
     message: str
 
 
 # ---- rank 0 <-> tensor-parallel workers ----------------------------------------------------
-class WorkerStep(_Message, tag="worker_step"):
+class WorkerStep(_Message, frozen=True, tag="worker_step"):
     record: StepRecord
     prev_sampled_token_ids: tuple[int | None, ...]  # rank 0's samples of the step before (None: no sample)
     # speculative decoding: how many of each request's drafts rank 0 accepted the step before
     prev_num_accepted: tuple[int, ...] = ()
 
 
-class WorkerLoaded(_Message, tag="worker_loaded"):
+class WorkerLoaded(_Message, frozen=True, tag="worker_loaded"):
     pass
 
 

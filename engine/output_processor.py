@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
@@ -51,7 +51,7 @@ class _ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self._token_texts: dict[int, str] = {}  # logprob entries' decoded tokens
@@ -71,7 +71,7 @@ class OutputProcessor:
             for c in children
         ]
         # position 0 has no logprob; it goes out with the first delta
-        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        prompt_logprobs: list[LogprobsEntry | None] | None = [None] if params.prompt_logprobs is not None else None
         metrics = RequestMetrics(arrival_time=children[0].arrival_time)
         self.parents[request_id] = _ParentState(request_id, states, metrics, prompt_logprobs)
 
@@ -133,7 +133,7 @@ class OutputProcessor:
             deltas.append(self._emit(parent))
         return deltas, stopped_by_string
 
-    def _detokenize(self, child: _ChildState, req: Request, is_done: bool, step_logprobs: list | None) -> bool:
+    def _detokenize(self, child: _ChildState, req: Request, is_done: bool, step_logprobs: list[TokenLogprobs] | None) -> bool:
         """Feed the step's new tokens (one, or a speculating request's accepted drafts and its sampled
         token) to the detokenizer one at a time, with their logprobs; True when a stop string ended the
         request. Tokens after the one that completed a stop string are dropped from the request's output."""
@@ -171,17 +171,20 @@ class OutputProcessor:
             parent.num_cached_tokens = request.num_computed_tokens
 
     def _add_logprobs(self, child: _ChildState, lp: TokenLogprobs) -> None:
+        # set together when the request asked for logprobs, the only time this is called
+        assert child.pending_logprobs is not None and child.cumulative_logprob is not None
         child.pending_logprobs.append(self._entry(lp))
         child.cumulative_logprob += lp[1]
 
     def _add_prompt_logprobs(self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]) -> None:
         if req.sample_index == 0:  # the n samples share the prompt; the runner scores each position once
+            assert parent.pending_prompt_logprobs is not None  # set when prompt logprobs were asked for
             parent.pending_prompt_logprobs.extend(self._entry(lp) for lp in entries)
 
     def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
         token_id, logprob, rank, top_ids, top_lps = lp
-        entry = {tid: Logprob(l, r + 1, self._token_text(tid))
-                 for r, (tid, l) in enumerate(zip(top_ids, top_lps))}
+        entry = {tid: Logprob(tid_lp, r + 1, self._token_text(tid))
+                 for r, (tid, tid_lp) in enumerate(zip(top_ids, top_lps))}
         if token_id not in entry:
             entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
         return entry
@@ -203,7 +206,7 @@ class OutputProcessor:
             request_id=parent.request_id,
             outputs=outputs,
             finished=parent.finished,
-            metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__slots__}),
+            metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__struct_fields__}),
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=prompt_logprobs or None,
             embedding=embedding,

@@ -81,7 +81,7 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
-class EngineStats(_Record, frozen=True, gc=False):
+class EngineStats(_Record, frozen=True, gc=False):  # type: ignore[misc]  # msgspec allows a frozen subclass
     """A snapshot of the engine for metrics and logs (counters are cumulative)."""
 
     num_running: int
@@ -187,7 +187,7 @@ class RequestOutputBuilder:
         for c in self.completions:
             c.text += c.delta_text
             c.token_ids.extend(c.delta_token_ids)
-            if c.logprobs is not None:
+            if c.logprobs is not None and c.delta_logprobs is not None:  # set together
                 c.logprobs.extend(c.delta_logprobs)
             outputs.append(CompletionOutput(
                 index=c.index, text=c.text, token_ids=list(c.token_ids),
@@ -202,5 +202,5 @@ class RequestOutputBuilder:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=self.finished,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-            metrics=RequestMetrics(**{s: getattr(self.metrics, s) for s in RequestMetrics.__slots__}),
+            metrics=RequestMetrics(**{s: getattr(self.metrics, s) for s in RequestMetrics.__struct_fields__}),
             num_cached_tokens=self.num_cached_tokens, embedding=self.embedding)

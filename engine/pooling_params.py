@@ -75,7 +75,7 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def is_embedding_checkpoint(model_path: str, hf_config) -> bool:
+def is_embedding_checkpoint(model_path: str, hf_config: Any) -> bool:
     """A checkpoint made for embeddings, loaded without an LM head (models/registry.py): a bare decoder
     (`Qwen3Model`, `LlamaModel`), or sentence-transformers' layout (modules.json; Qwen3-Embedding
     names Qwen3ForCausalLM but ships no LM head)."""
@@ -84,7 +84,7 @@ def is_embedding_checkpoint(model_path: str, hf_config) -> bool:
     return is_bare or (Path(model_path) / "modules.json").is_file()
 
 
-def resolve_task(task: str | None, model_path: str, hf_config) -> str:
+def resolve_task(task: str | None, model_path: str, hf_config: Any) -> str:
     """The task to serve: as asked, else `embed` for an embedding checkpoint and `generate` otherwise."""
     if task is None:
         return "embed" if is_embedding_checkpoint(model_path, hf_config) else "generate"
@@ -96,7 +96,7 @@ def resolve_task(task: str | None, model_path: str, hf_config) -> str:
     return task
 
 
-def read_pooler_config(model_path: str, hf_config) -> PoolerConfig:
+def read_pooler_config(model_path: str, hf_config: Any) -> PoolerConfig:
     """Pooling defaults from sentence-transformers' files when present; Matryoshka limits from config.json."""
     pooling_type = "last"
     modules = _read_json(Path(model_path) / "modules.json")

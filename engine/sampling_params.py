@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -73,7 +73,7 @@ class StructuredOutputs:
     `any_whitespace=False` (the default) makes JSON compact (`{"a": 1, "b": [2, 3]}`), which
     keeps a model from padding the output with whitespace until max_tokens."""
 
-    json: dict | str | bool | None = None  # (a JSON Schema may be true or false)
+    json: dict[str, Any] | str | bool | None = None  # (a JSON Schema may be true or false)
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # a list is taken too, and kept as a tuple
@@ -119,7 +119,7 @@ class StructuredOutputs:
         return hash(self.key)
 
 
-def _check_schema(schema: Any) -> dict | bool:
+def _check_schema(schema: Any) -> dict[str, Any] | bool:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -250,7 +250,7 @@ class SamplingParams:
         return dataclasses.replace(self.clone(), **changes)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -156,7 +157,8 @@ def save_run(out_dir: Path, cfg: RunConfig, result: RunResult, slos: dict, extra
 async def run_points(args: argparse.Namespace, model: str, source: TokenSource, out: Path) -> int:
     slos = parse_goodput(args.goodput)
     points = list(itertools.product(args.request_rate, args.max_concurrency or [None]))
-    results, status = [], 0
+    results: list[Any] = []
+    status = 0
     for index, (rate, concurrency) in enumerate(points):
         seed = args.seed + index
         requests = await asyncio.to_thread(build_requests, args, source, seed)

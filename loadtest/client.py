@@ -203,7 +203,7 @@ def _finish_timing(
         return
     record.ttft_s = chunk_times[0] - start
     if all(c is not None for c in chunk_counts):
-        tokens = [int(c) for c in chunk_counts]  # the server told us exactly
+        tokens = [int(c) for c in chunk_counts if c is not None]  # the server told us exactly
     elif record.has_usage and record.status == OK:
         tokens = distribute_tokens(record.output_tokens, chunk_texts)
     else:

@@ -51,7 +51,7 @@ def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
         "tpot": record.tpot_s if record.tpot_s is not None else 0.0,
         "e2el": record.e2e_s,
     }
-    return all(measured[k] is not None and measured[k] * 1000.0 <= limit for k, limit in slos.items())
+    return all((value := measured[k]) is not None and value * 1000.0 <= limit for k, limit in slos.items())
 
 
 def peak_concurrency(records: list[RequestRecord]) -> int:

@@ -63,7 +63,7 @@ class LocalTokenSource(TokenSource):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids)  # type: ignore[return-value]  # a list of ids decodes to a str
 
 
 class ServerTokenSource(TokenSource):

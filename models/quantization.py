@@ -333,8 +333,8 @@ class Quantizer:
     """Quantizes a model's matrices as the loader completes them (`loaded(name)`), so at most one
     float matrix is resident beside the quantized ones, then the rest in `finish()`: every
     `Linear` gets a `QuantizedLinear` (`method` int8, int4 or fp8; the LM head and `eight_bit`'s
-    matrices int8, or fp8 under fp8) and a tied embedding that 8-bit form (rows looked up in `dtype`, the model's). Float
-    weights are freed."""
+    matrices int8, or fp8 under fp8) and a tied embedding that 8-bit form (rows looked up in
+    `dtype`, the model's). Float weights are freed."""
 
     def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", eight_bit: frozenset[str] = frozenset()) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictStr
@@ -143,12 +143,13 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, b
             if "description" in tool:
                 function["description"] = tool["description"]
             tools.append({"type": "function", "function": function})
-    choice, parallel = req.tool_choice, None
-    if choice is not None:
-        kind = choice.get("type")
-        parallel = False if choice.get("disable_parallel_tool_use") else None
-        if kind == "tool" and isinstance(choice.get("name"), str):
-            choice = {"type": "function", "function": {"name": choice["name"]}}
+    asked, parallel = req.tool_choice, None
+    choice: dict[str, Any] | str | None = asked
+    if asked is not None:
+        kind = asked.get("type")
+        parallel = False if asked.get("disable_parallel_tool_use") else None
+        if kind == "tool" and isinstance(asked.get("name"), str):
+            choice = {"type": "function", "function": {"name": asked["name"]}}
         elif kind in ("auto", "any", "none"):
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
         else:
@@ -249,7 +250,8 @@ class MessageEvents:
         self.open_call_index: int | None = None
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
-        message = {"id": self.vreq.request_id, "type": "message", "role": "assistant", "model": self.vreq.model_name,
+        message: dict[str, Any] = {
+                   "id": self.vreq.request_id, "type": "message", "role": "assistant", "model": self.vreq.model_name,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": len(self.vreq.prompts[0].token_ids), "output_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
@@ -303,7 +305,8 @@ class MessageEvents:
                 ("message_stop", {"type": "message_stop"})]
 
 
-async def messages_sse(chunks: AsyncIterator[ChatCompletionChunk], vreq: ValidatedRequest) -> AsyncIterator[str]:
+async def messages_sse(chunks: AsyncIterator[ChatCompletionChunk], vreq: ValidatedRequest
+                       ) -> AsyncGenerator[str, None]:
     """The SSE stream; an error after the start becomes an `error` event (no message text of a 500)."""
     writer = MessageEvents(vreq)
     try:

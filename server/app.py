@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -178,7 +178,7 @@ def create_app(config: ServerConfig, engine: ServingEngine | None = None, owns_e
         if engine is None:
             from kvserve.engine import AsyncLLM, EngineArgs
 
-            the_engine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
+            the_engine: ServingEngine = AsyncLLM(EngineArgs(**config.engine_kwargs()), wait=False)
         else:
             the_engine = engine
         if owned:
@@ -239,8 +239,8 @@ async def _exit_when_engine_dies(app: FastAPI, engine: ServingEngine, keep_alive
         request_exit()
 
 
-CompleteFn = Callable[[ValidatedRequest, AsyncIterator[tuple[int, Any]]], Awaitable[dict[str, Any]]]
-EventsFn = Callable[[ValidatedRequest, Any, AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]
+CompleteFn = Callable[[ValidatedRequest, AsyncGenerator[tuple[int, Any], None]], Awaitable[dict[str, Any]]]
+EventsFn = Callable[[ValidatedRequest, Any, AsyncGenerator[tuple[int, Any], None]], AsyncGenerator[str, None]]
 
 
 async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
@@ -278,7 +278,7 @@ async def run_request(state: AppState, vreq: ValidatedRequest, request: Request,
         first = await run_until_disconnect(request.receive, first_output())   # engine refusals are still a 400
         stream = make_events(vreq, first, outputs)
 
-        async def release_after() -> AsyncIterator[str]:
+        async def release_after() -> AsyncGenerator[str, None]:
             try:
                 async for event in stream:
                     yield event
@@ -331,10 +331,10 @@ def _add_routes(app: FastAPI) -> None:
         state = kv(request)
         vreq = await run_off_loop(_validate_responses, state, body, num_chars=responses_input_size(body))
 
-        async def complete(vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+        async def complete(vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]) -> dict[str, Any]:
             return build_response(body, vreq, await state.serving.chat_response(vreq, outputs))
 
-        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncGenerator[tuple[int, Any], None]) -> AsyncGenerator[str, None]:
             return responses_sse(state.serving.chat_chunks(vreq, prepend(first, outputs)), body, vreq)
 
         return await run_request(state, vreq, request, complete, events)
@@ -347,10 +347,10 @@ def _add_routes(app: FastAPI) -> None:
         state = kv(request)
         vreq = await run_off_loop(_validate_messages, state, body, num_chars=messages_input_size(body))
 
-        async def complete(vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+        async def complete(vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]) -> dict[str, Any]:
             return build_message(vreq, await state.serving.chat_response(vreq, outputs))
 
-        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+        def events(vreq: ValidatedRequest, first: Any, outputs: AsyncGenerator[tuple[int, Any], None]) -> AsyncGenerator[str, None]:
             return messages_sse(state.serving.chat_chunks(vreq, prepend(first, outputs)), vreq)
 
         return await run_request(state, vreq, request, complete, events)

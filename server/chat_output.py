@@ -82,7 +82,8 @@ class ChoiceStreamer:
         if reasoning:
             deltas.append({"reasoning_content": reasoning})
         self.answer += answer
-        content, call_deltas = answer, []
+        content = answer
+        call_deltas: list[dict[str, Any]] = []
         if self.tools is not None:
             content, call_deltas = self.tools.feed(answer)
         if content:

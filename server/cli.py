@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.server import package_version
 
@@ -63,7 +63,7 @@ EXIT_STARTUP_FAILURE = 3
 EXIT_ENGINE_DIED = 1
 
 
-def uvicorn_config(app: object, config: ServerConfig) -> uvicorn.Config:
+def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
     """uvicorn's settings, with kvserve's connection defences (`server.connections`) as the HTTP protocol."""
     import uvicorn
 
@@ -72,7 +72,8 @@ def uvicorn_config(app: object, config: ServerConfig) -> uvicorn.Config:
     limits = ConnectionLimits(header_timeout_s=config.header_timeout, stream_idle_timeout_s=config.stream_idle_timeout,
                               max_connections=config.max_connections or default_max_connections())
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               http=protocol_class(limits), timeout_keep_alive=config.keep_alive_timeout,
+                               http=protocol_class(limits),
+                               timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
                                timeout_graceful_shutdown=5)
     install_log_rate_limits()
     return uv_config

@@ -61,7 +61,7 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
-def _settings_field(field: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
+def _settings_field(field: dataclasses.Field[Any], annotation: Any) -> tuple[Any, Any]:
     """(annotation, Field) of one option of an options dataclass, as the server reads it."""
     meta = field.metadata
     optional = type(None) in typing.get_args(annotation)
@@ -96,7 +96,7 @@ def settings_model(name: str, source: type, env_prefix: str) -> type[DataclassSe
     """A pydantic settings model with one field per field of the options dataclass `source`."""
     hints = typing.get_type_hints(source)
     fields = {f.name: _settings_field(f, hints[f.name]) for f in dataclasses.fields(source)}
-    model = create_model(name, __base__=DataclassSettings, **fields)
+    model = create_model(name, __base__=DataclassSettings, **fields)  # type: ignore[call-overload]  # built at run time
     model.source = source
     model.model_config["env_prefix"] = env_prefix
     return model
@@ -106,7 +106,7 @@ ENGINE_OPTIONS = tuple(field.name for field in dataclasses.fields(EngineArgs))
 _EngineOptions = settings_model("_EngineOptions", EngineArgs, ENV_PREFIX)
 
 
-class ServerConfig(_EngineOptions):
+class ServerConfig(_EngineOptions):  # type: ignore[valid-type, misc]  # generated from EngineArgs
     """Everything `kvserve serve` can be told: the engine's options (generated from `EngineArgs`,
     passed through by `engine_kwargs`), then the server's own."""
 
@@ -147,7 +147,7 @@ class ServerConfig(_EngineOptions):
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
         "auto", description="How a thinking model's `<think>...</think>` text is split from its answer into "
         "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
-    max_body_bytes: Size = Field(
+    max_body_bytes: Size = Field(  # type: ignore[assignment]  # pydantic reads the int as a ByteSize
         4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
         json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
     # A long agent session has hundreds of messages; every message costs a few tokens of template

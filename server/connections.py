@@ -13,9 +13,10 @@ headers are complete, so idle sockets still pile up until `accept()` fails with 
   high-water mark (the client's receive window and the kernel's send buffer are full), and
   uvicorn's `send` then waits. While paused nothing new is queued, so what is queued for the
   client (the transport's buffer plus, on Linux, the kernel's send queue) shrinks only when the
-  client reads. If it has not shrunk for `stream_idle_timeout_s`, the connection is aborted (RST: `close()` would wait for the buffer to drain, which never
-  happens). uvicorn then reports `http.disconnect`, so the handler aborts the engine requests
-  and frees the seat. A client that reads anything in that time gets another period.
+  client reads. If it has not shrunk for `stream_idle_timeout_s`, the connection is aborted
+  (RST: `close()` would wait for the buffer to drain, which never happens). uvicorn then
+  reports `http.disconnect`, so the handler aborts the engine requests and frees the seat. A
+  client that reads anything in that time gets another period.
 - **connection cap**: at most `max_connections` stay open, so `accept()` never runs out of
   file descriptors. When a new one would exceed the cap, the oldest *idle* connection (one
   that has not completed its request headers, or a kept-alive one between requests) is closed
@@ -228,7 +229,7 @@ class RateLimitFilter(logging.Filter):
             return False
         self._last[pattern] = now
         num_suppressed = self._num_suppressed.pop(pattern, 0)
-        if num_suppressed:
+        if num_suppressed and last is not None:  # counted only after a first line
             record.msg = f"{message} ({num_suppressed} similar lines suppressed in the last {now - last:.0f} s)"
             record.args = ()
         if record.exc_info and last is not None:

@@ -64,7 +64,7 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[None] | None = None
         self._is_draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -84,7 +84,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(drain(state, self.shutdown_timeout_s))
         self._drain_task.add_done_callback(self._drained)
 
-    def _drained(self, task: asyncio.Task) -> None:
+    def _drained(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             logger.error("the drain failed", exc_info=task.exception())
         self.should_exit = True

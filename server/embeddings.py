@@ -118,7 +118,7 @@ async def _embed_one(engine: Any, prompt: str | list[int], params: PoolingParams
     return final
 
 
-async def _embed_all(engine: Any, items: list[str | list[int]], params: PoolingParams, request_id: str) -> list:
+async def _embed_all(engine: Any, items: list[str | list[int]], params: PoolingParams, request_id: str) -> list[Any]:
     """Every input at once (the engine batches them); the first failure, or a cancel, stops the others
     (closing an engine stream aborts its request and frees its blocks)."""
     tasks = [asyncio.ensure_future(_embed_one(engine, item, params, f"{request_id}-{i}"))

@@ -20,19 +20,32 @@ if TYPE_CHECKING:
 class ModelInfo(Protocol):
     """The loaded model's facts the server reports (`engine.config.RuntimeInfo` has them all)."""
 
-    model_path: str
-    dtype: str
-    device: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    quantization: str  # none, int8, int4, fp8
-    weight_bytes: int
-    eos_token_ids: tuple[int, ...]
-    decoder_start_token_id: int | None  # encoder-decoder models only
-    task: str  # "generate" | "embed"
-    pooler: PoolerConfig | None  # embedding defaults; None: the model cannot embed
-    generation_config: GenerationConfig  # --generation-config: request defaults and processors
+    @property
+    def model_path(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def quantization(self) -> str: ...  # none, int8, int4, fp8
+    @property
+    def weight_bytes(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def decoder_start_token_id(self) -> int | None: ...  # encoder-decoder models only
+    @property
+    def task(self) -> str: ...  # "generate" | "embed"
+    @property
+    def pooler(self) -> PoolerConfig | None: ...  # embedding defaults; None: the model cannot embed
+    @property
+    def generation_config(self) -> GenerationConfig: ...  # --generation-config: request defaults and processors
 
 
 class ServingEngine(Protocol):
@@ -47,7 +60,14 @@ class ServingEngine(Protocol):
     @property
     def is_healthy(self) -> bool: ...
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine died; None while it runs and after a requested `shutdown()`."""
+
     def stats(self) -> EngineStats: ...
+
+    def wait_ready(self) -> None:
+        """Block until the model is loaded (called where the server owns the engine)."""
 
     def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams | PoolingParams,
                  request_id: str, lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from typing import Any
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -31,7 +32,7 @@ def _is_bool(annotation: object) -> bool:
     return False
 
 
-def _choices(annotation: object) -> tuple | None:
+def _choices(annotation: object) -> tuple[Any, ...] | None:
     """The values of a `Literal[...]` (or `Literal[...] | None`) field; None for any other type."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)] \
         if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
@@ -40,7 +41,7 @@ def _choices(annotation: object) -> tuple | None:
     return tuple(value for a in args for value in typing.get_args(a))
 
 
-def _extra(field: FieldInfo) -> dict:
+def _extra(field: FieldInfo) -> dict[str, Any]:
     return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
 
 
@@ -70,7 +71,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting
             parser.add_argument(*flags, default=None, metavar=metavar or name.upper(), help=help_text)
 
 
-def parse_settings(settings: type[BaseSettings], args: argparse.Namespace):
+def parse_settings(settings: type[BaseSettings], args: argparse.Namespace) -> Any:
     """Flags over environment variables over defaults; ValueError with a readable message."""
     given = {name: getattr(args, name) for name in settings.model_fields if getattr(args, name, None) is not None}
     try:

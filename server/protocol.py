@@ -48,7 +48,8 @@ def _integral_float_to_int(value: Any) -> Any:
 def json_int(**bounds: int) -> Any:
     """JSON Schema's "integer", as the published schema says: 2 and 2.0, not 2.5, true or "2".
     `bounds` (ge, le) are checked after the conversion and published as minimum/maximum."""
-    return Annotated[Annotated[StrictInt, Field(**bounds)], BeforeValidator(_integral_float_to_int)]
+    return Annotated[Annotated[StrictInt, Field(**bounds)],  # type: ignore[call-overload]  # ge/le only
+                     BeforeValidator(_integral_float_to_int)]
 
 
 JsonInt = json_int()
@@ -65,7 +66,7 @@ def _fixed(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", text)
 
 
-def _copy(container: dict | list) -> dict | list:
+def _copy(container: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]:
     if isinstance(container, dict):
         return {_fixed(k) if isinstance(k, str) else k: v for k, v in container.items()}
     return list(container)

@@ -104,7 +104,7 @@ class PrefixAffinity:
         """Ranks of replicas to try, best first. An unknown queue length counts as 0."""
         if not candidates:
             return []
-        loads = {r: queue_lens.get(r) or 0 for r in candidates}
+        loads: dict[R | None, int] = {r: queue_lens.get(r) or 0 for r in candidates}
         least = min(loads.values())
         preferred, _ = self.match(hashes, loads)
         if preferred is not None and loads[preferred] - least <= self.max_imbalance:

@@ -91,7 +91,7 @@ class KVServeReplica:
     """One full kvserve server (AsyncLLM engine core + the OpenAI FastAPI app), fed raw HTTP
     requests by the ingress through the app's ASGI interface."""
 
-    async def __init__(self, config: ServerConfig, metrics_sink: DeploymentHandle | None = None) -> None:
+    async def __init__(self, config: ServerConfig, metrics_sink: DeploymentHandle[Any] | None = None) -> None:
         from kvserve.server.app import create_app
 
         self._app = create_app(config)
@@ -100,7 +100,7 @@ class KVServeReplica:
         self._is_dead = False
         self._app.state.request_exit = self._mark_dead
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._sink = metrics_sink
         if metrics_sink is not None:
             self._spawn(self._push_metrics())
@@ -228,7 +228,7 @@ class KVServeMetrics:
 class KVServeIngress:
     """The HTTP entry: forwards each request to a replica (routed by its prompt's prefix)."""
 
-    def __init__(self, replicas: DeploymentHandle, metrics: DeploymentHandle, max_body_bytes: int) -> None:
+    def __init__(self, replicas: DeploymentHandle[Any], metrics: DeploymentHandle[Any], max_body_bytes: int) -> None:
         self._replicas = replicas.options(stream=True)
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes

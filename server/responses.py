@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvserve.server.chat_output import chat_request
@@ -252,6 +252,12 @@ class ResponseEvents:
         body = response_body(self.req, self.vreq, [], "in_progress", None, self.created)
         return [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
 
+    @property
+    def _current(self) -> dict[str, Any]:
+        """The open output item, after `_open`."""
+        assert self.open_item is not None
+        return self.open_item
+
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close()
         self.open_item = item
@@ -295,17 +301,17 @@ class ResponseEvents:
         if delta.get("reasoning_content"):
             if self.open_item is None or self.open_item["type"] != "reasoning":
                 events += self._open(reasoning_item(_new_id("rs"), "", status="completed"))
-                self.open_item["content"] = [{"type": "reasoning_text", "text": ""}]
+                self._current["content"] = [{"type": "reasoning_text", "text": ""}]
                 index = len(self.output)
-            self.open_item["content"][0]["text"] += delta["reasoning_content"]
-            events.append(self.event("response.reasoning_text.delta", item_id=self.open_item["id"],
+            self._current["content"][0]["text"] += delta["reasoning_content"]
+            events.append(self.event("response.reasoning_text.delta", item_id=self._current["id"],
                                      output_index=index, content_index=0, delta=delta["reasoning_content"]))
         if delta.get("content"):
             if self.open_item is None or self.open_item["type"] != "message":
                 events += self._open(message_item(_new_id("msg"), ""))
                 index = len(self.output)
-            self.open_item["content"][0]["text"] += delta["content"]
-            events.append(self.event("response.output_text.delta", item_id=self.open_item["id"], output_index=index,
+            self._current["content"][0]["text"] += delta["content"]
+            events.append(self.event("response.output_text.delta", item_id=self._current["id"], output_index=index,
                                      content_index=0, delta=delta["content"], logprobs=[]))
         for call in delta.get("tool_calls") or []:
             if call["index"] != self.open_call_index:   # a new call: its header carries id and name
@@ -313,8 +319,8 @@ class ResponseEvents:
                 self.open_call_index = call["index"]
             arguments = call["function"].get("arguments") or ""
             if arguments:
-                self.open_item["arguments"] += arguments
-                events.append(self.event("response.function_call_arguments.delta", item_id=self.open_item["id"],
+                self._current["arguments"] += arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=self._current["id"],
                                          output_index=len(self.output), delta=arguments))
         return events
 
@@ -345,7 +351,7 @@ async def response_events(req: ResponsesRequest, vreq: ValidatedRequest,
 
 
 async def responses_sse(chunks: AsyncIterator[ChatCompletionChunk], req: ResponsesRequest,
-                        vreq: ValidatedRequest) -> AsyncIterator[str]:
+                        vreq: ValidatedRequest) -> AsyncGenerator[str, None]:
     """The SSE stream; an error after the start becomes an `error` event (no message text of a 500)."""
     sequence_number = 0
     try:

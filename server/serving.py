@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.generation_config import beam_step_constraints
@@ -108,14 +108,14 @@ class Admission:
         self.num_in_flight -= num_seqs
 
 
-async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def prepend(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
     if first is not None:
         yield first
     async for item in rest:
         yield item
 
 
-def _finish_reason(choice: Any) -> str | None:
+def _finish_reason(choice: Any) -> Literal["stop", "length"] | None:
     reason = choice.finish_reason
     if reason == "abort":
         raise APIError(500, "the engine aborted this request", code="aborted")
@@ -132,7 +132,7 @@ class Serving:
 
     # ------------------------------------------------------------------ engine side
 
-    async def outputs(self, vreq: ValidatedRequest) -> AsyncIterator[tuple[int, Any]]:
+    async def outputs(self, vreq: ValidatedRequest) -> AsyncGenerator[tuple[int, Any], None]:
         """`(prompt_idx, RequestOutput)` from every prompt's engine request, as they come."""
         if vreq.beam is not None:
             async with aclosing(self._beam_outputs(vreq)) as beams:
@@ -145,9 +145,9 @@ class Serving:
                 async for out in stream:
                     yield 0, out
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
 
-        async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        async def pump(i: int, stream: AsyncGenerator[Any, None]) -> None:
             try:
                 async with aclosing(stream):
                     async for out in stream:
@@ -173,7 +173,7 @@ class Serving:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate(self, vreq: ValidatedRequest, prompt_idx: int) -> AsyncIterator[Any]:
+    async def _generate(self, vreq: ValidatedRequest, prompt_idx: int) -> AsyncGenerator[Any, None]:
         stream = self._engine_stream(vreq, f"{vreq.request_id}-{prompt_idx}", vreq.prompts[prompt_idx].token_ids,
                                      vreq.params, self.metrics.tracker(), vreq.decoder_prompt_token_ids)
         async with aclosing(stream):
@@ -182,7 +182,7 @@ class Serving:
 
     async def _engine_stream(self, vreq: ValidatedRequest, request_id: str, token_ids: list[int],
                              params: SamplingParams, tracker: RequestTracker | None,
-                             decoder_prompt: list[int] | None = None) -> AsyncIterator[Any]:
+                             decoder_prompt: list[int] | None = None) -> AsyncGenerator[Any, None]:
         """One engine request's outputs, its errors turned into API errors; aborted if left early.
         `decoder_prompt`: an encoder-decoder's decoder tokens so far (the request's decoder prefix, or
         a beam's tokens), `token_ids` its source."""
@@ -223,21 +223,23 @@ class Serving:
             if not is_finished:
                 await self._abort(request_id)
 
-    async def _beam_outputs(self, vreq: ValidatedRequest) -> AsyncIterator[tuple[int, Any]]:
+    async def _beam_outputs(self, vreq: ValidatedRequest) -> AsyncGenerator[tuple[int, Any], None]:
         """Beam search (engine/beam_search.py): each step runs one single-token engine request per
         live beam of every prompt, all at once; at the end, one finished output per prompt whose
         choices are its n best hypotheses. Step requests are not in the per-request metrics; the
         search is, once, when it ends."""
         started = time.monotonic()
         start_id = self.engine.model_config.decoder_start_token_id  # an encoder-decoder: beams are decoder tokens
-        decoder_start = vreq.decoder_prompt_token_ids or [start_id]
+        decoder_start = vreq.decoder_prompt_token_ids or ([start_id] if start_id is not None else [])
         beam_starts = [decoder_start if start_id is not None else p.token_ids for p in vreq.prompts]
-        search = BeamSearch(beam_starts, vreq.beam, self.engine.model_config.eos_token_ids)
+        beam = vreq.beam
+        assert beam is not None  # only beam search requests come here
+        search = BeamSearch(beam_starts, beam, self.engine.model_config.eos_token_ids)
         constraints = self.engine.model_config.generation_config.constraints
 
         def step_params(step: int) -> SamplingParams:   # the checkpoint's processors as of this step
             return SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True,
-                                  generation_constraints=beam_step_constraints(constraints, step, vreq.beam.max_tokens))
+                                  generation_constraints=beam_step_constraints(constraints, step, beam.max_tokens))
 
         async def next_token_logprobs(request_id: str, prompt_idx: int, token_ids: list[int],
                                       params: SamplingParams) -> dict[int, float]:
@@ -247,6 +249,7 @@ class Serving:
             async with aclosing(self._engine_stream(vreq, request_id, source, params, None, decoder)) as stream:
                 async for final in stream:
                     pass
+            assert final is not None  # a finished request has a last output
             return {token: lp.logprob for token, lp in final.outputs[0].logprobs[0].items()}
 
         while beams := search.live_beams():
@@ -284,7 +287,7 @@ class Serving:
 
     # ------------------------------------------------------------------ non-streaming
 
-    async def complete(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
+    async def complete(self, vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]) -> dict[str, Any]:
         """Run to the end and build the whole response body."""
         if vreq.kind == "chat":
             return (await self.chat_response(vreq, outputs)).model_dump(mode="json")
@@ -306,7 +309,7 @@ class Serving:
                      for (i, _), c in sorted(choices.items())],
         ).model_dump(mode="json")
 
-    async def chat_response(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
+    async def chat_response(self, vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]
                             ) -> ChatCompletionResponse:
         """A chat request run to the end (also the base of /v1/responses and /v1/messages)."""
         choices: dict[int, Any] = {}
@@ -357,7 +360,9 @@ class Serving:
         """A choice from the whole output (`whole`) or from its delta; `first` adds the echoed prompt.
         `offsets` (one per choice, kept across a stream's chunks) places the generated tokens."""
         prompt = vreq.prompts[prompt_idx]
-        text, token_ids, logprobs = "", [], []
+        text = ""
+        token_ids: list[int] = []
+        logprobs: list[Any] = []
         if not vreq.is_scoring_only:
             text = choice.text if whole else choice.delta_text
             token_ids = choice.token_ids if whole else choice.delta_token_ids
@@ -384,8 +389,8 @@ class Serving:
 
     # ------------------------------------------------------------------ streaming
 
-    async def events(self, vreq: ValidatedRequest, first: Any, outputs: AsyncIterator[tuple[int, Any]]
-                     ) -> AsyncIterator[str]:
+    async def events(self, vreq: ValidatedRequest, first: Any, outputs: AsyncGenerator[tuple[int, Any], None]
+                     ) -> AsyncGenerator[str, None]:
         """SSE events for a streaming request; errors after the start become an error event."""
         chunks = self.chat_chunks if vreq.kind == "chat" else self._completion_chunks
         exclude = None if vreq.include_usage else {"usage"}
@@ -400,8 +405,8 @@ class Serving:
             yield sse_event(internal_error(vreq.request_id).body())
         yield DONE_EVENT
 
-    async def _completion_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
-                                 ) -> AsyncIterator[Any]:
+    async def _completion_chunks(self, vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]
+                                 ) -> AsyncGenerator[Any, None]:
         created = int(time.time())
         started: set[tuple[int, int]] = set()
         finals: dict[tuple[int, int], Any] = {}
@@ -431,8 +436,8 @@ class Serving:
             yield CompletionResponse(id=vreq.request_id, created=created, model=vreq.model_name, choices=[],
                                      usage=self._usage(vreq, finals.values(), sum(num_cached.values())))
 
-    async def chat_chunks(self, vreq: ValidatedRequest, outputs: AsyncIterator[tuple[int, Any]]
-                          ) -> AsyncIterator[ChatCompletionChunk]:
+    async def chat_chunks(self, vreq: ValidatedRequest, outputs: AsyncGenerator[tuple[int, Any], None]
+                          ) -> AsyncGenerator[ChatCompletionChunk, None]:
         """A chat stream's chunks (also the base of /v1/responses' and /v1/messages' events)."""
         created = int(time.time())
 
@@ -464,7 +469,7 @@ class Serving:
                     yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])
                 if choice.finish_reason is not None:
                     finals[choice.index] = choice
-                    finish_reason = _finish_reason(choice)
+                    finish_reason: Literal["stop", "length", "tool_calls"] | None = _finish_reason(choice)
                     deltas, made_calls = streamer.finish(choice.token_ids, self._decode(vreq))
                     for delta in deltas:
                         yield chunk([ChatStreamChoice(index=choice.index, delta=delta)])

@@ -55,7 +55,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _cancel(*tasks: asyncio.Task) -> None:
+async def _cancel(*tasks: asyncio.Task[Any]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

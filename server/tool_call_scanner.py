@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -115,7 +116,7 @@ class CallScanner:
         self._key, self._value_start = None, None
 
 
-def _decode(raw: str):
+def _decode(raw: str) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError:

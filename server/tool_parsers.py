@@ -304,7 +304,7 @@ def _with_raw_arguments(text: str, start: int, calls: list[FunctionCall]) -> lis
             same = raw is not None and json.loads(raw) == json.loads(call.arguments)
         except json.JSONDecodeError:
             same = False
-        result.append(FunctionCall(call.name, raw) if same else call)
+        result.append(FunctionCall(call.name, raw) if same and raw is not None else call)
     return result
 
 

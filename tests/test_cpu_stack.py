@@ -10,7 +10,7 @@ import torch
 from checkpoints import make_checkpoint
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.models import cpu_ops, cpu_stack
+from kvserve.models import cpu_stack
 
 # each test runs once per CPU kernel set this machine can execute (skips naming missing CPU features)
 pytestmark = pytest.mark.usefixtures("kernel_set")

@@ -1,9 +1,9 @@
 """kvserve running as the images run it, checked without a Docker engine.
 
 - every metric the Grafana dashboard queries is exported by a running `kvserve serve`;
-- `-m image` (docker/check.sh runs it where buildah cannot build the image): Dockerfile.cpu's builder steps (docker/install.sh) run into a fresh venv, then the
-  image's ENTRYPOINT starts with the image's ENV, /health answers 200 and the image's
-  HEALTHCHECK command passes.
+- `-m image` (docker/check.sh runs it where buildah cannot build the image): Dockerfile.cpu's
+  builder steps (docker/install.sh) run into a fresh venv, then the image's ENTRYPOINT starts
+  with the image's ENV, /health answers 200 and the image's HEALTHCHECK command passes.
 
 The Dockerfile/PromQL parsing helpers live in tests/test_docker.py (the static checks).
 """

@@ -26,12 +26,12 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int):
     """transformers' greedy tokens, per-step log-probs, and how many steps are tie-free."""
     model = hf_model(path)

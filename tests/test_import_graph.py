@@ -22,7 +22,7 @@ def module_files() -> dict[str, Path]:
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join((parts[:-1] if parts[-1] == "__init__" else parts))
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             files[name] = path
     return files
 

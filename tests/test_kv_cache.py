@@ -1,4 +1,5 @@
-"""KV cache manager (the decoder's blocks per request): exact block ids, reference counts, LRU eviction, prefix hits, no leaks."""
+"""KV cache manager (the decoder's blocks per request): exact block ids, reference counts, LRU
+eviction, prefix hits, no leaks."""
 
 import pytest
 

@@ -60,7 +60,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(base: str, adapter: str | None):
     import peft
 
@@ -70,7 +70,7 @@ def reference_model(base: str, adapter: str | None):
     return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]):
     """(tokens, per-step logprobs [steps, V], steps free of near-ties) from the merged model."""
     with torch.no_grad():

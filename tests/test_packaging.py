@@ -40,8 +40,8 @@ def test_kvserve_imports_beside_a_users_models_server_and_engine(wheel, tmp_path
         (user / name).write_text("raise SystemExit('the user module was imported instead of kvserve')\n")
     script = ("import kvserve, kvserve.engine.core.scheduler, kvserve.server.config\n"
               "from kvserve import LLM, SamplingParams, AsyncLLM, EngineArgs\n"
-              "assert kvserve.__file__.startswith(%r), kvserve.__file__\n"
-              "print(LLM.__module__)\n" % str(site))
+              f"assert kvserve.__file__.startswith({str(site)!r}), kvserve.__file__\n"
+              "print(LLM.__module__)\n")
     # the script's own folder comes first on sys.path, as for any user script; the wheel's target
     # dir stands in for site-packages (the editable checkout must not be what is found)
     out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path[:0] = ['', {str(site)!r}]\n" + script],

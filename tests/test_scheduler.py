@@ -226,7 +226,8 @@ def test_engine_and_models_import_without_the_web_stack():
         "sys.meta_path.insert(0, Block())\n"
         "import kvserve.engine, kvserve.models\n"
         "from kvserve.engine import LLM, AsyncLLM, SamplingParams, EngineArgs\n"
-        "import kvserve.engine.worker.runner, kvserve.engine.llm_engine, kvserve.engine.async_llm, kvserve.models.loader\n"
+        "import kvserve.engine.worker.runner, kvserve.engine.llm_engine\n"
+        "import kvserve.engine.async_llm, kvserve.models.loader\n"
         "import kvserve.models.default_model\n"
         "print('ok')\n"
     )

@@ -10,7 +10,6 @@ import torch
 
 from checkpoints import save_tokenizer
 from kvserve.engine import LLM, SamplingParams
-from kvserve.models import cpu_ops
 from test_seq2seq_models import random_checkpoint
 
 VOCAB = 384

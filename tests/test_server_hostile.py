@@ -266,7 +266,8 @@ class _FakeTransport:
 
 
 def test_a_reader_that_reads_something_is_not_cut():
-    """The stall timer restarts while what is queued for the client shrinks; it cuts only a reader that reads nothing."""
+    """The stall timer restarts while what is queued for the client shrinks; it cuts only a
+    reader that reads nothing."""
     import asyncio
 
     import uvicorn

@@ -1,4 +1,5 @@
-"""Structured outputs and logit_bias in the engine (engine/structured_output/grammar.py, engine/worker/logits_processors.py).
+"""Structured outputs and logit_bias in the engine (engine/structured_output/grammar.py,
+engine/worker/logits_processors.py).
 
 The model is a tiny random llama: left alone it emits noise, so every valid output here is the
 grammar's doing. Sampling is at temperature 1 with many seeds.

@@ -194,7 +194,7 @@ def test_killed_worker_makes_the_engine_dead(llama_dir):
     try:
         wait_until(lambda: len(core_children(core)) == 1, 10, "the core to have one child, its worker")
     except AssertionError:
-        raise AssertionError({pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in core_children(core)})
+        raise AssertionError({pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in core_children(core)}) from None
     workers = core_children(core)
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 

@@ -57,25 +57,27 @@ class FreeBlockQueue:
 
     def append(self, block: Block) -> None:
         last = self._tail.prev_free
+        assert last is not None  # the sentinels keep every linked block's neighbours set
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_blocks += 1
 
     def remove(self, block: Block) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, next_ = block.prev_free, block.next_free
+        assert prev is not None and next_ is not None, "remove of a block not in the free list"
+        prev.next_free, next_.prev_free = next_, prev
         block.prev_free = block.next_free = None
         self.num_blocks -= 1
 
     def popleft(self) -> Block:
         block = self._head.next_free
-        assert block is not self._tail, "popleft from an empty free list"
+        assert block is not None and block is not self._tail, "popleft from an empty free list"
         self.remove(block)
         return block
 
     def block_ids(self) -> list[int]:
         ids, block = [], self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             ids.append(block.block_id)
             block = block.next_free
         return ids

@@ -30,7 +30,9 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs
@@ -39,6 +41,9 @@ from kvserve.engine.worker.executor_protocol import Executor, ExecutorWrapper
 from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
                              StepFailedRequests, StepOutputs, Stop)
 from kvserve.models.heap import release_free_memory
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ def warm_up(executor: Executor) -> None:
         logger.info("engine warm-up step %.2f s", time.perf_counter() - start)
 
 
-def _prefault_when_idle(layers) -> None:
+def _prefault_when_idle(layers: Sequence[Any]) -> None:
     """Fault in the KV pool (`engine.worker.kv_pool.prefault`) at the lowest CPU priority: the OS zeroes
     the pages in this thread, which would otherwise take a core from the steps of the first
     requests (Linux: a thread's nice value is its own)."""
@@ -101,11 +106,11 @@ def _prefault_when_idle(layers) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine, conn: Connection, max_consecutive_step_failures: int) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, max_consecutive_step_failures: int) -> None:
         self.engine = engine
         self.conn = conn
         self.max_consecutive_step_failures = max_consecutive_step_failures
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.is_stopping = False
         self._num_grammars_sent = 0
 

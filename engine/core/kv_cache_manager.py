@@ -163,9 +163,10 @@ class KVCacheManager:
         hashes, start = self._req_hashes.get(request_id, []), num_cached_blocks * self.block_size
         parent = hashes[num_cached_blocks - 1] if num_cached_blocks else self._req_roots.get(request_id)
         best, best_len = 0, 0
-        for block in self._partial.get(parent, ()):
-            n = len(block.token_ids)
-            if best_len < n < len(token_ids) - start and tuple(token_ids[start:start + n]) == block.token_ids:
+        for block in self._partial.get(parent, ()) if parent is not None else ():
+            kept = block.token_ids or ()  # always set on a kept partial block
+            n = len(kept)
+            if best_len < n < len(token_ids) - start and tuple(token_ids[start:start + n]) == kept:
                 best, best_len = block.block_id, n
         self.prefix_cache_hits += best_len
         return best, best_len
@@ -210,6 +211,7 @@ class KVCacheManager:
         self.pool.touch(cached)
         held.extend(cached)
         new_blocks = self.pool.allocate(max(num_new, 0))
+        assert new_blocks is not None  # the free list was checked above
         held.extend(new_blocks)
         if partial_block[1]:  # the kept block's slots into the request's own next block
             self._block_copies.append((partial_block[0], held[len(cached)].block_id, partial_block[1]))
@@ -238,10 +240,12 @@ class KVCacheManager:
 
     def _forget_partial(self, block: Block) -> None:
         """The pool reuses a kept partly filled block."""
-        kept = self._partial[block.parent_hash]
+        parent = block.parent_hash
+        assert parent is not None  # set by _keep_partial
+        kept = self._partial[parent]
         kept.remove(block)
         if not kept:
-            del self._partial[block.parent_hash]
+            del self._partial[parent]
 
     def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
         """Drop the request's references; tail blocks go first into the free list,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kvserve.engine.pooling_params import PoolingParams
     from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
     from kvserve.engine.lora_request import LoRARequest
+    from kvserve.engine.structured_output.grammar import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -82,7 +83,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         # structured outputs: this sequence's grammar matcher (engine/structured_output/grammar.py), set in the core
-        self.structured = None
+        self.structured: SequenceGrammar | None = None
         # the parent digest of its first KV block (`kv_cache_manager.prefix_root`: the cache salt and the like)
         self.prefix_root = prefix_root
         # speculative decoding's back-off (engine/spec_decode/proposer.py): steps left without drafts, and the

@@ -176,6 +176,7 @@ class Scheduler:
         (speculation never preempts anyone)."""
         if num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return (), None
+        assert self.proposer is not None  # called only with speculation on
         drafts = self.proposer.propose_for(request, len(self.running), budget)
         if not drafts:
             return (), None
@@ -184,7 +185,8 @@ class Scheduler:
 
     def _make_record(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                      new_block_ids: dict[str, tuple[int, ...]]) -> StepRecord:
-        finished, preempted = (), ()
+        finished: tuple[str, ...] = ()
+        preempted: tuple[str, ...] = ()
         if scheduled:  # an empty step never reaches the runner: keep the drops for the next one
             finished, preempted = tuple(self._finished_req_ids), tuple(self._preempted_req_ids)
             self._finished_req_ids.clear()
@@ -250,9 +252,10 @@ class Scheduler:
             num_computed = len(cached_ids) * kv.block_size + partial[1]
             num_encoder = 0  # an encoder-decoder request's source tokens to encode this step
             if self.cross_cache is not None:
-                num_encoder = self.cross_cache.admit(request, budget, bool(scheduled))
-                if num_encoder is None:
+                admitted = self.cross_cache.admit(request, budget, bool(scheduled))
+                if admitted is None:
                     break
+                num_encoder = admitted
             num_new = min(request.num_tokens - num_computed, max(budget - num_encoder, 1))
             if kv.allocate(request.request_id, num_computed + num_new, cached_ids, partial) is None:
                 self._free_blocks(request.request_id)  # its cross blocks, if it took some
@@ -341,6 +344,7 @@ class Scheduler:
             if status is not None:
                 token_id = draft
                 break
+        assert self.proposer is not None  # drafts come only with speculation on
         self.proposer.record(request, len(drafts))
         self.num_verifications += 1
         self.num_draft_tokens += len(item.spec_token_ids)

@@ -18,6 +18,7 @@ a chunked prefill only advances `num_computed_tokens` over tokens it already has
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ class _Record(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     """A field of the step's record: on the wire, an array of its fields in order."""
 
 
-class SamplingInputs(_Record, gc=False):
+class SamplingInputs(_Record, frozen=True, gc=False):
     """One sequence's sampling settings as plain numbers, sent once when it joins the runner."""
 
     temperature: float
@@ -58,7 +59,7 @@ class SamplingInputs(_Record, gc=False):
 
     @classmethod
     def from_request(cls, request: Request) -> SamplingInputs:
-        p = request.params
+        p, constrained = request.params, request.constraints
         # a constrained sequence ends when its grammar says so (suppressing EOS could leave no token)
         suppressed = () if p.min_tokens == 0 or p.structured_outputs is not None else (
             *(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
@@ -67,16 +68,16 @@ class SamplingInputs(_Record, gc=False):
                    frequency_penalty=p.frequency_penalty, seed=request.seed, min_tokens=p.min_tokens,
                    suppressed_token_ids=tuple(suppressed), num_logprobs=p.logprobs,
                    num_prompt_logprobs=p.prompt_logprobs, logit_bias=tuple(sorted((p.logit_bias or {}).items())),
-                   **({} if request.constraints is None else dict(
-                       constraints=request.constraints, max_tokens=request.max_tokens,
-                       eos_token_ids=tuple(request.eos_token_ids))))
+                   constraints=constrained,
+                   max_tokens=request.max_tokens if constrained is not None else 0,
+                   eos_token_ids=tuple(request.eos_token_ids) if constrained is not None else ())
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-class PoolingInputs(_Record, gc=False):
+class PoolingInputs(_Record, frozen=True, gc=False):
     """An embedding request's pooling, sent once when it joins the runner (engine/pooling_params.py)."""
 
     pooling_type: str  # "last" | "mean"
@@ -86,10 +87,14 @@ class PoolingInputs(_Record, gc=False):
     @classmethod
     def from_request(cls, request: Request) -> PoolingInputs | None:
         p = request.pooling
-        return None if p is None else cls(pooling_type=p.pooling_type, normalize=p.normalize, dimensions=p.dimensions)
+        if p is None:
+            return None
+        # resolved against the checkpoint's defaults when the request was made
+        assert p.pooling_type is not None and p.normalize is not None
+        return cls(pooling_type=p.pooling_type, normalize=p.normalize, dimensions=p.dimensions)
 
 
-class NewRequestData(_Record):
+class NewRequestData(_Record, frozen=True):
     """A sequence the runner does not hold: first scheduled, or resumed after a preemption."""
 
     req_id: str
@@ -109,7 +114,7 @@ class NewRequestData(_Record):
     lora_path: str = ""
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int], cross_block_ids: list[int] = (),
+    def from_request(cls, request: Request, block_ids: Sequence[int], cross_block_ids: Sequence[int] = (),
                      encode: bool = False) -> NewRequestData:
         lora = request.lora_request
         return cls(req_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
@@ -133,7 +138,7 @@ class GrammarBitmask:
     expanded: bool = False
 
 
-class StepRecord(_Record):
+class StepRecord(_Record, frozen=True):
     """What the runner needs for one step. Apply in field order: drop, add, then run.
 
     `req_ids` is the order of `StepPlan.scheduled` (the runner's outputs follow it);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -41,7 +42,7 @@ class SpeculativeConfig:
                              f"prompt_lookup_min ({self.prompt_lookup_min})")
 
     @classmethod
-    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """A config from a dict or its JSON text (None or an empty value: no speculation);
         ValueError naming what is wrong."""
         if value is None or isinstance(value, SpeculativeConfig):

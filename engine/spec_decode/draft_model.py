@@ -55,7 +55,8 @@ class DraftModelProposer(Proposer):
         blocks_per_seq = -(-(max_model_len + MAX_SPECULATIVE_TOKENS) // block_size)
         cache = CacheConfig(block_size=block_size, kv_cache_memory=None,
                             num_kv_blocks=2 * config.max_batch_size * blocks_per_seq + 1, enable_prefix_caching=False)
-        sched = SchedulerConfig(max_num_seqs, max_model_len + MAX_SPECULATIVE_TOKENS)
+        # the other options take EngineArgs' defaults (sub_config)
+        sched = SchedulerConfig(max_num_seqs, max_model_len + MAX_SPECULATIVE_TOKENS)  # type: ignore[call-arg]
         self.runner = ModelRunner(draft_config, cache, sched, files.model_path, files.hf_config, max_model_len)
         self.blocks = KVCacheManager(self.runner.num_kv_blocks, block_size, enable_prefix_caching=False)
         self.computed: dict[str, list[int]] = {}  # request id -> the tokens whose draft K/V its blocks hold
@@ -77,9 +78,10 @@ class DraftModelProposer(Proposer):
         drop, self._released = (*self._released, rid), []
         record = StepRecord(finished_req_ids=drop, preempted_req_ids=(), new_requests=(new,), req_ids=(rid,),
                             num_computed_tokens=(valid,), num_scheduled_tokens=(n - valid,), new_block_ids={})
-        drafts = []
+        drafts: list[int] = []
         for i in range(k):
             token = self.runner.execute(record).sampled_token_ids[0]
+            assert token is not None  # a decoding row always samples
             drafts.append(token)
             record = StepRecord(finished_req_ids=(), preempted_req_ids=(), new_requests=(), req_ids=(rid,),
                                 num_computed_tokens=(n + i,), num_scheduled_tokens=(1,), new_block_ids={})

@@ -11,6 +11,7 @@ draft is the step's new token. Other requests keep one row each.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import overload
 
 import numpy as np
 import torch
@@ -49,6 +50,10 @@ def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray, d
     row's penalty counts include the drafts before it: its logits are those after them."""
     idx = torch.from_numpy(rows.row_req).to(device)
 
+    @overload
+    def pick(x: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None: ...
     def pick(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.index_select(0, idx)
 

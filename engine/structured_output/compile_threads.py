@@ -44,7 +44,7 @@ class CompileJob:
 
     key: str
     spec: Any
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
     num_waiters: int = 0
     elapsed_s: float = 0.0  # the compile's own time, set by the thread that ran it
     is_abandoned: bool = False

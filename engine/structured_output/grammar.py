@@ -60,7 +60,7 @@ class SequenceGrammar:
 
     __slots__ = ("matcher", "is_terminated", "json_whitespace")
 
-    def __init__(self, matcher, json_whitespace: bool | None = None) -> None:
+    def __init__(self, matcher: Any, json_whitespace: bool | None = None) -> None:
         self.matcher = matcher
         self.is_terminated = False
         # JSON kinds: whether raw \t \n \r may appear (any_whitespace); None for other kinds
@@ -107,7 +107,7 @@ class StructuredOutputManager:
     raises `EngineOverloadedError` beyond that.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], config: StructuredOutputsConfig,
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], config: StructuredOutputsConfig,
                  max_workers: int = 2, cache_size: int = 128, fill_threads: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
@@ -121,10 +121,10 @@ class StructuredOutputManager:
         self._jobs: dict[str, CompileJob] = {}  # spec key -> its compile, until it is done
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
         self._pool = CompilePool(lambda spec: self._compile(spec), max_workers)  # looked up per call: tests swap it
-        self._compiler = None
-        self._tokenizer_info = None
+        self._compiler: Any = None  # xgrammar's, made on first use
+        self._tokenizer_info: Any = None
         self._compiler_lock = threading.Lock()
-        self._batch_matcher = None
+        self._batch_matcher: Any = None
         self._no_control_masks: dict[bool, np.ndarray] = {}  # json_whitespace -> [ceil(V/32)] int32
         self.num_requests = 0  # constrained requests added
         self.num_compiles = 0
@@ -213,6 +213,7 @@ class StructuredOutputManager:
                 continue
             compiled = future.result()
             spec = pending.children[0].params.structured_outputs
+            assert spec is not None  # only constrained requests wait for a compile
             json_whitespace = spec.any_whitespace if spec.kind in ("json", "json_object") else None
             for child in pending.children:
                 child.structured = SequenceGrammar(self._new_matcher(compiled), json_whitespace)
@@ -238,7 +239,7 @@ class StructuredOutputManager:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
 
-    def _compile(self, spec: StructuredOutputs):
+    def _compile(self, spec: StructuredOutputs) -> Any:
         """Runs on a compile thread."""
         compiler = self._get_compiler()
         kind, ws = spec.kind, spec.any_whitespace
@@ -250,14 +251,14 @@ class StructuredOutputManager:
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec.regex)
             elif kind == "choice":
-                compiled = compiler.compile_grammar(_choice_grammar(spec.choice))
+                compiled = compiler.compile_grammar(_choice_grammar(spec.choice or ()))
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {_library_message(e)}") from None
         return compiled
 
-    def _get_compiler(self):
+    def _get_compiler(self) -> Any:
         with self._compiler_lock:
             if self._compiler is None:
                 xgr = import_xgrammar()
@@ -268,7 +269,7 @@ class StructuredOutputManager:
             return self._compiler
 
     @staticmethod
-    def _new_matcher(compiled):
+    def _new_matcher(compiled: Any) -> Any:
         return import_xgrammar().GrammarMatcher(compiled)
 
     # ---- per step ----------------------------------------------------------------
@@ -279,7 +280,10 @@ class StructuredOutputManager:
         from kvserve.engine.core.step_record import GrammarBitmask
 
         expanded = any(item.spec_token_ids for item in plan.scheduled)
-        rows, matchers, json_rows, first = [], [], {False: [], True: []}, 0
+        rows: list[int] = []
+        matchers: list[Any] = []
+        json_rows: dict[bool, list[int]] = {False: [], True: []}
+        first = 0
         drafted: list[tuple[int, SequenceGrammar, tuple[int, ...]]] = []
         for item in plan.scheduled:
             grammar, num_rows = item.request.structured, 1 + len(item.spec_token_ids)
@@ -369,7 +373,7 @@ def _library_message(error: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
-def import_xgrammar():
+def import_xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -76,7 +76,7 @@ class TensorParallelExecutor:
     (device, dtype, KV pool, attention backend, weights) are rank 0's runner's."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 model_path: str, hf_config, max_model_len: int, size: int,
+                 model_path: str, hf_config: Any, max_model_len: int, size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import torch.distributed as dist
 
@@ -139,6 +139,7 @@ class TensorParallelExecutor:
                                               f"{process.exitcode} while loading")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers did not load in {_START_TIMEOUT_S:.0f} s")
+        assert self.parallel.device is not None  # set with the state above
         self.parallel.group = new_group(self._store, 0, self.size, self.parallel.device, self.timeout_s)
 
     # ---- what the engine reads: rank 0's ----------------------------------

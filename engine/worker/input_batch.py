@@ -12,6 +12,7 @@ sampled tokens, and the sampling tensors, rebuilt only when the rows change.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ class InputBatch:
             self.token_ids[first:num_new, :width] = self.token_ids[src, :width]
             width = int(self.num_blocks[:num_old].max())  # every row is zero past its blocks
             self.block_table[first:num_new, :width] = self.block_table[src, :width]
-            if self.output_counts is not None:
+            if self.output_counts is not None and self.prompt_mask is not None:  # set together
                 idx = torch.from_numpy(src).to(self.device)
                 self.output_counts[first:num_new] = self.output_counts.index_select(0, idx)
                 self.prompt_mask[first:num_new] = self.prompt_mask.index_select(0, idx)
@@ -165,7 +166,7 @@ class InputBatch:
         self.presence_penalty[row] = s.presence_penalty
         self.frequency_penalty[row] = s.frequency_penalty
         self.is_seeded[row] = s.seed is not None and not greedy
-        self.seeds[row] = _to_int64(s.seed) if self.is_seeded[row] else 0
+        self.seeds[row] = _to_int64(s.seed) if s.seed is not None and self.is_seeded[row] else 0
         self.min_tokens[row] = s.min_tokens
         self.num_logprobs[row] = _NO_LOGPROBS if s.num_logprobs is None else s.num_logprobs
         self.num_prompt_logprobs[row] = _NO_LOGPROBS if s.num_prompt_logprobs is None else s.num_prompt_logprobs
@@ -174,7 +175,7 @@ class InputBatch:
         self.constraints.append(None if s.constraints is None else (s.constraints, s.max_tokens, s.eos_token_ids))
         if s.has_penalties or self.output_counts is not None:
             self._ensure_penalty_rows(row + 1)
-        if self.output_counts is not None:
+        if self.output_counts is not None and self.prompt_mask is not None:
             self.output_counts[row].zero_()
             self.prompt_mask[row].zero_()
             if s.has_penalties:
@@ -191,17 +192,17 @@ class InputBatch:
         size = min(self.max_num_reqs, max(8, 1 << (num_rows - 1).bit_length()))
         counts = torch.zeros(size, self.vocab_size, dtype=torch.float32, device=self.device)
         mask = torch.zeros(size, self.vocab_size, dtype=torch.bool, device=self.device)
-        if self.output_counts is not None:
+        if self.output_counts is not None and self.prompt_mask is not None:
             counts[:have], mask[:have] = self.output_counts, self.prompt_mask
         self.output_counts, self.prompt_mask = counts, mask
 
     # ---- after sampling --------------------------------------------------------
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray, sampled: torch.Tensor,
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray, sampled: torch.Tensor | None,
                        sampled_mask: torch.Tensor | None) -> None:
         """Record this step's tokens: rows [S] got token_ids [S] (host); `sampled` [B] (device)
         holds every scheduled row's draw, `sampled_mask` [B] float (None = all rows count)."""
         t = self._sampling
-        if t is not None and not t.no_penalties:
+        if t is not None and not t.no_penalties and self.output_counts is not None and sampled is not None:
             num_rows = sampled.shape[0]
             weight = self._ones[:num_rows] if sampled_mask is None else sampled_mask
             self.output_counts[:num_rows].scatter_add_(1, sampled[:, None], weight[:, None])
@@ -222,11 +223,11 @@ class InputBatch:
         if self._sampling is None or self._sampling_rows != num_rows:
             self._sampling, self._sampling_rows = self._build_sampling(num_rows), num_rows
         t = self._sampling
-        changes = {}
+        changes: dict[str, Any] = {}
         num_output = self.num_tokens[:num_rows] - self.num_prompt_tokens[:num_rows]
         if t.seeded_rows is not None:
             changes["steps"] = self._to_device(num_output)
-        if self._pad_suppressed is not None:
+        if self._pad_suppressed is not None and self._has_suppressed is not None:  # set together
             active = (num_output < self.min_tokens[:num_rows]) & self._has_suppressed
             if active.any():
                 ids = np.where(active[:, None], self._pad_suppressed, self.vocab_size)
@@ -273,8 +274,8 @@ class InputBatch:
             max_top_k=int(top_k.max()) if top_k.any() else None,
             top_p_rows_have_top_k=bool((top_k[self.top_p[:n] < 1.0] > 0).all()),
             needs_logprobs=bool((num_logprobs != _NO_LOGPROBS).any()),
-            prompt_mask=None if no_penalties else self.prompt_mask[:n],
-            output_counts=None if no_penalties else self.output_counts[:n],
+            prompt_mask=None if no_penalties or self.prompt_mask is None else self.prompt_mask[:n],
+            output_counts=None if no_penalties or self.output_counts is None else self.output_counts[:n],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

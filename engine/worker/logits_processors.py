@@ -76,12 +76,13 @@ class LogitsProcessors:
         if not self._constrained:
             return
         first = None if spec is None else spec.first_row.tolist()
-        rows = [(i if first is None else first[i], i, *b.constraints[i]) for i in self._constrained]
+        rows = [(i if first is None else first[i], i, *c) for i in self._constrained
+                if (c := b.constraints[i]) is not None]
         with_shift = bool((b.num_logprobs[:num_rows] >= 0).any())
         self.logprob_shift = apply_constraints(logits, rows, b.token_ids, b.num_tokens, b.num_prompt_tokens,
                                                with_shift)
 
-    def _bias_tensors(self, num_rows: int):
+    def _bias_tensors(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(rows [R, 1], ids [R, L], values [R, L]) for the biased rows, rebuilt when the rows change."""
         key = (self.batch.rows_version, num_rows)
         if key == self._bias_key:
@@ -98,7 +99,8 @@ class LogitsProcessors:
                 ids[r, :len(pairs)] = [t for t, _ in pairs]
                 values[r, :len(pairs)] = [b for _, b in pairs]
             rows = np.array(biased, np.int64)[:, None]
-            self._bias = tuple(torch.from_numpy(a).to(self.device) for a in (rows, ids, values))
+            to_dev = [torch.from_numpy(a).to(self.device) for a in (rows, ids, values)]
+            self._bias = (to_dev[0], to_dev[1], to_dev[2])
         return self._bias
 
 
@@ -115,10 +117,10 @@ def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.d
         bitmask = _fill_banned_words(logits, rows, bitmask)  # without the C++ kernels
     import xgrammar
 
-    bitmask = torch.from_numpy(bitmask)
+    bitmask_t = torch.from_numpy(bitmask)
     if device.type != "cpu":
-        bitmask = bitmask.to(device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        bitmask_t = bitmask_t.to(device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask_t, vocab_size=logits.shape[-1], indices=rows)
 
 
 def _fill_banned_words(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,7 +118,7 @@ def group_tokens(row_slots: np.ndarray, query_lens: np.ndarray, device: torch.de
     order = adapted[np.argsort(token_slots[adapted], kind="stable")]  # [T'] grouped by slot
     slots, starts, lens = np.unique(token_slots[order], return_index=True, return_counts=True)
 
-    def to_dev(a: np.ndarray, dtype) -> torch.Tensor:
+    def to_dev(a: np.ndarray, dtype: Any) -> torch.Tensor:
         return torch.from_numpy(a.astype(dtype)).to(device, non_blocking=True)
 
     return LoRABatchMeta(

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from kvserve.engine.worker.sampler import Sampler, SamplingTensors
 from kvserve.models.attention import Attention, AttentionMetadata, forward_context
@@ -39,7 +39,7 @@ class MemoryProfile:
                 f"KV pool {self.kv_budget / gib:.2f} GiB")
 
 
-def profile_kv_budget(model: nn.Module, vocab_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+def profile_kv_budget(model: Any, vocab_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                       max_model_len: int, block_size: int, index_dtype: torch.dtype, dtype: torch.dtype,
                       device: torch.device, gpu_memory_utilization: float) -> MemoryProfile:
     torch.cuda.empty_cache()
@@ -63,7 +63,7 @@ def profile_kv_budget(model: nn.Module, vocab_size: int, max_num_batched_tokens:
     return profile
 
 
-def run_dummy_step(model: nn.Module, vocab_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+def run_dummy_step(model: Any, vocab_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int, block_size: int, index_dtype: torch.dtype, dtype: torch.dtype,
                    device: torch.device) -> int:
     """The profile's step, in a throwaway pool just big enough for it (gone afterwards, the
@@ -90,7 +90,7 @@ def run_dummy_step(model: nn.Module, vocab_size: int, max_num_batched_tokens: in
 
 
 @torch.inference_mode()
-def _dummy_step(model: nn.Module, vocab_size: int, seq_lens: list[int], blocks: list[int], max_num_seqs: int,
+def _dummy_step(model: Any, vocab_size: int, seq_lens: list[int], blocks: list[int], max_num_seqs: int,
                 block_size: int, index_dtype: torch.dtype, device: torch.device) -> None:
     num_tokens = sum(seq_lens)
     table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int64)

@@ -9,11 +9,16 @@ scheduler recomputes its prompt from the start (embedding requests use no cached
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch.nn import functional as F
 
 from kvserve.engine.core.step_record import StepRecord
+
+if TYPE_CHECKING:
+    from kvserve.engine.worker.input_batch import InputBatch
 
 POOL_NONE, POOL_LAST, POOL_MEAN = 0, 1, 2  # InputBatch.pooling_type codes
 POOLING_CODES = {"last": POOL_LAST, "mean": POOL_MEAN}
@@ -23,7 +28,7 @@ class Pooler:
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}  # request id -> [hidden] float32, mean pooling's partial sum
 
-    def __call__(self, step: StepRecord, hidden: torch.Tensor, batch) -> dict[str, bytes]:
+    def __call__(self, step: StepRecord, hidden: torch.Tensor, batch: InputBatch) -> dict[str, bytes]:
         """The vectors of the embedding requests whose prompt this step completes: request id ->
         little-endian float32 bytes. `hidden` [T, hidden] is the step's flat batch, rows 0..B-1 of
         `batch` (an `InputBatch`) are the step's requests."""

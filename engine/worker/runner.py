@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ class ModelRunner:
     part of a tensor-parallel one."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, model_path: str, hf_config, max_model_len: int,
+                 scheduler_config: SchedulerConfig, model_path: str, hf_config: Any, max_model_len: int,
                  parallel: ParallelState | None = None, join_group: Callable[[], None] | None = None,
                  lora_config: LoRAConfig | None = None) -> None:
         """`parallel`: this rank of a tensor-parallel group (None: the whole model here); the
@@ -84,7 +84,8 @@ class ModelRunner:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend,
+        # the class varies by architecture (models/registry.py); its methods are duck-typed
+        self.model: Any = load_model(model_path, hf_config, self.dtype, self.device, model_config.attention_backend,
                                 parallel, model_config.quantization, model_config.quantization_group_size,
                                 max_model_len=max_model_len)
         self.parallel = parallel if parallel is not None and parallel.size > 1 else None
@@ -186,7 +187,9 @@ class ModelRunner:
         greedy = SamplingInputs(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                                 presence_penalty=0.0, frequency_penalty=0.0, seed=None, min_tokens=0,
                                 suppressed_token_ids=(), num_logprobs=None, num_prompt_logprobs=None)
-        rows, computed, scheduled = [], [], []
+        rows: list[NewRequestData] = []
+        computed: list[int] = []
+        scheduled: list[int] = []
         for name, num_computed in (("prefill", 0), ("decode", num_tokens - 1))[:min(2, self.max_num_seqs)]:
             first = len(rows) * blocks_per_row
             block_ids = tuple(1 + (first + i) % num_usable for i in range(blocks_per_row))
@@ -220,7 +223,7 @@ class ModelRunner:
         hidden, logits, is_sampled, prompt_rows, prompt_targets, prompt_owners, spec = self._forward(step)
         num_reqs = len(step.req_ids)
         sampled: list[int | None] = [None] * num_reqs
-        logprobs = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         pooled = self.pooler(step, hidden, batch)  # embedding rows: pooled, never sampled
         is_sampled &= batch.pooling_type[:num_reqs] == 0
         if spec is not None:
@@ -250,7 +253,7 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, prompt_lps, pooled=pooled)
 
     def _verify(self, step: StepRecord, logits: torch.Tensor, grammar: GrammarBitmask | None,
-                is_sampled: np.ndarray, spec: SpecRows):
+                is_sampled: np.ndarray, spec: SpecRows) -> tuple[Any, Any, Any, Any]:
         """Sample every logits row of a speculative step [R, V], accept drafts, record the tokens;
         -> (each request's sampled token, the accepted drafts of those that speculated, the sampled
         tokens' logprobs, the accepted drafts' logprobs), logprobs for the requests asking for them."""
@@ -284,7 +287,7 @@ class ModelRunner:
                                                 for r in range(first[i], first[i] + num_accepted[i])] for i in wanted}
         return sampled, accepted, logprobs, draft_logprobs
 
-    def _forward(self, step: StepRecord):
+    def _forward(self, step: StepRecord) -> tuple[Any, ...]:
         """Apply the record to the batch, run the model and the LM head on each request's last row
         (and on every draft position of a speculating request); -> (hidden [T, hidden], logits
         [B or R, V], is_sampled [B], the step's prompt-logprob rows, the `SpecRows` or None)."""
@@ -334,6 +337,7 @@ class ModelRunner:
         dst = np.concatenate([np.arange(n) + d * bs for _, d, n in copies])
         src_t, dst_t = self._to_device(src), self._to_device(dst)
         for layer in self.attn_layers:
+            assert layer.kv_cache is not None  # allocated at load
             flat = layer.kv_cache.flatten(1, 2)  # [2, blocks * block_size, heads, dim]
             flat[:, dst_t] = flat[:, src_t]
 
@@ -378,7 +382,7 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _prompt_logprob_chunk(self, hidden: torch.Tensor, rows: np.ndarray, targets: list[int], k: int):
+    def _prompt_logprob_chunk(self, hidden: torch.Tensor, rows: np.ndarray, targets: list[int], k: int) -> list[Any]:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._to_device(rows)]).float(), dim=-1)
         target_t = torch.tensor(targets, device=logprobs.device)
         target_lp = logprobs.gather(1, target_t[:, None])  # [R, 1]
@@ -386,7 +390,7 @@ class ModelRunner:
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_t[:, None][:, :0])
         return [t.tolist() for t in (target_lp[:, 0], ranks, top_lp, top_ids)]
 
-    def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray, num_drafts: np.ndarray | None = None):
+    def _prepare_inputs(self, computed: np.ndarray, query_lens: np.ndarray, num_drafts: np.ndarray | None = None) -> tuple[Any, ...]:
         """Flat step tensors for rows 0..B-1 of the batch, gathered with numpy (no per-token loop).
 
         A speculating request's chunk (its last token and its drafts) reaches attention as one
@@ -427,7 +431,7 @@ class ModelRunner:
 
     # ---- logprobs ----------------------------------------------------------
     def _collect_logprobs(self, req_ids: tuple[str, ...], is_sampled: np.ndarray, token_ids: np.ndarray,
-                          out, rows: np.ndarray | None = None) -> dict[str, TokenLogprobs]:
+                          out: Any, rows: np.ndarray | None = None) -> dict[str, TokenLogprobs]:
         """The sampled token's logprobs of each request that asked for them, from its row of the
         sampler's outputs (`rows[i]`; None: row i)."""
         num_logprobs = self.batch.num_logprobs[:len(req_ids)]  # -1 = none
@@ -438,7 +442,7 @@ class ModelRunner:
         return {req_ids[i]: entry(i if rows is None else int(rows[i]), int(num_logprobs[i])) for i in wanted}
 
     @staticmethod
-    def _logprob_entry(out, token_ids: np.ndarray) -> Callable[[int, int], TokenLogprobs]:
+    def _logprob_entry(out: Any, token_ids: np.ndarray) -> Callable[[int, int], TokenLogprobs]:
         """(row, k) -> that row's token, its logprob and rank, and the top k (one host copy of each)."""
         lps = out.sampled_logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
@@ -452,12 +456,14 @@ class ModelRunner:
         return entry
 
     def _prompt_logprob_rows(self, req_ids: tuple[str, ...], computed: np.ndarray, query_lens: np.ndarray,
-                             cu: np.ndarray):
+                             cu: np.ndarray) -> tuple[np.ndarray, list[int], list[tuple[str, int, int]]]:
         """Rows whose logits score the next prompt token, for requests asking prompt_logprobs."""
         batch = self.batch
         num_prompt = batch.num_prompt_tokens[:len(req_ids)]
         todo = np.flatnonzero((batch.num_prompt_logprobs[:len(req_ids)] >= 0) & (computed < num_prompt - 1))
-        rows, targets, owners = [], [], []
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[str, int, int]] = []  # (request, its top k, its rows)
         for i in todo.tolist():
             # logits at position p score prompt token p+1; skip positions already scored
             # (a request recomputed after a preemption scored them before it)
@@ -473,7 +479,7 @@ class ModelRunner:
         return np.array(rows, np.int64), targets, owners
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, targets: list[int],
-                         owners) -> dict[str, list]:
+                         owners: list[tuple[str, int, int]]) -> dict[str, list[Any]]:
         """Logprobs of the next prompt token at `rows` of `hidden`, in chunks of max_num_seqs rows so
         that no step needs more memory than the sampler's (what the memory profile measured)."""
         if not owners:
@@ -483,7 +489,8 @@ class ModelRunner:
         parts = [self._prompt_logprob_chunk(hidden, rows[i:i + chunk], targets[i:i + chunk], k)
                  for i in range(0, len(rows), chunk)]
         target_lp, ranks, top_lp, top_ids = ([x for part in parts for x in part[j]] for j in range(4))
-        result, row = {}, 0
+        result: dict[str, list[Any]] = {}
+        row = 0
         for req_id, kk, count in owners:
             result[req_id] = [
                 (targets[r], target_lp[r], ranks[r], top_ids[r][:kk], top_lp[r][:kk])
@@ -502,10 +509,10 @@ class HostToDevice:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: dict[tuple, torch.Tensor] = {}
-        self._dev: dict[tuple, torch.Tensor] = {}
+        self._host: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._dev: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def copy(self, arrays: list[np.ndarray], dtype, second: bool = False) -> list[torch.Tensor]:
+    def copy(self, arrays: list[np.ndarray], dtype: Any, second: bool = False) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
         key = (np.dtype(dtype).str, second)

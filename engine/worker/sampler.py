@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,7 +139,7 @@ class SamplingTensors:
             output_token_ids=None
             if no_penalties
             else _pad(output_token_ids or [[]] * num_reqs, vocab_size, device),
-            suppressed_token_ids=_pad(suppressed_token_ids, vocab_size, device)
+            suppressed_token_ids=_pad(suppressed_token_ids or (), vocab_size, device)
             if has_suppressed
             else None,
             max_num_logprobs=max_num_logprobs,
@@ -187,7 +188,7 @@ class Sampler:
             if t.suppressed_token_ids is not None:
                 apply_suppression(x, t.suppressed_token_ids)
             if not t.no_penalties:
-                if t.output_counts is not None:
+                if t.output_counts is not None and t.prompt_mask is not None:  # set together
                     prompt_mask, output_counts = t.prompt_mask, t.output_counts
                 else:
                     prompt_mask, output_counts = penalty_state(
@@ -283,6 +284,7 @@ def apply_top_k_top_p(
     if top_k is None and top_p is None:
         return logits
     if top_p is None:
+        assert top_k is not None
         kmax = min(max_top_k or vocab_size, vocab_size)
         values = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
         k_off = top_k <= 0
@@ -357,7 +359,7 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
         apply_min_p(x, t.min_p)
     probs = x.softmax(dim=-1)  # [B, V]
     noise = torch.empty_like(probs).exponential_()
-    if t.seeded_rows is not None:
+    if t.seeded_rows is not None and t.seeds is not None:  # set together
         rows = t.seeded_rows
         noise[rows] = hash_exponential(t.seeds[rows], t.steps[rows], probs.shape[1]).to(noise.dtype)
     # A zero draw would turn 0/0 into NaN, which argmax would pick.
@@ -437,7 +439,7 @@ def hash_exponential(seeds: Tensor, steps: Tensor, num_cols: int) -> Tensor:
 # ---- host-side builders ----
 
 
-def _per_row(values: Sequence | None, default: object, num_reqs: int) -> list:
+def _per_row(values: Sequence[Any] | None, default: object, num_reqs: int) -> list[Any]:
     if values is None:
         return [default] * num_reqs
     if len(values) != num_reqs:
