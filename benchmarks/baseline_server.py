@@ -63,7 +63,9 @@ class BaselineEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         config = self.model.config
-        self.max_model_len: int = getattr(config, "max_position_embeddings", None) or config.n_positions
+        self.max_model_len: int = (
+            getattr(config, "max_position_embeddings", None) or config.n_positions
+        )
         self.vocab_size: int = config.vocab_size
         eos = self.model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -101,12 +103,17 @@ class BaselineEngine:
             if token in self.eos_ids and not job.ignore_eos:
                 return "stop"
             if step + 1 < job.max_tokens:
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                                 use_cache=True)
+                out = self.model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
         return "length"
 
     @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    def _sample(
+        logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+    ) -> int:
         if temperature < 1e-5:
             return int(logits.argmax())
         probs = (logits / temperature).softmax(-1)
@@ -125,8 +132,10 @@ def _job_from_body(engine: BaselineEngine, body: dict, prompt_ids: list[int]) ->
     room = engine.max_model_len - len(prompt_ids)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or room
     if max_tokens > room:
-        raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                         f"the model's {engine.max_model_len}")
+        raise BadRequest(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"the model's {engine.max_model_len}"
+        )
     temperature = body.get("temperature")
     return Job(
         prompt_ids=prompt_ids,
@@ -152,7 +161,9 @@ def _chat_prompt_ids(engine: BaselineEngine, messages: object) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
     if engine.tokenizer.chat_template:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
     else:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
     return engine.tokenizer.encode(text, add_special_tokens=False)
@@ -172,7 +183,7 @@ class _TextStream:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""  # a multi-byte character is split across tokens; wait for the rest
-        delta, self.num_sent_chars = text[self.num_sent_chars:], len(text)
+        delta, self.num_sent_chars = text[self.num_sent_chars :], len(text)
         return delta
 
     def flush(self) -> str:
@@ -184,12 +195,18 @@ def _sse(obj: dict | str) -> str:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "BadRequestError", "code": status}}, status
+    )
 
 
 def _usage(job: Job, num_output_tokens: int) -> dict:
     n = len(job.prompt_ids)
-    return {"prompt_tokens": n, "completion_tokens": num_output_tokens, "total_tokens": n + num_output_tokens}
+    return {
+        "prompt_tokens": n,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": n + num_output_tokens,
+    }
 
 
 class _Response:
@@ -202,23 +219,44 @@ class _Response:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
         if self.is_chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            delta = ({"role": "assistant"} if role else {}) | (
+                {"content": text} if text is not None else {}
+            )
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         obj = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def full(self, text: str, finish_reason: str, usage: dict) -> dict:
         if self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion" if self.is_chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }
 
 
 async def _generate(engine: BaselineEngine, job: Job) -> AsyncIterator[int | str]:
@@ -237,7 +275,9 @@ async def _generate(engine: BaselineEngine, job: Job) -> AsyncIterator[int | str
         job.cancelled.set()  # a no-op when finished; stops decoding when the client left
 
 
-def _stream(engine: BaselineEngine, job: Job, resp: _Response, include_usage: bool) -> StreamingResponse:
+def _stream(
+    engine: BaselineEngine, job: Job, resp: _Response, include_usage: bool
+) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         text, num_tokens = _TextStream(engine.tokenizer), 0
         if resp.is_chat:
@@ -285,8 +325,13 @@ def build_app(engine: BaselineEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "baseline",
-                "max_model_len": engine.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "baseline",
+            "max_model_len": engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     async def handle(request: Request, is_chat: bool):
@@ -317,7 +362,9 @@ def build_app(engine: BaselineEngine, model_name: str) -> FastAPI:
     async def tokenize(request: Request):
         body = await request.json()
         add_special = body.get("add_special_tokens")
-        ids = engine.tokenizer.encode(body.get("prompt", ""), add_special_tokens=add_special is not False)
+        ids = engine.tokenizer.encode(
+            body.get("prompt", ""), add_special_tokens=add_special is not False
+        )
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

@@ -30,7 +30,9 @@ import torch
 from benchmarks.smollm_checkpoint import build_smollm_like
 
 
-def make_case(name: str, vocab_size: int, rng: np.random.Generator) -> tuple[list[list[int]], list[int]]:
+def make_case(
+    name: str, vocab_size: int, rng: np.random.Generator
+) -> tuple[list[list[int]], list[int]]:
     if name == "a":
         lens, outs = [128], [128]
     elif name == "b":
@@ -60,8 +62,8 @@ def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for row, p in enumerate(batch):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -70,28 +72,44 @@ def run_hf(model, prompts: list[list[int]], outs: list[int], batch_size: int) ->
     """Static batches in arrival order, left-padded; counts only the requested tokens."""
     produced, elapsed = 0, 0.0
     for i in range(0, len(prompts), batch_size):
-        batch, wanted = prompts[i:i + batch_size], outs[i:i + batch_size]
+        batch, wanted = prompts[i : i + batch_size], outs[i : i + batch_size]
         ids, mask = left_pad(batch)
         new = max(wanted)
         start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
         elapsed += time.perf_counter() - start
         produced += sum(wanted)
     return produced / elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
-                        help="the engine's weights (transformers stays unquantized)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8", "int4"],
+        help="the engine's weights (transformers stays unquantized)",
+    )
     parser.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c")
-    parser.add_argument("--skip-hf", default="", help="cases for which transformers is not run, e.g. c")
+    parser.add_argument(
+        "--skip-hf", default="", help="cases for which transformers is not run, e.g. c"
+    )
     parser.add_argument("--hf-batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per case; medians are reported")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per case; medians are reported"
+    )
     parser.add_argument("--out", default="bench_out/bench_engine.json")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -103,16 +121,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve.engine import LLM
 
-    llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_caching=False, quantization=args.quantization)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device="cpu",
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     vocab = llm.engine.info.vocab_size
     warm = [[5] * 64]
     run_engine(llm, warm, [8])
     run_hf(hf, warm, [8], 1)
 
-    results = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-               "dtype": args.dtype, "quantization": args.quantization or "none", "torch": torch.__version__,
-               "cases": {}}
+    results = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "quantization": args.quantization or "none",
+        "torch": torch.__version__,
+        "cases": {},
+    }
     skip_hf = set(args.skip_hf.split(","))
     for case in args.cases.split(","):
         prompts, outs = make_case(case, vocab, np.random.default_rng(0))
@@ -129,16 +158,35 @@ def main(argv: list[str] | None = None) -> int:
         engine_tps = statistics.median(engine_runs)
         hf_tps = statistics.median(hf_runs) if hf_runs else None
         ratio = engine_tps / hf_tps if hf_tps else None
-        results["cases"][case] = dict(num_requests=len(prompts), output_tokens=sum(outs),
-                                      engine_tok_s=engine_tps, hf_tok_s=hf_tps, hf_batch=hf_batch,
-                                      ratio=ratio, engine_runs=engine_runs, hf_runs=hf_runs)
+        results["cases"][case] = dict(
+            num_requests=len(prompts),
+            output_tokens=sum(outs),
+            engine_tok_s=engine_tps,
+            hf_tok_s=hf_tps,
+            hf_batch=hf_batch,
+            ratio=ratio,
+            engine_runs=engine_runs,
+            hf_runs=hf_runs,
+        )
         hf_text = f"{hf_tps:8.1f}" if hf_tps else "     n/a"
         ratio_text = f"{ratio:5.2f}x" if ratio else "   n/a"
-        runs_text = "" if args.repeats == 1 else (
-            "  (medians of " + f"{args.repeats} runs: engine " + " ".join(f"{x:.1f}" for x in engine_runs)
-            + "; transformers " + (" ".join(f"{x:.1f}" for x in hf_runs) or "n/a") + ")")
-        print(f"case {case}: {len(prompts):3d} requests  engine {engine_tps:8.1f} tok/s  "
-              f"transformers (batch {hf_batch}) {hf_text} tok/s  ratio {ratio_text}{runs_text}", flush=True)
+        runs_text = (
+            ""
+            if args.repeats == 1
+            else (
+                "  (medians of "
+                + f"{args.repeats} runs: engine "
+                + " ".join(f"{x:.1f}" for x in engine_runs)
+                + "; transformers "
+                + (" ".join(f"{x:.1f}" for x in hf_runs) or "n/a")
+                + ")"
+            )
+        )
+        print(
+            f"case {case}: {len(prompts):3d} requests  engine {engine_tps:8.1f} tok/s  "
+            f"transformers (batch {hf_batch}) {hf_text} tok/s  ratio {ratio_text}{runs_text}",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0

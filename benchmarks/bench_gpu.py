@@ -39,16 +39,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.engine.worker.device import resolve_device
 from benchmarks.bench_engine import left_pad
-from benchmarks.llama_shapes import LLAMA_SHAPES, kv_bytes_per_token, weight_bytes_per_step, write_llama_checkpoint
+from benchmarks.llama_shapes import (
+    LLAMA_SHAPES,
+    kv_bytes_per_token,
+    weight_bytes_per_step,
+    write_llama_checkpoint,
+)
+from kvserve.engine.worker.device import resolve_device
 
 # (number of requests, prompt length range, output length range); ranges inclusive
-CASES = {"a": (1, (128, 128), (256, 256)), "b": (64, (1024, 1024), (256, 256)), "c": (256, (64, 2048), (32, 512))}
+CASES = {
+    "a": (1, (128, 128), (256, 256)),
+    "b": (64, (1024, 1024), (256, 256)),
+    "c": (256, (64, 2048), (32, 512)),
+}
 SMALL_CASES = {"a": (1, (16, 16), (8, 8)), "b": (4, (32, 32), (8, 8)), "c": (8, (8, 64), (4, 16))}
 
 
-def make_case(name: str, vocab_size: int, small: bool, seed: int) -> tuple[list[list[int]], list[int]]:
+def make_case(
+    name: str, vocab_size: int, small: bool, seed: int
+) -> tuple[list[list[int]], list[int]]:
     table = SMALL_CASES if small else CASES
     if name not in table:
         raise ValueError(f"unknown case {name!r}: one of {sorted(table)}")
@@ -87,7 +98,9 @@ class StepTimer:
 
     def __init__(self, runner) -> None:
         self.runner, self.original = runner, runner.execute
-        self.steps: list[tuple[float, bool, int]] = []  # (seconds, decode-only, context tokens read)
+        self.steps: list[
+            tuple[float, bool, int]
+        ] = []  # (seconds, decode-only, context tokens read)
         runner.execute = self._execute
 
     def _execute(self, record, *args):
@@ -95,7 +108,9 @@ class StepTimer:
         out = self.original(record, *args)
         elapsed = time.perf_counter() - start
         is_decode = all(n == 1 for n in record.num_scheduled_tokens)
-        context = sum(c + n for c, n in zip(record.num_computed_tokens, record.num_scheduled_tokens))
+        context = sum(
+            c + n for c, n in zip(record.num_computed_tokens, record.num_scheduled_tokens)
+        )
         self.steps.append((elapsed, is_decode, context))
         return out
 
@@ -103,19 +118,35 @@ class StepTimer:
         self.runner.execute = self.original
 
 
-def roofline(decode_steps: list[tuple[float, bool, int]], weight_bytes: int, kv_per_token: int,
-             bandwidth: float) -> dict:
+def roofline(
+    decode_steps: list[tuple[float, bool, int]],
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+) -> dict:
     if not decode_steps:
-        return dict(num_decode_steps=0, ms_per_step=None, ideal_ms_per_step=None, measured_over_ideal=None)
+        return dict(
+            num_decode_steps=0, ms_per_step=None, ideal_ms_per_step=None, measured_over_ideal=None
+        )
     measured = sum(s[0] for s in decode_steps)
     ideal = sum((weight_bytes + s[2] * kv_per_token) / bandwidth for s in decode_steps)
     n = len(decode_steps)
-    return dict(num_decode_steps=n, ms_per_step=1e3 * measured / n, ideal_ms_per_step=1e3 * ideal / n,
-                measured_over_ideal=measured / ideal)
+    return dict(
+        num_decode_steps=n,
+        ms_per_step=1e3 * measured / n,
+        ideal_ms_per_step=1e3 * ideal / n,
+        measured_over_ideal=measured / ideal,
+    )
 
 
-def run_kvserve(llm, prompts: list[list[int]], outs: list[int], weight_bytes: int, kv_per_token: int,
-                bandwidth: float) -> dict:
+def run_kvserve(
+    llm,
+    prompts: list[list[int]],
+    outs: list[int],
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+) -> dict:
     from kvserve.engine import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
@@ -130,8 +161,12 @@ def run_kvserve(llm, prompts: list[list[int]], outs: list[int], weight_bytes: in
     if produced != sum(outs):
         raise RuntimeError(f"kvserve produced {produced} tokens, {sum(outs)} were asked for")
     decode = [s for s in timer.steps if s[1]]
-    return dict(tok_s=produced / elapsed, elapsed_s=elapsed, num_steps=len(timer.steps),
-                **roofline(decode, weight_bytes, kv_per_token, bandwidth))
+    return dict(
+        tok_s=produced / elapsed,
+        elapsed_s=elapsed,
+        num_steps=len(timer.steps),
+        **roofline(decode, weight_bytes, kv_per_token, bandwidth),
+    )
 
 
 def profile_kvserve(llm, vocab_size: int, prompt_len: int, num_tokens: int, top: int = 15) -> dict:
@@ -143,7 +178,9 @@ def profile_kvserve(llm, vocab_size: int, prompt_len: int, num_tokens: int, top:
 
     prompt = np.random.default_rng(7).integers(3, vocab_size, prompt_len).tolist()
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     timer = StepTimer(llm.engine.runner)
     try:
         with profile(activities=activities) as prof:
@@ -157,20 +194,38 @@ def profile_kvserve(llm, vocab_size: int, prompt_len: int, num_tokens: int, top:
     steps = len(timer.steps)
     kernel_us = sum(e.self_device_time_total for e in events)
     return dict(
-        num_steps=steps, decode_wall_ms_per_step=1e3 * decode_s / max(num_decode, 1),
-        kernel_ms_per_step=kernel_us / 1e3 / steps, num_kernels_per_step=sum(e.count for e in events) / steps,
-        top_kernels=[dict(name=e.key[:120], ms_per_step=e.self_device_time_total / 1e3 / steps,
-                          calls_per_step=e.count / steps) for e in events[:top]])
+        num_steps=steps,
+        decode_wall_ms_per_step=1e3 * decode_s / max(num_decode, 1),
+        kernel_ms_per_step=kernel_us / 1e3 / steps,
+        num_kernels_per_step=sum(e.count for e in events) / steps,
+        top_kernels=[
+            dict(
+                name=e.key[:120],
+                ms_per_step=e.self_device_time_total / 1e3 / steps,
+                calls_per_step=e.count / steps,
+            )
+            for e in events[:top]
+        ],
+    )
 
 
 def hf_batches(prompts: list[list[int]], outs: list[int], batch_size: int):
     for i in range(0, len(prompts), batch_size):
-        yield prompts[i:i + batch_size], outs[i:i + batch_size]
+        yield prompts[i : i + batch_size], outs[i : i + batch_size]
 
 
 @torch.inference_mode()
-def run_hf(model, prompts: list[list[int]], outs: list[int], batch_size: int, budget_s: float,
-           weight_bytes: int, kv_per_token: int, bandwidth: float, static_cache: bool = False) -> dict:
+def run_hf(
+    model,
+    prompts: list[list[int]],
+    outs: list[int],
+    batch_size: int,
+    budget_s: float,
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+    static_cache: bool = False,
+) -> dict:
     """Static batches in arrival order, left-padded; counts only the requested tokens. Stops starting
     batches once `budget_s` is spent (at least one runs)."""
     device = model.device
@@ -186,18 +241,37 @@ def run_hf(model, prompts: list[list[int]], outs: list[int], batch_size: int, bu
         width, new = ids.shape[1], max(wanted)
         synchronize(device)
         start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0, **kw)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
         synchronize(device)
         elapsed += time.perf_counter() - start
         produced += sum(wanted)
         steps += new
         num_batches += 1
         # each step reads the weights and every row's padded cache so far
-        ideal += sum(weight_bytes + len(batch) * (width + j + 1) * kv_per_token for j in range(new)) / bandwidth
-    return dict(tok_s=produced / elapsed, elapsed_s=elapsed, num_steps=steps, ms_per_step=1e3 * elapsed / steps,
-                ideal_ms_per_step=1e3 * ideal / steps, measured_over_ideal=elapsed / ideal, batch_size=batch_size,
-                num_batches=num_batches, total_batches=total_batches, output_tokens_run=produced)
+        ideal += (
+            sum(weight_bytes + len(batch) * (width + j + 1) * kv_per_token for j in range(new))
+            / bandwidth
+        )
+    return dict(
+        tok_s=produced / elapsed,
+        elapsed_s=elapsed,
+        num_steps=steps,
+        ms_per_step=1e3 * elapsed / steps,
+        ideal_ms_per_step=1e3 * ideal / steps,
+        measured_over_ideal=elapsed / ideal,
+        batch_size=batch_size,
+        num_batches=num_batches,
+        total_batches=total_batches,
+        output_tokens_run=produced,
+    )
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -209,27 +283,50 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", default="llama-1b", choices=sorted(LLAMA_SHAPES))
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c")
     p.add_argument("--small", action="store_true", help="shrunk cases (CPU smoke tests)")
-    p.add_argument("--model-dir", help="checkpoint folder (default bench_out/models/<shape>); reused if complete")
+    p.add_argument(
+        "--model-dir",
+        help="checkpoint folder (default bench_out/models/<shape>); reused if complete",
+    )
     p.add_argument("--out", help="JSON results (default bench_out/bench_gpu_<shape>.json)")
-    p.add_argument("--eager-cases", default="a", help="cases also run with enforce_eager=True ('' for none)")
+    p.add_argument(
+        "--eager-cases", default="a", help="cases also run with enforce_eager=True ('' for none)"
+    )
     p.add_argument("--skip-hf", default="", help="cases for which transformers is not run, e.g. c")
-    p.add_argument("--hf-compile-cases", default=None,
-                   help="cases run with transformers' static cache + torch.compile (default a on CUDA, none on CPU)")
+    p.add_argument(
+        "--hf-compile-cases",
+        default=None,
+        help="cases run with transformers' static cache + torch.compile (default a on CUDA, none on CPU)",
+    )
     p.add_argument("--hf-batch", type=int, default=32, help="transformers' static batch for case c")
-    p.add_argument("--hf-budget-s", type=float, default=60.0, help="seconds of transformers runs per case, at most")
-    p.add_argument("--profile-tokens", type=int, default=None,
-                   help="profile one request of --profile-tokens new tokens per kvserve system (default 64 on "
-                        "CUDA, 0 = off on CPU)")
+    p.add_argument(
+        "--hf-budget-s",
+        type=float,
+        default=60.0,
+        help="seconds of transformers runs per case, at most",
+    )
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=None,
+        help="profile one request of --profile-tokens new tokens per kvserve system (default 64 on "
+        "CUDA, 0 = off on CPU)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "fp8"],
-                   help="the engine's weights (Triton weight-only kernel on CUDA); transformers stays bf16")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8", "int4", "fp8"],
+        help="the engine's weights (Triton weight-only kernel on CUDA); transformers stays bf16",
+    )
     return p
 
 
@@ -242,22 +339,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cases = _case_list(args.cases)
     table = SMALL_CASES if args.small else CASES
-    for group in (cases, _case_list(args.eager_cases), _case_list(args.skip_hf),
-                  _case_list(args.hf_compile_cases or "")):
+    for group in (
+        cases,
+        _case_list(args.eager_cases),
+        _case_list(args.skip_hf),
+        _case_list(args.hf_compile_cases or ""),
+    ):
         bad = [c for c in group if c not in table]
         if bad:
             parser.error(f"unknown case(s) {bad}: choose from {sorted(table)}")
     if args.hf_batch < 1 or args.hf_budget_s <= 0:
-        parser.error(f"--hf-batch must be >= 1 and --hf-budget-s > 0, got {args.hf_batch} and {args.hf_budget_s}")
+        parser.error(
+            f"--hf-batch must be >= 1 and --hf-budget-s > 0, got {args.hf_batch} and {args.hf_budget_s}"
+        )
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
         parser.error(f"--device {args.device}: {exc} (use --device cpu)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    compile_cases = _case_list(args.hf_compile_cases if args.hf_compile_cases is not None
-                               else ("a" if device.type == "cuda" else ""))
-    profile_tokens = args.profile_tokens if args.profile_tokens is not None else (64 if device.type == "cuda" else 0)
+    compile_cases = _case_list(
+        args.hf_compile_cases
+        if args.hf_compile_cases is not None
+        else ("a" if device.type == "cuda" else "")
+    )
+    profile_tokens = (
+        args.profile_tokens
+        if args.profile_tokens is not None
+        else (64 if device.type == "cuda" else 0)
+    )
     model_dir = Path(args.model_dir or f"bench_out/models/{args.shape}")
     out_path = Path(args.out or f"bench_out/bench_gpu_{args.shape}.json")
 
@@ -270,23 +380,45 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes, kv_per_token = weight_bytes_per_step(config), kv_bytes_per_token(config)
     bandwidth = measure_bandwidth(device)
     workloads = {c: make_case(c, config.vocab_size, args.small, args.seed) for c in cases}
-    max_model_len = max(len(p) + o for prompts, outs in workloads.values() for p, o in zip(prompts, outs)) + 1
+    max_model_len = (
+        max(len(p) + o for prompts, outs in workloads.values() for p, o in zip(prompts, outs)) + 1
+    )
     results = {
-        "shape": args.shape, "config": LLAMA_SHAPES[args.shape], "device": args.device,
-        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else platform.processor() or platform.machine()),
-        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": "bfloat16",
-        "small": args.small, "checkpoint_s": checkpoint_s, "hbm_bandwidth_gb_s": bandwidth / 1e9,
-        "weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_per_token,
-        "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "cases": {}, "errors": {},
+        "shape": args.shape,
+        "config": LLAMA_SHAPES[args.shape],
+        "device": args.device,
+        "device_name": (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or platform.machine()
+        ),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": "bfloat16",
+        "small": args.small,
+        "checkpoint_s": checkpoint_s,
+        "hbm_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "max_model_len": max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "cases": {},
+        "errors": {},
     }
-    print(f"{args.shape} on {results['device_name']}: bandwidth {bandwidth / 1e9:.0f} GB/s (copy, read + write); "
-          f"weights {weight_bytes / 1e9:.2f} GB/step, KV {kv_per_token / 1e3:.1f} kB/token; "
-          f"checkpoint {checkpoint_s:.1f} s", flush=True)
+    print(
+        f"{args.shape} on {results['device_name']}: bandwidth {bandwidth / 1e9:.0f} GB/s (copy, read + write); "
+        f"weights {weight_bytes / 1e9:.2f} GB/step, KV {kv_per_token / 1e3:.1f} kB/token; "
+        f"checkpoint {checkpoint_s:.1f} s",
+        flush=True,
+    )
     for c, (prompts, outs) in workloads.items():
-        results["cases"][c] = dict(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
-                                   output_tokens=sum(outs), systems={})
+        results["cases"][c] = dict(
+            num_requests=len(prompts),
+            prompt_tokens=sum(map(len, prompts)),
+            output_tokens=sum(outs),
+            systems={},
+        )
 
     def record(case: str, system: str, fn) -> None:
         try:
@@ -299,9 +431,15 @@ def main(argv: list[str] | None = None) -> int:
         print_row(case, system, results["cases"][case], row)
         write_json(out_path, results)
 
-    engine_kw = dict(dtype="bfloat16", device=args.device, max_model_len=max_model_len, quantization=args.quantization,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     enable_prefix_caching=False)
+    engine_kw = dict(
+        dtype="bfloat16",
+        device=args.device,
+        max_model_len=max_model_len,
+        quantization=args.quantization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
     print_header()
     for eager in (False, True):
         run_cases = [c for c in cases if not eager or c in _case_list(args.eager_cases)]
@@ -311,15 +449,25 @@ def main(argv: list[str] | None = None) -> int:
         llm = _load_engine(model_dir, engine_kw, eager, results, name)
         if llm is None:
             continue
-        if args.quantization not in (None, "none"):  # the roofline reads the quantized bytes the model holds
+        if args.quantization not in (
+            None,
+            "none",
+        ):  # the roofline reads the quantized bytes the model holds
             weight_bytes = llm.engine.info.weight_bytes
         _warm_engine(llm, config.vocab_size)
         for c in run_cases:
-            record(c, name, lambda c=c, llm=llm: run_kvserve(llm, *workloads[c], weight_bytes, kv_per_token, bandwidth))
+            record(
+                c,
+                name,
+                lambda c=c, llm=llm: run_kvserve(
+                    llm, *workloads[c], weight_bytes, kv_per_token, bandwidth
+                ),
+            )
         if profile_tokens:
             try:
-                results[f"{name}_profile"] = prof = profile_kvserve(llm, config.vocab_size, 16 if args.small else 128,
-                                                                    profile_tokens)
+                results[f"{name}_profile"] = prof = profile_kvserve(
+                    llm, config.vocab_size, 16 if args.small else 128, profile_tokens
+                )
                 print_profile(name, prof)
             except Exception as exc:  # the profile is a diagnosis: never fatal
                 traceback.print_exc()
@@ -335,12 +483,34 @@ def main(argv: list[str] | None = None) -> int:
         if hf is not None:
             for c in hf_cases:
                 batch = 1 if c == "a" else (len(workloads[c][0]) if c == "b" else args.hf_batch)
-                record(c, "hf-eager", lambda c=c, batch=batch: run_hf(
-                    hf, *workloads[c], batch, args.hf_budget_s, weight_bytes, kv_per_token, bandwidth))
+                record(
+                    c,
+                    "hf-eager",
+                    lambda c=c, batch=batch: run_hf(
+                        hf,
+                        *workloads[c],
+                        batch,
+                        args.hf_budget_s,
+                        weight_bytes,
+                        kv_per_token,
+                        bandwidth,
+                    ),
+                )
             for c in [c for c in compile_cases if c in workloads]:
                 batch = 1 if c == "a" else (len(workloads[c][0]) if c == "b" else args.hf_batch)
-                record(c, "hf-compile", lambda c=c, batch=batch: _run_hf_compiled(
-                    hf, workloads[c], batch, args.hf_budget_s, weight_bytes, kv_per_token, bandwidth))
+                record(
+                    c,
+                    "hf-compile",
+                    lambda c=c, batch=batch: _run_hf_compiled(
+                        hf,
+                        workloads[c],
+                        batch,
+                        args.hf_budget_s,
+                        weight_bytes,
+                        kv_per_token,
+                        bandwidth,
+                    ),
+                )
             del hf
             free_memory(device)
     write_json(out_path, results)
@@ -360,10 +530,17 @@ def _load_engine(model_dir: Path, engine_kw: dict, eager: bool, results: dict, n
         return None
     info = llm.engine.info
     results[f"{name}_load_s"] = time.perf_counter() - start
-    results[f"{name}_info"] = dict(attention_backend=info.attention_backend, cuda_graphs=info.cuda_graphs,
-                                   num_kv_blocks=info.num_kv_blocks, kv_capacity_tokens=info.kv_capacity_tokens)
-    print(f"{name}: loaded in {results[f'{name}_load_s']:.1f} s, attention {info.attention_backend}, "
-          f"CUDA graphs {info.cuda_graphs}, KV cache {info.kv_capacity_tokens} tokens", flush=True)
+    results[f"{name}_info"] = dict(
+        attention_backend=info.attention_backend,
+        cuda_graphs=info.cuda_graphs,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+    )
+    print(
+        f"{name}: loaded in {results[f'{name}_load_s']:.1f} s, attention {info.attention_backend}, "
+        f"CUDA graphs {info.cuda_graphs}, KV cache {info.kv_capacity_tokens} tokens",
+        flush=True,
+    )
     return llm
 
 
@@ -384,7 +561,9 @@ def _warm_engine(llm, vocab_size: int) -> None:
     rng = np.random.default_rng(123)
     longest = llm.engine.info.max_model_len - 9
     prompts = [rng.integers(3, vocab_size, min(n, longest)).tolist() for n in (5, 70, 33, 9)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
 
 
 def _load_hf(model_dir: Path, device: torch.device, results: dict):
@@ -393,10 +572,13 @@ def _load_hf(model_dir: Path, device: torch.device, results: dict):
     start = time.perf_counter()
     try:
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                                      device_map=str(device))
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.bfloat16, device_map=str(device)
+            )
         except (ImportError, ValueError):  # no accelerate: load on the host, then move
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.bfloat16
+            ).to(device)
     except Exception as exc:
         traceback.print_exc()
         results["errors"]["load/hf"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -408,19 +590,38 @@ def _load_hf(model_dir: Path, device: torch.device, results: dict):
     return model
 
 
-def _run_hf_compiled(model, workload, batch: int, budget_s: float, weight_bytes: int, kv_per_token: int,
-                     bandwidth: float) -> dict:
+def _run_hf_compiled(
+    model,
+    workload,
+    batch: int,
+    budget_s: float,
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+) -> dict:
     prompts, outs = workload
     start = time.perf_counter()
     first = list(hf_batches(prompts, outs, batch))[0]  # compiles for this batch's shapes
     run_hf(model, first[0], first[1], batch, 1e9, 1, 1, 1.0, static_cache=True)
     compile_s = time.perf_counter() - start
-    row = run_hf(model, prompts, outs, batch, budget_s, weight_bytes, kv_per_token, bandwidth, static_cache=True)
+    row = run_hf(
+        model,
+        prompts,
+        outs,
+        batch,
+        budget_s,
+        weight_bytes,
+        kv_per_token,
+        bandwidth,
+        static_cache=True,
+    )
     return dict(row, compile_s=compile_s)
 
 
-COLUMNS = f"{'case':4} {'system':14} {'reqs':>5} {'out tok':>8} {'tok/s':>9} {'ms/step':>8} {'ideal ms':>8} " \
-          f"{'meas/ideal':>10}"
+COLUMNS = (
+    f"{'case':4} {'system':14} {'reqs':>5} {'out tok':>8} {'tok/s':>9} {'ms/step':>8} {'ideal ms':>8} "
+    f"{'meas/ideal':>10}"
+)
 
 
 def print_header() -> None:
@@ -436,19 +637,30 @@ def print_row(case: str, system: str, case_info: dict, row: dict) -> None:
         value = row.get(key)
         return format(value, fmt) if value is not None else "n/a"
 
-    partial = "" if row.get("num_batches", 1) == row.get("total_batches", 1) else \
-        f"  ({row['num_batches']} of {row['total_batches']} batches of {row['batch_size']})"
-    print(f"{case:4} {system:14} {case_info['num_requests']:5d} {case_info['output_tokens']:8d} "
-          f"{num('tok_s', '9.1f')} {num('ms_per_step', '8.2f')} {num('ideal_ms_per_step', '8.2f')} "
-          f"{num('measured_over_ideal', '10.2f')}{partial}", flush=True)
+    partial = (
+        ""
+        if row.get("num_batches", 1) == row.get("total_batches", 1)
+        else f"  ({row['num_batches']} of {row['total_batches']} batches of {row['batch_size']})"
+    )
+    print(
+        f"{case:4} {system:14} {case_info['num_requests']:5d} {case_info['output_tokens']:8d} "
+        f"{num('tok_s', '9.1f')} {num('ms_per_step', '8.2f')} {num('ideal_ms_per_step', '8.2f')} "
+        f"{num('measured_over_ideal', '10.2f')}{partial}",
+        flush=True,
+    )
 
 
 def print_profile(name: str, prof: dict) -> None:
-    print(f"{name} profile, batch 1: wall {prof['decode_wall_ms_per_step']:.2f} ms per decode step, kernels "
-          f"{prof['kernel_ms_per_step']:.2f} ms per step ({prof['num_kernels_per_step']:.0f} launches per step)",
-          flush=True)
+    print(
+        f"{name} profile, batch 1: wall {prof['decode_wall_ms_per_step']:.2f} ms per decode step, kernels "
+        f"{prof['kernel_ms_per_step']:.2f} ms per step ({prof['num_kernels_per_step']:.0f} launches per step)",
+        flush=True,
+    )
     for k in prof["top_kernels"]:
-        print(f"    {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f}x  {k['name']}", flush=True)
+        print(
+            f"    {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f}x  {k['name']}",
+            flush=True,
+        )
 
 
 def write_json(path: Path, results: dict) -> None:

@@ -19,20 +19,52 @@ import tempfile
 import time
 
 from kvserve.engine import messages
-from kvserve.engine.outputs import CompletionDelta, EngineStats, Logprob, RequestDelta, RequestMetrics
+from kvserve.engine.outputs import (
+    CompletionDelta,
+    EngineStats,
+    Logprob,
+    RequestDelta,
+    RequestMetrics,
+)
 
 
 def step_message(num_requests: int, num_logprobs: int) -> messages.StepOutputs:
-    entry = {i: Logprob(logprob=-0.1 * i, rank=i + 1, decoded_token=f"t{i}") for i in range(num_logprobs)}
-    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.1, first_token_time=1.2, last_token_time=1.3)
-    deltas = [RequestDelta(request_id=f"cmpl-{i:032x}-0",
-                           outputs=[CompletionDelta(index=0, text=" word", token_ids=[1234],
-                                                    logprobs=[entry] if entry else None,
-                                                    cumulative_logprob=-1.5 if entry else None)],
-                           finished=False, metrics=metrics, num_cached_tokens=0) for i in range(num_requests)]
-    stats = EngineStats(num_running=num_requests, num_waiting=0, kv_cache_usage=0.1, num_kv_blocks_total=1000,
-                        num_kv_blocks_free=900, prompt_tokens_total=10, generation_tokens_total=10,
-                        prefix_cache_queries_total=0, prefix_cache_hits_total=0, num_preemptions_total=0)
+    entry = {
+        i: Logprob(logprob=-0.1 * i, rank=i + 1, decoded_token=f"t{i}") for i in range(num_logprobs)
+    }
+    metrics = RequestMetrics(
+        arrival_time=1.0, first_scheduled_time=1.1, first_token_time=1.2, last_token_time=1.3
+    )
+    deltas = [
+        RequestDelta(
+            request_id=f"cmpl-{i:032x}-0",
+            outputs=[
+                CompletionDelta(
+                    index=0,
+                    text=" word",
+                    token_ids=[1234],
+                    logprobs=[entry] if entry else None,
+                    cumulative_logprob=-1.5 if entry else None,
+                )
+            ],
+            finished=False,
+            metrics=metrics,
+            num_cached_tokens=0,
+        )
+        for i in range(num_requests)
+    ]
+    stats = EngineStats(
+        num_running=num_requests,
+        num_waiting=0,
+        kv_cache_usage=0.1,
+        num_kv_blocks_total=1000,
+        num_kv_blocks_free=900,
+        prompt_tokens_total=10,
+        generation_tokens_total=10,
+        prefix_cache_queries_total=0,
+        prefix_cache_hits_total=0,
+        num_preemptions_total=0,
+    )
     return messages.StepOutputs(deltas=deltas, stats=stats)
 
 
@@ -52,8 +84,10 @@ def bench_codec(iters: int) -> None:
             message = step_message(num_requests, num_logprobs)
             data = messages.encode(message)
             us = per_op_us(lambda: messages.decode(messages.encode(message)), iters)
-            print(f"msgpack  B={num_requests:3d} logprobs={num_logprobs}: {us:8.1f} us encode+decode, "
-                  f"{len(data)} bytes")
+            print(
+                f"msgpack  B={num_requests:3d} logprobs={num_logprobs}: {us:8.1f} us encode+decode, "
+                f"{len(data)} bytes"
+            )
 
 
 def _echo_pipe(conn) -> None:
@@ -104,7 +138,9 @@ def bench_round_trip(iters: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_ipc", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_ipc", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args(argv)
     if args.iters < 1:

@@ -21,7 +21,9 @@ from kvserve.server.protocol import replace_lone_surrogates
 
 
 def _text(rng: random.Random, num_chars: int) -> str:
-    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(500)]
+    words = [
+        "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(500)
+    ]
     out, size = [], 0
     while size < num_chars:
         word = rng.choice(words)
@@ -32,10 +34,15 @@ def _text(rng: random.Random, num_chars: int) -> str:
 
 def bodies() -> dict[str, bytes]:
     rng = random.Random(0)
-    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, 200)} for i in range(2000)]
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, 200)}
+        for i in range(2000)
+    ]
     cases = {
         "chat, 3 messages": {"model": "m", "messages": messages[:3], "max_tokens": 16},
-        "chat, 150 short messages (scanned)": {"messages": [{"role": "user", "content": "hi"}] * 150},
+        "chat, 150 short messages (scanned)": {
+            "messages": [{"role": "user", "content": "hi"}] * 150
+        },
         "prompt of 450 KB": {"prompt": _text(rng, 450_000), "max_tokens": 16},
         "chat of 450 KB, 2000 messages (scanned)": {"messages": messages, "max_tokens": 16},
         "450 KB of tiny strings (scanned)": {"x": [[""]] * 200 + [""] * 110_000},
@@ -53,7 +60,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    print(f"{'body':42s} {'KiB':>8s} {'scan us':>9s} {'json.loads us':>14s} {'surrogate walk us':>18s}")
+    print(
+        f"{'body':42s} {'KiB':>8s} {'scan us':>9s} {'json.loads us':>14s} {'surrogate walk us':>18s}"
+    )
     for name, body in bodies().items():
         number = 2000 if len(body) < 10_000 else 20
         parsed = json.loads(body)

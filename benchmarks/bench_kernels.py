@@ -51,7 +51,9 @@ def bench_linear(rows: int) -> None:
     for name, (n, k) in shapes.items():
         layers = 1 if name == "lm_head" else LAYERS
         weights = [torch.randn(n, k).bfloat16() * 0.05 for _ in range(layers)]
-        ours = hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
+        ours = hugepages.arena(
+            [cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16
+        )
         for slot, w in zip(ours, weights):
             slot.copy_(cpu_ops.pack_linear_weight(w))
         x = torch.randn(rows, k).bfloat16()
@@ -60,38 +62,55 @@ def bench_linear(rows: int) -> None:
         line = f"linear {name:8s} rows {rows:5d}: kvserve {t_ours * 1e3:8.2f} ms ({flops / t_ours / 1e9:4.0f} GFLOP/s)"
         if reorder is not None:
             onednn = [reorder(w, None) for w in weights]
-            t_dnn = best_of(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
-                                     for w in onednn])
+            t_dnn = best_of(
+                lambda: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+                    for w in onednn
+                ]
+            )
             line += f"  oneDNN {t_dnn * 1e3:8.2f} ms ({flops / t_dnn / 1e9:4.0f} GFLOP/s)"
         print(line, flush=True)
 
 
 def bench_decode_attention(context: int, batch: int = 64) -> None:
     num_blocks = batch * (-(-context // BLOCK)) + 1
-    caches = [hugepages.empty((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16).normal_()
-              for _ in range(LAYERS)]
+    caches = [
+        hugepages.empty((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16).normal_()
+        for _ in range(LAYERS)
+    ]
     per_req = -(-context // BLOCK)
     prompt_blocks = min(per_req, 8)  # a 128-token prompt's blocks, allocated together
     table = torch.zeros(batch, per_req, dtype=torch.long)
     for i in range(batch):
         for j in range(per_req):
-            table[i, j] = 1 + prompt_blocks * i + j if j < prompt_blocks \
+            table[i, j] = (
+                1 + prompt_blocks * i + j
+                if j < prompt_blocks
                 else 1 + prompt_blocks * batch + i + batch * (j - prompt_blocks)
+            )
     seq_lens = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
 
     def attend(layer: int) -> None:
-        cpu_ops.paged_decode_attention(q, caches[layer][0], caches[layer][1], table, seq_lens, 0.125, None)
+        cpu_ops.paged_decode_attention(
+            q, caches[layer][0], caches[layer][1], table, seq_lens, 0.125, None
+        )
 
     attend(0)
     mb = batch * context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e6
     cold = best_of(lambda: [attend(layer) for layer in range(LAYERS)]) / LAYERS
     warm = best_of(lambda: [attend(0) for _ in range(LAYERS)]) / LAYERS
     ids = table.flatten()
-    gather = best_of(lambda: [(c[0].index_select(0, ids), c[1].index_select(0, ids)) for c in caches]) / LAYERS
-    print(f"decode attention batch {batch} context {context} ({mb:.1f} MB of KV per layer): "
-          f"cold {cold * 1e3:.3f} ms/layer ({mb / cold / 1e3:.1f} GB/s), warm {warm * 1e3:.3f} ms/layer; "
-          f"gather copy {gather * 1e3:.3f} ms/layer", flush=True)
+    gather = (
+        best_of(lambda: [(c[0].index_select(0, ids), c[1].index_select(0, ids)) for c in caches])
+        / LAYERS
+    )
+    print(
+        f"decode attention batch {batch} context {context} ({mb:.1f} MB of KV per layer): "
+        f"cold {cold * 1e3:.3f} ms/layer ({mb / cold / 1e3:.1f} GB/s), warm {warm * 1e3:.3f} ms/layer; "
+        f"gather copy {gather * 1e3:.3f} ms/layer",
+        flush=True,
+    )
 
 
 ELEMENTWISE_IMPLS = ("eager", "compile", "triton")
@@ -112,8 +131,13 @@ def elementwise_ops(impl: str) -> tuple[Callable, Callable]:
     raise ValueError(f"unknown implementation {impl!r} (expected one of {ELEMENTWISE_IMPLS})")
 
 
-def time_per_call(fn: Callable[[], object], device: torch.device, calls: int, repeats: int = 5,
-                  cuda_graph: bool = False) -> float:
+def time_per_call(
+    fn: Callable[[], object],
+    device: torch.device,
+    calls: int,
+    repeats: int = 5,
+    cuda_graph: bool = False,
+) -> float:
     """Median seconds per call over `repeats` timings of `calls` calls (CUDA events on a GPU;
     `cuda_graph`: the calls captured once in a CUDA graph and replayed, so no launch overhead)."""
     for _ in range(3):
@@ -141,23 +165,36 @@ def time_per_call(fn: Callable[[], object], device: torch.device, calls: int, re
     return statistics.median(samples)
 
 
-def bench_elementwise(device: str = "cuda", rows: Sequence[int] = (1, 64, 2048), impls: Sequence[str] = ELEMENTWISE_IMPLS,
-                      hidden: int = 4096, intermediate: int = 14336, dtype: torch.dtype = torch.bfloat16,
-                      calls: int = 50, cuda_graph: bool = False) -> list[tuple[str, int, str, float]]:
+def bench_elementwise(
+    device: str = "cuda",
+    rows: Sequence[int] = (1, 64, 2048),
+    impls: Sequence[str] = ELEMENTWISE_IMPLS,
+    hidden: int = 4096,
+    intermediate: int = 14336,
+    dtype: torch.dtype = torch.bfloat16,
+    calls: int = 50,
+    cuda_graph: bool = False,
+) -> list[tuple[str, int, str, float]]:
     """Time add + RMSNorm and SiLU * up per implementation; prints a table, returns
     (op, rows, impl, seconds per call) for every measurement."""
     dev = torch.device(device)
     ops = {impl: elementwise_ops(impl) for impl in impls}
     size = torch.finfo(dtype).bits // 8
     results = []
-    print(f"{'op':14s} {'rows':>5s}" + "".join(f" {impl + ' us (GB/s)':>22s}" for impl in impls), flush=True)
+    print(
+        f"{'op':14s} {'rows':>5s}" + "".join(f" {impl + ' us (GB/s)':>22s}" for impl in impls),
+        flush=True,
+    )
     for num_rows in rows:
         x = torch.randn(num_rows, hidden, device=dev).to(dtype) * 0.01
         residual = torch.randn(num_rows, hidden, device=dev).to(dtype)
         weight = torch.randn(hidden, device=dev).to(dtype)
         gate_up = torch.randn(num_rows, 2 * intermediate, device=dev).to(dtype)
         cases = {  # (call for an impl's ops, bytes read + written per call)
-            "add_rms_norm": (lambda f: f[0](x, residual, weight, 1e-5), 4 * num_rows * hidden * size + hidden * size),
+            "add_rms_norm": (
+                lambda f: f[0](x, residual, weight, 1e-5),
+                4 * num_rows * hidden * size + hidden * size,
+            ),
             "silu_and_mul": (lambda f: f[1](gate_up), 3 * num_rows * intermediate * size),
         }
         for op, (call, num_bytes) in cases.items():
@@ -171,16 +208,29 @@ def bench_elementwise(device: str = "cuda", rows: Sequence[int] = (1, 64, 2048),
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: kvserve's CPU kernels (linear, decode attention); "
-                             "cuda: Triton vs torch.compile vs eager add+RMSNorm and SiLU*up")
-    parser.add_argument("--rows", default=None, help="token counts (default 1,16,64,256,2048; cuda: 1,64,2048)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: kvserve's CPU kernels (linear, decode attention); "
+        "cuda: Triton vs torch.compile vs eager add+RMSNorm and SiLU*up",
+    )
+    parser.add_argument(
+        "--rows", default=None, help="token counts (default 1,16,64,256,2048; cuda: 1,64,2048)"
+    )
     parser.add_argument("--contexts", default="192,512")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--impls", default=",".join(ELEMENTWISE_IMPLS), help="cuda: implementations to time")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="cuda: replay the calls from a CUDA graph (GPU time without launch overhead)")
+    parser.add_argument(
+        "--impls", default=",".join(ELEMENTWISE_IMPLS), help="cuda: implementations to time"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="cuda: replay the calls from a CUDA graph (GPU time without launch overhead)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
@@ -188,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: nothing to measure with --device cuda")
             return 1
         rows = [int(r) for r in (args.rows or "1,64,2048").split(",") if r]
-        print(f"{torch.cuda.get_device_name()}, bf16, {'CUDA graph replay' if args.cuda_graphs else 'eager launches'}")
-        bench_elementwise("cuda", rows, [i for i in args.impls.split(",") if i], cuda_graph=args.cuda_graphs)
+        print(
+            f"{torch.cuda.get_device_name()}, bf16, {'CUDA graph replay' if args.cuda_graphs else 'eager launches'}"
+        )
+        bench_elementwise(
+            "cuda", rows, [i for i in args.impls.split(",") if i], cuda_graph=args.cuda_graphs
+        )
         return 0
     args.rows = args.rows or "1,16,64,256,2048"
     if not cpu_ops.has_fast_bf16():

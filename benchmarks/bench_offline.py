@@ -60,15 +60,26 @@ def _run_staggered(llm, prompts: list[list[int]], max_tokens: int, gap_s: float)
     return time.perf_counter() - start
 
 
-def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: int, seed: int,
-            arrival_gap_s: float = 0.0) -> dict:
+def measure(
+    llm,
+    vocab_size: int,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    arrival_gap_s: float = 0.0,
+) -> dict:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab_size, input_len).tolist() for _ in range(batch_size)]
     if arrival_gap_s > 0:
         elapsed = _run_staggered(llm, prompts, output_len, arrival_gap_s)
     else:
         elapsed = _run(llm, prompts, output_len)
-    result = {"batch_size": batch_size, "seconds": elapsed, "output_tok_s": batch_size * output_len / elapsed}
+    result = {
+        "batch_size": batch_size,
+        "seconds": elapsed,
+        "output_tok_s": batch_size * output_len / elapsed,
+    }
     if batch_size == 1 and output_len > 1:
         first = _run(llm, [rng.integers(3, vocab_size, input_len).tolist()], 1)
         result["tpot_ms"] = 1000 * (elapsed - first) / (output_len - 1)
@@ -76,7 +87,9 @@ def measure(llm, vocab_size: int, batch_size: int, input_len: int, output_len: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_offline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_offline", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
@@ -85,10 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arrival-gap-ms", type=float, default=0.0,
-                   help="request i joins G*i ms after the first (0: all at once)")
+    p.add_argument(
+        "--arrival-gap-ms",
+        type=float,
+        default=0.0,
+        help="request i joins G*i ms after the first (0: all at once)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (docs/scaling.md)")
-    p.add_argument("--quantization", default=None, help="none, int8, int4, fp8 (default: the checkpoint's own)")
+    p.add_argument(
+        "--quantization", default=None, help="none, int8, int4, fp8 (default: the checkpoint's own)"
+    )
     p.add_argument("--out", help="JSON file for every run")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -99,27 +118,56 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve.engine import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
-              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=False,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+    )
     vocab_size = llm.engine.info.vocab_size
     _run(llm, [[5] * args.input_len], 4)  # warm-up
     runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
     for repeat in range(args.repeats):
         for b in batch_sizes:
-            runs[b].append(measure(llm, vocab_size, b, args.input_len, args.output_len, args.seed + repeat,
-                                   args.arrival_gap_ms / 1000))
+            runs[b].append(
+                measure(
+                    llm,
+                    vocab_size,
+                    b,
+                    args.input_len,
+                    args.output_len,
+                    args.seed + repeat,
+                    args.arrival_gap_ms / 1000,
+                )
+            )
     summary = []
     for b in batch_sizes:
-        row = {"batch_size": b, "output_tok_s": statistics.median(r["output_tok_s"] for r in runs[b])}
+        row = {
+            "batch_size": b,
+            "output_tok_s": statistics.median(r["output_tok_s"] for r in runs[b]),
+        }
         if "tpot_ms" in runs[b][0]:
             row["tpot_ms"] = statistics.median(r["tpot_ms"] for r in runs[b])
         summary.append(row)
         extra = f", decode {row['tpot_ms']:.2f} ms/token" if "tpot_ms" in row else ""
-        print(f"batch {b:4d}: {row['output_tok_s']:8.1f} output tok/s{extra} (median of {args.repeats})")
+        print(
+            f"batch {b:4d}: {row['output_tok_s']:8.1f} output tok/s{extra} (median of {args.repeats})"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "machine": platform.processor() or platform.machine(),
-                                             "summary": summary, "runs": runs}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "machine": platform.processor() or platform.machine(),
+                    "summary": summary,
+                    "runs": runs,
+                },
+                indent=1,
+            )
+        )
     llm.shutdown()
     return 0
 

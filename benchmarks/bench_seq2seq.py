@@ -30,22 +30,49 @@ import numpy as np
 import torch
 import transformers
 
-MARIAN_SHAPE = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
-                    decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
-                    max_position_embeddings=512, activation_function="swish", scale_embedding=True)
-T5_BASE_SHAPE = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_heads=12,
-                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                     feed_forward_proj="relu", tie_word_embeddings=True)
+MARIAN_SHAPE = dict(
+    vocab_size=58101,
+    d_model=512,
+    encoder_layers=6,
+    decoder_layers=6,
+    encoder_attention_heads=8,
+    decoder_attention_heads=8,
+    encoder_ffn_dim=2048,
+    decoder_ffn_dim=2048,
+    max_position_embeddings=512,
+    activation_function="swish",
+    scale_embedding=True,
+)
+T5_BASE_SHAPE = dict(
+    vocab_size=32128,
+    d_model=768,
+    d_kv=64,
+    d_ff=3072,
+    num_layers=12,
+    num_heads=12,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="relu",
+    tie_word_embeddings=True,
+)
 
 
 def model_config(shape: str) -> transformers.PretrainedConfig:
     if shape == "marian":
         vocab = MARIAN_SHAPE["vocab_size"]
-        return transformers.MarianConfig(**MARIAN_SHAPE, pad_token_id=vocab - 1, decoder_start_token_id=vocab - 1,
-                                         eos_token_id=0, bos_token_id=None, forced_eos_token_id=None)
+        return transformers.MarianConfig(
+            **MARIAN_SHAPE,
+            pad_token_id=vocab - 1,
+            decoder_start_token_id=vocab - 1,
+            eos_token_id=0,
+            bos_token_id=None,
+            forced_eos_token_id=None,
+        )
     # T5's pad and decoder start are id 0, EOS id 1; `<pad>` is made the last id below, so 0 and 1
     # are ordinary tokens of the tokenizer: harmless, prompts are token ids and EOS is ignored
-    return transformers.T5Config(**T5_BASE_SHAPE, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return transformers.T5Config(
+        **T5_BASE_SHAPE, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0
+    )
 
 
 def build_checkpoint(path: Path, shape: str = "marian") -> Path:
@@ -68,7 +95,9 @@ def build_checkpoint(path: Path, shape: str = "marian") -> Path:
     return path
 
 
-def workload(num: int, seed: int, vocab: int = MARIAN_SHAPE["vocab_size"]) -> tuple[list[list[int]], list[int]]:
+def workload(
+    num: int, seed: int, vocab: int = MARIAN_SHAPE["vocab_size"]
+) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(32, 129, size=num)
     sources = [rng.integers(2, vocab - 1, size=n).tolist() for n in lengths]
@@ -78,33 +107,64 @@ def workload(num: int, seed: int, vocab: int = MARIAN_SHAPE["vocab_size"]) -> tu
 def batches(sources, targets, batch: int, beam: int):
     """(sources, target lengths) per batch; with beams, each batch's longest target for all."""
     for i in range(0, len(sources), batch):
-        lens = targets[i:i + batch]
-        yield sources[i:i + batch], lens if beam == 1 else [max(lens)] * len(lens)
+        lens = targets[i : i + batch]
+        yield sources[i : i + batch], lens if beam == 1 else [max(lens)] * len(lens)
 
 
-def run_kvserve(path: Path, sources, targets, batch: int, dtype: str, beam: int = 1,
-                quantization: str | None = None, device: str = "cpu") -> float:
+def run_kvserve(
+    path: Path,
+    sources,
+    targets,
+    batch: int,
+    dtype: str,
+    beam: int = 1,
+    quantization: str | None = None,
+    device: str = "cpu",
+) -> float:
     from kvserve.engine import LLM, BeamSearchParams, SamplingParams
     from kvserve.engine.worker.kv_pool import prefault
 
-    llm = LLM(str(path), dtype=dtype, device=device, max_num_seqs=max(batch * beam, 1), quantization=quantization)
-    llm.generate([{"prompt_token_ids": sources[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        str(path),
+        dtype=dtype,
+        device=device,
+        max_num_seqs=max(batch * beam, 1),
+        quantization=quantization,
+    )
+    llm.generate(
+        [{"prompt_token_ids": sources[0]}],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     if device == "cpu":  # as the server does once it is up: no first-touch page faults timed
         prefault(llm.engine.runner.attn_layers)
     start = time.perf_counter()
     for chunk, lens in batches(sources, targets, batch, beam):
         prompts = [{"prompt_token_ids": s} for s in chunk]
         if beam > 1:
-            llm.beam_search(prompts, BeamSearchParams(beam_width=beam, max_tokens=lens[0], ignore_eos=True))
+            llm.beam_search(
+                prompts, BeamSearchParams(beam_width=beam, max_tokens=lens[0], ignore_eos=True)
+            )
         else:
             params = [SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True) for t in lens]
             llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start
 
 
-def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dtype: str = "float32",
-                     device: str = "cpu") -> float:
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+def run_transformers(
+    path: Path,
+    sources,
+    targets,
+    batch: int,
+    beam: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> float:
+    model = (
+        transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        .to(device)
+        .eval()
+    )
     pad = model.config.pad_token_id
     start = time.perf_counter()
     with torch.inference_mode():
@@ -113,14 +173,23 @@ def run_transformers(path: Path, sources, targets, batch: int, beam: int = 1, dt
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             # a static batch runs to its longest target (shorter outputs are cut afterwards)
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(lens),
-                           min_new_tokens=max(lens), do_sample=False, num_beams=beam, early_stopping=False)
+            model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max(lens),
+                min_new_tokens=max(lens),
+                do_sample=False,
+                num_beams=beam,
+                early_stopping=False,
+            )
     if device != "cpu":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def run_ct2(path: Path, sources, targets, batch: int, compute_type: str, work: Path, beam: int = 1) -> float:
+def run_ct2(
+    path: Path, sources, targets, batch: int, compute_type: str, work: Path, beam: int = 1
+) -> float:
     import ctranslate2
 
     out = work / f"ct2-{path.name}"
@@ -130,21 +199,41 @@ def run_ct2(path: Path, sources, targets, batch: int, compute_type: str, work: P
         config["unk_token"] = config["unk_token"] or config["eos_token"]  # (the tokenizer has none)
         (out / "config.json").write_text(json.dumps(config))
     vocab = json.loads((out / "shared_vocabulary.json").read_text())
-    translator = ctranslate2.Translator(str(out), device="cpu", compute_type=compute_type, inter_threads=1,
-                                        intra_threads=torch.get_num_threads())
+    translator = ctranslate2.Translator(
+        str(out),
+        device="cpu",
+        compute_type=compute_type,
+        inter_threads=1,
+        intra_threads=torch.get_num_threads(),
+    )
     tokens = [[vocab[t] for t in s] for s in sources]
     start = time.perf_counter()
     for chunk, lens in batches(tokens, targets, batch, beam):
-        translator.translate_batch(chunk, max_batch_size=batch, beam_size=beam,
-                                   max_decoding_length=max(lens), min_decoding_length=max(lens))
+        translator.translate_batch(
+            chunk,
+            max_batch_size=batch,
+            beam_size=beam,
+            max_decoding_length=max(lens),
+            min_decoding_length=max(lens),
+        )
     return time.perf_counter() - start
 
 
 def write(args: argparse.Namespace, results: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shape": args.shape, "beam": args.beam, "num_prompts": args.num_prompts,
-                                    "device": args.device,
-                                    "threads": torch.get_num_threads(), "results": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "shape": args.shape,
+                "beam": args.beam,
+                "num_prompts": args.num_prompts,
+                "device": args.device,
+                "threads": torch.get_num_threads(),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,14 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (kvserve, transformers; CTranslate2: cpu)")
-    parser.add_argument("--checkpoint", type=Path, help="default: loadtest_out/models/<shape>-shape-random")
-    parser.add_argument("--ct2", type=Path, help="folder with ctranslate2 installed (pip install --target)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu or cuda (kvserve, transformers; CTranslate2: cpu)"
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, help="default: loadtest_out/models/<shape>-shape-random"
+    )
+    parser.add_argument(
+        "--ct2", type=Path, help="folder with ctranslate2 installed (pip install --target)"
+    )
     parser.add_argument("--ct2-compute-types", nargs="+", default=["float32", "int8"])
     parser.add_argument("--kvserve-dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--transformers-dtypes", nargs="+", default=["float32"])
-    parser.add_argument("--kvserve-quantization", nargs="*", default=[],
-                        help="also run kvserve in bfloat16 with these weight formats (int8, int4)")
+    parser.add_argument(
+        "--kvserve-quantization",
+        nargs="*",
+        default=[],
+        help="also run kvserve in bfloat16 with these weight formats (int8, int4)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "ctranslate2"])
     parser.add_argument("--out", type=Path, default=Path("bench_out/seq2seq.json"))
     args = parser.parse_args(argv)
@@ -174,25 +273,59 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for batch in args.batch_sizes:
         total = sum(sum(lens) for _, lens in batches(sources, targets, batch, args.beam))
-        runs = [(f"kvserve {d}", lambda d=d: run_kvserve(path, sources, targets, batch, d, args.beam,
-                                                         device=args.device))
-                for d in args.kvserve_dtypes]
-        runs += [(f"kvserve bfloat16 {q}", lambda q=q: run_kvserve(path, sources, targets, batch, "bfloat16",
-                                                                  args.beam, q, args.device))
-                 for q in args.kvserve_quantization]
+        runs = [
+            (
+                f"kvserve {d}",
+                lambda d=d: run_kvserve(
+                    path, sources, targets, batch, d, args.beam, device=args.device
+                ),
+            )
+            for d in args.kvserve_dtypes
+        ]
+        runs += [
+            (
+                f"kvserve bfloat16 {q}",
+                lambda q=q: run_kvserve(
+                    path, sources, targets, batch, "bfloat16", args.beam, q, args.device
+                ),
+            )
+            for q in args.kvserve_quantization
+        ]
         if "transformers" not in args.skip:
-            runs += [(f"transformers {d}", lambda d=d: run_transformers(path, sources, targets, batch, args.beam, d,
-                                                                        args.device))
-                     for d in args.transformers_dtypes]
+            runs += [
+                (
+                    f"transformers {d}",
+                    lambda d=d: run_transformers(
+                        path, sources, targets, batch, args.beam, d, args.device
+                    ),
+                )
+                for d in args.transformers_dtypes
+            ]
         if args.ct2 and "ctranslate2" not in args.skip:
-            runs += [(f"ctranslate2 {c}", lambda c=c: run_ct2(path, sources, targets, batch, c, checkpoint.parent,
-                                                              args.beam))
-                     for c in args.ct2_compute_types]
+            runs += [
+                (
+                    f"ctranslate2 {c}",
+                    lambda c=c: run_ct2(
+                        path, sources, targets, batch, c, checkpoint.parent, args.beam
+                    ),
+                )
+                for c in args.ct2_compute_types
+            ]
         for name, run in runs:
             seconds = run()
-            results.append({"system": name, "batch": batch, "seconds": seconds, "tokens_per_s": total / seconds})
-            print(f"{args.shape} beam {args.beam} batch {batch:3d}  {name:26s} {total / seconds:8.1f} tok/s  "
-                  f"({seconds:.1f} s)", flush=True)
+            results.append(
+                {
+                    "system": name,
+                    "batch": batch,
+                    "seconds": seconds,
+                    "tokens_per_s": total / seconds,
+                }
+            )
+            print(
+                f"{args.shape} beam {args.beam} batch {batch:3d}  {name:26s} {total / seconds:8.1f} tok/s  "
+                f"({seconds:.1f} s)",
+                flush=True,
+            )
             write(args, results)  # after every row: a run cut short keeps what it measured
     return 0
 

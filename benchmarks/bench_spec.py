@@ -28,14 +28,25 @@ from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.spec_decode import proposer as spec_decode
 
 
-def run_once(model: str, spec: dict | None, prompts: list[list[int]], params: SamplingParams,
-             quantization: str | None) -> dict:
-    llm = LLM(model, speculative_config=spec, quantization=quantization, max_num_seqs=max(len(prompts), 1))
+def run_once(
+    model: str,
+    spec: dict | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    quantization: str | None,
+) -> dict:
+    llm = LLM(
+        model, speculative_config=spec, quantization=quantization, max_num_seqs=max(len(prompts), 1)
+    )
     engine = llm.engine
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([prompts[0][:16]], warm, use_tqdm=False)  # first-use costs out of the timing
     sched = engine.scheduler
-    drafts0, accepted0, verif0 = sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_verifications
+    drafts0, accepted0, verif0 = (
+        sched.num_draft_tokens,
+        sched.num_accepted_tokens,
+        sched.num_verifications,
+    )
     generated0 = engine.stats().generation_tokens_total
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, params)
@@ -59,7 +70,9 @@ def run_once(model: str, spec: dict | None, prompts: list[list[int]], params: Sa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_spec", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_spec", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", default="loadtest_out/models/smollm-135m-random")
     p.add_argument("--ks", default="2,4,8")
     p.add_argument("--batch-sizes", default="1,64")
@@ -67,21 +80,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-batch-size", type=int, default=None,
-                   help="the policy's max_batch_size (default: the config's own)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="the policy's max_batch_size (default: the config's own)",
+    )
     p.add_argument("--adversarial", action="store_true", help="drafts that are never accepted")
-    p.add_argument("--draft", default=None, help="a draft model's checkpoint (method draft_model) instead of n-grams")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="a draft model's checkpoint (method draft_model) instead of n-grams",
+    )
     p.add_argument("--quantization", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON file for every run")
     args = p.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    if args.adversarial:  # the previous token + 1, k times: a random model's greedy run never continues so
-        spec_decode.Proposer.draft = lambda self, request, k: [(request.all_token_ids[-1] + 1) % 20000] * k
+    if (
+        args.adversarial
+    ):  # the previous token + 1, k times: a random model's greedy run never continues so
+        spec_decode.Proposer.draft = lambda self, request, k: (
+            [(request.all_token_ids[-1] + 1) % 20000] * k
+        )
     rng = np.random.default_rng(args.seed)
     results = []
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
-                            seed=args.seed if args.temperature > 0 else None)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        seed=args.seed if args.temperature > 0 else None,
+    )
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         prompts = [rng.integers(100, 20000, args.input_len).tolist() for _ in range(batch)]
         for rnd in range(args.rounds):
@@ -94,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_once(args.model, spec, prompts, params, args.quantization)
                 r.update(batch=batch, k=k, round=rnd)
                 results.append(r)
-                print(f"batch {batch:3d} round {rnd} K={k}: decode {r['decode_tok_s']:7.1f} tok/s, "
-                      f"acceptance {r['acceptance']:.2f}, {r['accepted_per_verification']:.2f} accepted per "
-                      f"verification, {r['draft_tokens']} drafts", flush=True)
+                print(
+                    f"batch {batch:3d} round {rnd} K={k}: decode {r['decode_tok_s']:7.1f} tok/s, "
+                    f"acceptance {r['acceptance']:.2f}, {r['accepted_per_verification']:.2f} accepted per "
+                    f"verification, {r['draft_tokens']} drafts",
+                    flush=True,
+                )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -40,7 +40,16 @@ print(json.dumps({"import_s": imported - start, "engine_s": done - imported}))
 
 
 def serve_command(model: str | None, port: int, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     return cmd + (["--model", model] if model else []) + extra
 
 
@@ -69,8 +78,12 @@ def time_to_healthy(cmd: list[str], port: int, log_path: Path, timeout_s: float)
 def time_offline(model: str | None) -> dict:
     """`LLMEngine` construction in a fresh interpreter: wall, import and engine seconds, phase line."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_CHILD, json.dumps({"model": model})],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_CHILD, json.dumps({"model": model})],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"offline engine start failed:\n{proc.stderr[-3000:]}")
@@ -84,11 +97,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the built-in model)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for one start")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for one start"
+    )
     parser.add_argument("--offline", action="store_true", help="also time LLMEngine construction")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
@@ -103,18 +120,30 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvserve-startup-") as tmp:
         for i in range(args.repeats):
             port = free_port()
-            seconds = time_to_healthy(serve_command(args.model, port, extra), port,
-                                      Path(tmp) / f"serve-{i}.log", args.timeout)
+            seconds = time_to_healthy(
+                serve_command(args.model, port, extra),
+                port,
+                Path(tmp) / f"serve-{i}.log",
+                args.timeout,
+            )
             serve_s.append(seconds)
-            print(f"serve start-up {i + 1}/{args.repeats}: {seconds:.2f} s to /health 200", flush=True)
-    results: dict = {"model": args.model, "serve_flags": extra, "serve_s": serve_s,
-                     "serve_median_s": statistics.median(serve_s)}
+            print(
+                f"serve start-up {i + 1}/{args.repeats}: {seconds:.2f} s to /health 200", flush=True
+            )
+    results: dict = {
+        "model": args.model,
+        "serve_flags": extra,
+        "serve_s": serve_s,
+        "serve_median_s": statistics.median(serve_s),
+    }
     print(f"median of {args.repeats}: {results['serve_median_s']:.2f} s")
     if args.offline:
         offline = [time_offline(args.model) for _ in range(args.repeats)]
         for i, run in enumerate(offline):
-            print(f"LLMEngine {i + 1}/{args.repeats}: {run['wall_s']:.2f} s in a fresh interpreter "
-                  f"(imports {run['import_s']:.2f}, engine {run['engine_s']:.2f}): {run['phases']}")
+            print(
+                f"LLMEngine {i + 1}/{args.repeats}: {run['wall_s']:.2f} s in a fresh interpreter "
+                f"(imports {run['import_s']:.2f}, engine {run['engine_s']:.2f}): {run['phases']}"
+            )
         results["offline"] = offline
         results["offline_median_s"] = statistics.median(run["wall_s"] for run in offline)
     if args.out:

@@ -32,19 +32,33 @@ import torch
 
 from benchmarks.smollm_checkpoint import build_smollm_like
 
+
 def long_schema(item: dict) -> dict:
     """An object holding an array of at least 1,000 `item`s: its output cannot end within 128 tokens."""
-    return {"type": "object", "required": ["items"],
-            "properties": {"items": {"type": "array", "items": item, "minItems": 1000}}}
+    return {
+        "type": "object",
+        "required": ["items"],
+        "properties": {"items": {"type": "array", "items": item, "minItems": 1000}},
+    }
 
 
 # the constrained cases: what the items of the array are
 CASES = {
-    "json_schema": long_schema({"type": "string"}),  # strings: most tokens allowed, masks mostly precomputed
+    "json_schema": long_schema(
+        {"type": "string"}
+    ),  # strings: most tokens allowed, masks mostly precomputed
     "json_schema_bounded": long_schema({"type": "string", "maxLength": 12}),  # xgrammar's slow case
-    "json_schema_mixed": long_schema({"type": "object", "required": ["id", "tag"], "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 99999}, "tag": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"}}}),
+    "json_schema_mixed": long_schema(
+        {
+            "type": "object",
+            "required": ["id", "tag"],
+            "properties": {
+                "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                "tag": {"enum": ["red", "green", "blue"]},
+                "ok": {"type": "boolean"},
+            },
+        }
+    ),
 }
 
 
@@ -60,10 +74,21 @@ def big_schema(num_properties: int) -> dict:
         elif kind == 2:
             props[f"e{i}"] = {"enum": ["red", "green", "blue", f"c{i}"]}
         elif kind == 3:
-            props[f"a{i}"] = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4}
+            props[f"a{i}"] = {
+                "type": "array",
+                "items": {"type": "number"},
+                "minItems": 1,
+                "maxItems": 4,
+            }
         elif kind == 4:
-            props[f"o{i}"] = {"type": "object", "required": ["x"], "properties": {
-                "x": {"type": "boolean"}, "y": {"type": "string", "pattern": "^[a-z]{2,5}$"}}}
+            props[f"o{i}"] = {
+                "type": "object",
+                "required": ["x"],
+                "properties": {
+                    "x": {"type": "boolean"},
+                    "y": {"type": "string", "pattern": "^[a-z]{2,5}$"},
+                },
+            }
         else:
             props[f"u{i}"] = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "integer"}]}
     return {"type": "object", "properties": props, "required": list(props)[: num_properties // 2]}
@@ -89,7 +114,9 @@ def run(llm, prompts: list[list[int]], max_tokens: int, schema: dict | None) -> 
     from kvserve.engine.sampling_params import StructuredOutputs
 
     spec = StructuredOutputs(json=schema) if schema is not None else None
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec
+    )
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -107,8 +134,9 @@ def compile_times(llm, schema: dict) -> tuple[float, float]:
     from kvserve.engine.structured_output.grammar import StructuredOutputManager
 
     info = llm.engine.info
-    manager = StructuredOutputManager(llm.tokenizer, info.vocab_size, info.eos_token_ids,
-                                      EngineArgs().structured_outputs_config())
+    manager = StructuredOutputManager(
+        llm.tokenizer, info.vocab_size, info.eos_token_ids, EngineArgs().structured_outputs_config()
+    )
     spec = StructuredOutputs(json=schema)
     start = time.perf_counter()
     manager._compiled(spec).result()
@@ -119,7 +147,9 @@ def compile_times(llm, schema: dict) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -127,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians are reported")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each, alternating; medians are reported"
+    )
     parser.add_argument("--out", default="bench_out/bench_structured.json")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -154,29 +186,54 @@ def main(argv: list[str] | None = None) -> int:
         for name, schema in CASES.items():
             fill.total_s = apply.total_s = fill.calls = apply.calls = 0
             runs[name].append(run(llm, prompts, args.max_tokens, schema))
-            per_step[name] = (fill.total_s / max(fill.calls, 1) * 1e3, apply.total_s / max(apply.calls, 1) * 1e3)
+            per_step[name] = (
+                fill.total_s / max(fill.calls, 1) * 1e3,
+                apply.total_s / max(apply.calls, 1) * 1e3,
+            )
     medians = {name: statistics.median(r) for name, r in runs.items()}
     # each repeat's constrained runs against that repeat's plain run (seconds apart): steadier on a
     # shared machine than a ratio of medians taken minutes apart
-    ratios = {name: statistics.median(c / p for c, p in zip(runs[name], runs["plain"])) for name in CASES}
-    print(f"{args.num_requests} requests x {args.max_tokens} tokens, prompt {args.prompt_len}, {args.dtype}, "
-          f"{args.threads} threads")
+    ratios = {
+        name: statistics.median(c / p for c, p in zip(runs[name], runs["plain"])) for name in CASES
+    }
+    print(
+        f"{args.num_requests} requests x {args.max_tokens} tokens, prompt {args.prompt_len}, {args.dtype}, "
+        f"{args.threads} threads"
+    )
     for name, r in runs.items():
-        extra = "" if name == "plain" else (
-            f" = {ratios[name]:6.1%} of plain (median of per-repeat ratios); per step (last run): "
-            f"bitmask fill {per_step[name][0]:.2f} ms, apply {per_step[name][1]:.2f} ms")
-        print(f"  {name:20s} {medians[name]:7.1f} tok/s (runs {' / '.join(f'{x:.1f}' for x in r)}){extra}")
+        extra = (
+            ""
+            if name == "plain"
+            else (
+                f" = {ratios[name]:6.1%} of plain (median of per-repeat ratios); per step (last run): "
+                f"bitmask fill {per_step[name][0]:.2f} ms, apply {per_step[name][1]:.2f} ms"
+            )
+        )
+        print(
+            f"  {name:20s} {medians[name]:7.1f} tok/s (runs {' / '.join(f'{x:.1f}' for x in r)}){extra}"
+        )
 
     compile_results = {}
     for num_properties in (60, 200):
         cold, cached = compile_times(llm, big_schema(num_properties))
         compile_results[num_properties] = dict(cold_s=cold, cached_s=cached)
-        print(f"  compile a {num_properties}-property schema: cold {cold:.3f} s, cached {cached * 1e3:.3f} ms")
+        print(
+            f"  compile a {num_properties}-property schema: cold {cold:.3f} s, cached {cached * 1e3:.3f} ms"
+        )
 
-    results = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-               "dtype": args.dtype, "torch": torch.__version__, "num_requests": args.num_requests,
-               "max_tokens": args.max_tokens, "tok_s": medians, "runs": runs, "ratio_to_plain": ratios,
-               "fill_apply_ms_per_step": per_step, "compile": compile_results}
+    results = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "tok_s": medians,
+        "runs": runs,
+        "ratio_to_plain": ratios,
+        "fill_apply_ms_per_step": per_step,
+        "compile": compile_results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -27,9 +27,15 @@ _SHM_BYTES = 1 << 22
 def decode_record(batch_size: int, step: int) -> wire.WorkerStep:
     """A decode step of `batch_size` running requests and the previous step's samples."""
     req_ids = tuple(f"cmpl-{i:08x}#0" for i in range(batch_size))
-    record = StepRecord(finished_req_ids=(), preempted_req_ids=(), new_requests=(), req_ids=req_ids,
-                        num_computed_tokens=tuple(500 + step for _ in req_ids), num_scheduled_tokens=(1,) * batch_size,
-                        new_block_ids={req_ids[0]: (1000 + step,)} if step % 16 == 0 else {})
+    record = StepRecord(
+        finished_req_ids=(),
+        preempted_req_ids=(),
+        new_requests=(),
+        req_ids=req_ids,
+        num_computed_tokens=tuple(500 + step for _ in req_ids),
+        num_scheduled_tokens=(1,) * batch_size,
+        new_block_ids={req_ids[0]: (1000 + step,)} if step % 16 == 0 else {},
+    )
     return wire.WorkerStep(record=record, prev_sampled_token_ids=tuple(range(batch_size)))
 
 
@@ -47,7 +53,7 @@ def _shm_child(name: str, ready, done) -> None:
         while True:
             ready.acquire()
             (size,) = struct.unpack_from("<I", shm.buf, 0)
-            message = wire.decode(shm.buf[4:4 + size])
+            message = wire.decode(shm.buf[4 : 4 + size])
             done.release()
             if isinstance(message, wire.Stop):
                 return
@@ -83,7 +89,7 @@ def bench_shm(messages: list[wire.WorkerStep]) -> list[float]:
             start = time.perf_counter()
             data = wire.encode(message)
             struct.pack_into("<I", shm.buf, 0, len(data))
-            shm.buf[4:4 + len(data)] = data
+            shm.buf[4 : 4 + len(data)] = data
             ready.release()
             done.acquire()
             times.append(time.perf_counter() - start)
@@ -106,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         row = [f"{batch_size}", f"{size}"]
         for bench in (bench_pipe, bench_shm):
             times = sorted(bench(messages)[100:])  # after warm-up
-            row.append(f"{statistics.median(times) * 1e6:.0f} / {times[int(len(times) * 0.99)] * 1e6:.0f}")
+            row.append(
+                f"{statistics.median(times) * 1e6:.0f} / {times[int(len(times) * 0.99)] * 1e6:.0f}"
+            )
         print("| " + " | ".join(row) + " |")
 
 

@@ -32,11 +32,15 @@ def _rotl31(acc: np.ndarray) -> np.ndarray:
 def _tokens(start: int, count: int, num_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
     """Prefix i's tokens, a pure function of (seed, i): the winners are rebuilt, not stored."""
     index = np.arange(start, start + count, dtype=np.uint64)[:, None] * np.uint64(num_tokens)
-    x = index + np.arange(num_tokens, dtype=np.uint64)[None, :] + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)   # splitmix64 finalizer
+    x = (
+        index
+        + np.arange(num_tokens, dtype=np.uint64)[None, :]
+        + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+    )
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finalizer
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
-    return (np.uint64(1) + x % np.uint64(vocab_size - 1)).astype(np.int64)   # ids in [1, vocab_size)
+    return (np.uint64(1) + x % np.uint64(vocab_size - 1)).astype(np.int64)  # ids in [1, vocab_size)
 
 
 def _scaled_states(tokens: np.ndarray) -> np.ndarray:
@@ -49,18 +53,26 @@ def _scaled_states(tokens: np.ndarray) -> np.ndarray:
     return acc * np.uint64(pow(P2, -1, 2**64))
 
 
-def find_pair(vocab_size: int, block_size: int, log2_prefixes: int, seed: int) -> tuple[list[int], list[int]] | None:
+def find_pair(
+    vocab_size: int, block_size: int, log2_prefixes: int, seed: int
+) -> tuple[list[int], list[int]] | None:
     num_prefixes, chunk = 1 << log2_prefixes, 1 << 21
     with np.errstate(over="ignore"):
-        y = np.concatenate([_scaled_states(_tokens(s, min(chunk, num_prefixes - s), block_size - 1, vocab_size, seed))
-                            for s in range(0, num_prefixes, chunk)])
+        y = np.concatenate(
+            [
+                _scaled_states(
+                    _tokens(s, min(chunk, num_prefixes - s), block_size - 1, vocab_size, seed)
+                )
+                for s in range(0, num_prefixes, chunk)
+            ]
+        )
         order = np.argsort(y, kind="stable")
         gaps = y[order[1:]] - y[order[:-1]]
     for k in np.flatnonzero(gaps < np.uint64(vocab_size - 1)):
         low, high = int(order[k]), int(order[k + 1])
         gap = int(gaps[k])
         if gap == 0:
-            continue   # same state: equal prefixes, or a collision earlier in the chain; not wanted
+            continue  # same state: equal prefixes, or a collision earlier in the chain; not wanted
         # y_high - y_low = gap, so state_high + 1 * P2 == state_low + (1 + gap) * P2
         a = _tokens(low, 1, block_size - 1, vocab_size, seed)[0].tolist() + [1 + gap]
         b = _tokens(high, 1, block_size - 1, vocab_size, seed)[0].tolist() + [1]
@@ -73,8 +85,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=65536)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--log2-prefixes", type=int, default=25,
-                        help="prefixes tried; about log2(2^64 / vocab_size) / 2 + 1 finds a pair")
+    parser.add_argument(
+        "--log2-prefixes",
+        type=int,
+        default=25,
+        help="prefixes tried; about log2(2^64 / vocab_size) / 2 + 1 finds a pair",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     pair = find_pair(args.vocab_size, args.block_size, args.log2_prefixes, args.seed)

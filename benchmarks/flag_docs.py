@@ -25,8 +25,10 @@ def tables() -> dict[str, tuple[Path, str]]:
     from kvserve.server.flags import flags_table
     from kvserve.server.ray_options import RayClusterOptions, RayOptions
 
-    return {"serve": (ROOT / "docs" / "server.md", flags_table(ServerConfig)),
-            "ray": (ROOT / "docs" / "scaling.md", flags_table(RayOptions, RayClusterOptions))}
+    return {
+        "serve": (ROOT / "docs" / "server.md", flags_table(ServerConfig)),
+        "ray": (ROOT / "docs" / "scaling.md", flags_table(RayOptions, RayClusterOptions)),
+    }
 
 
 def render(page: str, name: str, table: str) -> str:
@@ -38,8 +40,11 @@ def render(page: str, name: str, table: str) -> str:
 
 
 def stale_pages() -> list[Path]:
-    return [path for name, (path, table) in tables().items()
-            if render(path.read_text(), name, table) != path.read_text()]
+    return [
+        path
+        for name, (path, table) in tables().items()
+        if render(path.read_text(), name, table) != path.read_text()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_pages()
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(ROOT)}: the flag table is stale; run python benchmarks/flag_docs.py")
+            print(
+                f"{path.relative_to(ROOT)}: the flag table is stale; run python benchmarks/flag_docs.py"
+            )
         return 1 if stale else 0
     for name, (path, table) in tables().items():
         path.write_text(render(path.read_text(), name, table))

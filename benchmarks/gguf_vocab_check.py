@@ -25,9 +25,16 @@ def check(path: Path) -> tuple[int, int, str]:
 
     tokenizer = load_tokenizer(str(path))
     texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split(SEPARATOR)
-    expected = path.with_name(path.name + ".out").read_text(encoding="utf-8").removesuffix("\n").split("\n")
+    expected = (
+        path.with_name(path.name + ".out")
+        .read_text(encoding="utf-8")
+        .removesuffix("\n")
+        .split("\n")
+    )
     exact, first = 0, ""
-    if texts[-1] == "" and len(expected) == len(texts) - 1:  # (some files give the empty last text no line)
+    if (
+        texts[-1] == "" and len(expected) == len(texts) - 1
+    ):  # (some files give the empty last text no line)
         texts.pop()
     if len(texts) != len(expected):
         raise ValueError(f"{path.name}: {len(texts)} texts but {len(expected)} lines of ids")
@@ -42,7 +49,9 @@ def check(path: Path) -> tuple[int, int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("llama_cpp_dir", type=Path, help="llama.cpp's source tree (the llama-cpp-python sdist's)")
+    parser.add_argument(
+        "llama_cpp_dir", type=Path, help="llama.cpp's source tree (the llama-cpp-python sdist's)"
+    )
     args = parser.parse_args(argv)
     from kvserve.models.gguf_metadata import ARCHITECTURES, field, open_gguf
 

@@ -33,23 +33,54 @@ MODEL = "loadtest_out/models/smollm-135m-random"
 
 def tool(name: str) -> dict:
     """A realistic function: strings, an enum, a bounded integer, an array, a nested object."""
-    return {"type": "function", "function": {"name": name, "description": f"Run {name} for the user.", "parameters": {
-        "type": "object", "additionalProperties": False, "required": ["query", "unit"],
-        "properties": {
-            "query": {"type": "string", "description": "what to look up"},
-            "unit": {"type": "string", "enum": ["metric", "imperial", "kelvin"]},
-            "limit": {"type": "integer", "minimum": 1, "maximum": 100},
-            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
-            "filter": {"type": "object", "additionalProperties": False, "required": ["field"],
-                       "properties": {"field": {"type": "string"}, "value": {"type": "number"}}},
-        }}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"Run {name} for the user.",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["query", "unit"],
+                "properties": {
+                    "query": {"type": "string", "description": "what to look up"},
+                    "unit": {"type": "string", "enum": ["metric", "imperial", "kelvin"]},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+                    "filter": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["field"],
+                        "properties": {"field": {"type": "string"}, "value": {"type": "number"}},
+                    },
+                },
+            },
+        },
+    }
 
 
-def start_server(tree: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    tree: str, model: str, port: int, extra: list[str]
+) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile("w+", prefix="grammar-bench-", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": tree, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", os.path.abspath(model), "--port", str(port),
-           "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.server.cli",
+        "serve",
+        "--model",
+        os.path.abspath(model),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -78,7 +109,12 @@ def one_round(url: str, num_tools: int, stream_tokens: int) -> dict:
     started, done = threading.Event(), threading.Event()
 
     def stream() -> None:  # until the big request is done (closing it aborts the rest)
-        body = {"prompt": "Once upon a time", "max_tokens": stream_tokens, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": stream_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -94,15 +130,21 @@ def one_round(url: str, num_tools: int, stream_tokens: int) -> dict:
     time.sleep(2.0)  # quiet seconds for the baseline gaps
     tag = uuid.uuid4().hex[:8]
     tools = [tool(f"fn_{tag}_{i}") for i in range(num_tools)]
-    body = {"messages": [{"role": "user", "content": "Call a tool."}], "tools": tools, "tool_choice": "required",
-            "max_tokens": 32}
+    body = {
+        "messages": [{"role": "user", "content": "Call a tool."}],
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 32,
+    }
     result: dict = {}
     gauge = []
 
     def big() -> None:
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
-        result.update(status=r.status_code, seconds=time.monotonic() - t0, start=t0, end=time.monotonic())
+        result.update(
+            status=r.status_code, seconds=time.monotonic() - t0, start=t0, end=time.monotonic()
+        )
 
     sender = threading.Thread(target=big)
     sender.start()
@@ -112,23 +154,38 @@ def one_round(url: str, num_tools: int, stream_tokens: int) -> dict:
     time.sleep(0.5)
     done.set()
     streamer.join()
-    before = [b - a for a, b in zip(times, times[1:]) if result["start"] - 2.0 < b < result["start"]]
-    during = [b - a for a, b in zip(times, times[1:]) if result["start"] <= b <= result["end"] + 0.2]
-    return {"status": result["status"], "request_s": result["seconds"], "max_compiling_gauge": max(gauge),
-            "gap_ms_before_median": 1000 * statistics.median(before) if before else None,
-            "gap_ms_during_median": 1000 * statistics.median(during) if during else None,
-            "gap_ms_during_p99": 1000 * sorted(during)[int(0.99 * (len(during) - 1))] if during else None,
-            "gap_ms_during_max": 1000 * max(during) if during else None, "num_gaps_during": len(during)}
+    before = [
+        b - a for a, b in zip(times, times[1:]) if result["start"] - 2.0 < b < result["start"]
+    ]
+    during = [
+        b - a for a, b in zip(times, times[1:]) if result["start"] <= b <= result["end"] + 0.2
+    ]
+    return {
+        "status": result["status"],
+        "request_s": result["seconds"],
+        "max_compiling_gauge": max(gauge),
+        "gap_ms_before_median": 1000 * statistics.median(before) if before else None,
+        "gap_ms_during_median": 1000 * statistics.median(during) if during else None,
+        "gap_ms_during_p99": 1000 * sorted(during)[int(0.99 * (len(during) - 1))]
+        if during
+        else None,
+        "gap_ms_during_max": 1000 * max(during) if during else None,
+        "num_gaps_during": len(during),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--tools", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stream-tokens", type=int, default=1900)
-    parser.add_argument("--server-arg", action="append", default=[], help="NAME=ARG: extra flag for one tree")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="NAME=ARG: extra flag for one tree"
+    )
     parser.add_argument("--port", type=int, default=8471)
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
@@ -145,9 +202,18 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(30)
-            print(json.dumps({"round": rnd, "tree": name, "tools": args.tools, **{
-                k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()},
-                "load": round(os.getloadavg()[0], 2)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "round": rnd,
+                        "tree": name,
+                        "tools": args.tools,
+                        **{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()},
+                        "load": round(os.getloadavg()[0], 2),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

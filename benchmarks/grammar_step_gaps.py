@@ -30,12 +30,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _schema(what: str, tag: str) -> dict:
     sys.path.insert(0, HERE)
     from grammar_contention import tool  # noqa: E402
+
     from kvserve.server.tool_parsers import forced_schema  # noqa: E402
 
     kind, _, n = what.partition(":")
     if kind == "tools":
         return forced_schema([tool(f"f{tag}_{i}") for i in range(int(n))], "required")
-    return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(int(n))}}
+    return {
+        "type": "object",
+        "properties": {f"{tag}{i}": {"type": "string"} for i in range(int(n))},
+    }
 
 
 def child(model: str, what: str, nice: str) -> None:
@@ -48,7 +52,9 @@ def child(model: str, what: str, nice: str) -> None:
     engine = LLMEngine(EngineArgs(model=model, device="cpu", dtype="float32", **kwargs))
     if not is_base and nice != "default":
         engine.structured._pool.nice = int(nice)
-    engine.add_request("stream", "Once upon a time", SamplingParams(max_tokens=1900, ignore_eos=True))
+    engine.add_request(
+        "stream", "Once upon a time", SamplingParams(max_tokens=1900, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     engine.structured._get_compiler()  # the tokenizer tables, built once per engine: not part of the figure
@@ -64,16 +70,26 @@ def child(model: str, what: str, nice: str) -> None:
         t = time.perf_counter()
         engine.step()
         during.append(time.perf_counter() - t)
-    print(json.dumps({
-        "compile_wait_s": round(time.perf_counter() - start, 2),
-        "step_ms_before_median": round(1000 * statistics.median(before), 1),
-        "step_ms_during_median": round(1000 * statistics.median(during), 1) if during else None,
-        "step_ms_during_max": round(1000 * max(during), 1) if during else None,
-        "num_steps_during": len(during)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "compile_wait_s": round(time.perf_counter() - start, 2),
+                "step_ms_before_median": round(1000 * statistics.median(before), 1),
+                "step_ms_during_median": round(1000 * statistics.median(during), 1)
+                if during
+                else None,
+                "step_ms_during_max": round(1000 * max(during), 1) if during else None,
+                "num_steps_during": len(during),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH or NAME=PATH:NICE")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--what", default="tools:128", help="tools:N or props:N")
@@ -93,11 +109,34 @@ def main() -> None:
             nice_arg = "base" if is_base else (nice or "default")
             env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
             load = os.getloadavg()[0]
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", os.path.abspath(args.model),
-                                  args.what, nice_arg], cwd=path, env=env, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    os.path.abspath(args.model),
+                    args.what,
+                    nice_arg,
+                ],
+                cwd=path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
-            print(json.dumps({"round": rnd, "tree": name, "nice": nice_arg, "load_before": round(load, 2),
-                              **(json.loads(line) if line.startswith("{") else {"error": line})}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "round": rnd,
+                        "tree": name,
+                        "nice": nice_arg,
+                        "load_before": round(load, 2),
+                        **(json.loads(line) if line.startswith("{") else {"error": line}),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -63,10 +63,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def convert(args: argparse.Namespace) -> None:
     if args.llama_cpp_dir is None:
-        raise ValueError(f"--gguf {args.gguf} does not exist and no --llama-cpp-dir was given to convert")
+        raise ValueError(
+            f"--gguf {args.gguf} does not exist and no --llama-cpp-dir was given to convert"
+        )
     args.gguf.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [args.convert_python, "-c", _CONVERT_CHILD, str(args.llama_cpp_dir), args.pre_tokenizer,
-           args.model, "--outtype", _GGUF_TYPES[args.dtype], "--outfile", str(args.gguf)]
+    cmd = [
+        args.convert_python,
+        "-c",
+        _CONVERT_CHILD,
+        str(args.llama_cpp_dir),
+        args.pre_tokenizer,
+        args.model,
+        "--outtype",
+        _GGUF_TYPES[args.dtype],
+        "--outfile",
+        str(args.gguf),
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -76,10 +88,32 @@ def num_prompts(concurrency: int) -> int:
 
 def llama_server_command(args: argparse.Namespace, port: int, parallel: int) -> list[str]:
     per_slot = args.input_len + args.output_len + 64  # each slot gets n_ctx / parallel
-    return [str(args.llama_bin / "llama-server"), "-m", str(args.gguf), "--alias", args.name,
-            "-t", str(args.threads), "-tb", str(args.threads), "-ngl", "0", "--parallel", str(parallel),
-            "-c", str(parallel * per_slot), "--no-cache-prompt", "--cache-ram", "0", "--no-webui",
-            "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.llama_args)]
+    return [
+        str(args.llama_bin / "llama-server"),
+        "-m",
+        str(args.gguf),
+        "--alias",
+        args.name,
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-ngl",
+        "0",
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(parallel * per_slot),
+        "--no-cache-prompt",
+        "--cache-ram",
+        "0",
+        "--no-webui",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *shlex.split(args.llama_args),
+    ]
 
 
 def kvserve_model(args: argparse.Namespace) -> str:
@@ -89,32 +123,62 @@ def kvserve_model(args: argparse.Namespace) -> str:
 
 
 def kvserve_command(args: argparse.Namespace, port: int) -> list[str]:
-    return serve_command(kvserve_model(args), port, ["--dtype", args.dtype, "--served-model-name", args.name,
-                                                     *shlex.split(args.kvserve_args)])
+    return serve_command(
+        kvserve_model(args),
+        port,
+        ["--dtype", args.dtype, "--served-model-name", args.name, *shlex.split(args.kvserve_args)],
+    )
 
 
 def run_client(args: argparse.Namespace, base_url: str, concurrency: int, out: Path) -> dict:
     """One `loadtest serve` point; returns the figures the summary table shows."""
-    cmd = [sys.executable, "-m", "loadtest", "serve", "--base-url", base_url, "--model", args.name,
-           "--tokenizer", args.model, "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--max-concurrency", str(concurrency), "--num-prompts",
-           str(num_prompts(concurrency)), "--seed", str(args.seed + concurrency), "--no-progress",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest",
+        "serve",
+        "--base-url",
+        base_url,
+        "--model",
+        args.name,
+        "--tokenizer",
+        args.model,
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(concurrency),
+        "--num-prompts",
+        str(num_prompts(concurrency)),
+        "--seed",
+        str(args.seed + concurrency),
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True)
     result = json.loads((out / "result.json").read_text())
     summary, server = result["summary"], result.get("server_metrics") or {}
-    return {"concurrency": concurrency, "completed": summary["completed"],
-            "output_tokens": summary["total_output_tokens"],  # from each stream's usage chunk
-            "content_chunks": sum(r["num_chunks"] for r in result["requests"]),
-            "output_tok_s": summary["output_throughput"], "tpot_p50_ms": summary["tpot"]["p50_ms"],
-            "ttft_p50_ms": summary["ttft"]["p50_ms"], "prefix_cache_hits": server.get("prefix_cache_hits")}
+    return {
+        "concurrency": concurrency,
+        "completed": summary["completed"],
+        "output_tokens": summary["total_output_tokens"],  # from each stream's usage chunk
+        "content_chunks": sum(r["num_chunks"] for r in result["requests"]),
+        "output_tok_s": summary["output_throughput"],
+        "tpot_p50_ms": summary["tpot"]["p50_ms"],
+        "ttft_p50_ms": summary["ttft"]["p50_ms"],
+        "prefix_cache_hits": server.get("prefix_cache_hits"),
+    }
 
 
 def serve_llama(args: argparse.Namespace, out: Path) -> list[dict]:
     rows = []
     for c in args.concurrency:
         port = free_port()
-        with running_server(llama_server_command(args, port, c), port, out / f"llama-server-{c}.log") as url:
+        with running_server(
+            llama_server_command(args, port, c), port, out / f"llama-server-{c}.log"
+        ) as url:
             rows.append(run_client(args, url, c, out / f"llama-server_conc-{c}"))
     return rows
 
@@ -127,30 +191,107 @@ def serve_kvserve(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def offline(args: argparse.Namespace, out: Path) -> dict:
     batch_sizes = ",".join(map(str, args.concurrency))
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_offline", "--model", kvserve_model(args),
-                    "--dtype", args.dtype,
-                    "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--batch-sizes",
-                    batch_sizes, "--repeats", str(args.offline_repeats), "--seed", str(args.seed),
-                    "--out", str(out / "bench_offline.json")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_offline",
+            "--model",
+            kvserve_model(args),
+            "--dtype",
+            args.dtype,
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--batch-sizes",
+            batch_sizes,
+            "--repeats",
+            str(args.offline_repeats),
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(out / "bench_offline.json"),
+        ],
+        check=True,
+    )
     result = {"kvserve": json.loads((out / "bench_offline.json").read_text())["summary"]}
     batched_bench = args.llama_bin / "llama-batched-bench"
     if batched_bench.exists():
         n_kv = max(args.concurrency) * (args.input_len + args.output_len) + 256
-        proc = subprocess.run([str(batched_bench), "-m", str(args.gguf), "-t", str(args.threads), "-tb",
-                               str(args.threads), "-ngl", "0", "-c", str(n_kv), "-b", "2048", "-ub", "512",
-                               "-npp", str(args.input_len), "-ntg", str(args.output_len), "-npl", batch_sizes,
-                               "--output-format", "jsonl"], capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [
+                str(batched_bench),
+                "-m",
+                str(args.gguf),
+                "-t",
+                str(args.threads),
+                "-tb",
+                str(args.threads),
+                "-ngl",
+                "0",
+                "-c",
+                str(n_kv),
+                "-b",
+                "2048",
+                "-ub",
+                "512",
+                "-npp",
+                str(args.input_len),
+                "-ntg",
+                str(args.output_len),
+                "-npl",
+                batch_sizes,
+                "--output-format",
+                "jsonl",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         (out / "llama-batched-bench.log").write_text(proc.stdout + proc.stderr)
-        rows = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("{")]
-        result["llama.cpp"] = [{"batch_size": r["pl"], "output_tok_s": r["pl"] * r["tg"] / r["t"],
-                                "decode_tok_s": r["speed_tg"], "prefill_tok_s": r["speed_pp"]} for r in rows]
+        rows = [
+            json.loads(line)
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if line.startswith("{")
+        ]
+        result["llama.cpp"] = [
+            {
+                "batch_size": r["pl"],
+                "output_tok_s": r["pl"] * r["tg"] / r["t"],
+                "decode_tok_s": r["speed_tg"],
+                "prefill_tok_s": r["speed_pp"],
+            }
+            for r in rows
+        ]
     bench = args.llama_bin / "llama-bench"
     if bench.exists():  # one sequence: prefill and decode speeds apart
-        proc = subprocess.run([str(bench), "-m", str(args.gguf), "-t", str(args.threads), "-ngl", "0", "-p",
-                               str(args.input_len), "-n", str(args.output_len), "-r", "3", "-o", "json"],
-                              capture_output=True, text=True, check=True)
-        result["llama-bench"] = [{"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "avg_tok_s": r["avg_ts"]}
-                                 for r in json.loads(proc.stdout)]
+        proc = subprocess.run(
+            [
+                str(bench),
+                "-m",
+                str(args.gguf),
+                "-t",
+                str(args.threads),
+                "-ngl",
+                "0",
+                "-p",
+                str(args.input_len),
+                "-n",
+                str(args.output_len),
+                "-r",
+                "3",
+                "-o",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result["llama-bench"] = [
+            {"n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "avg_tok_s": r["avg_ts"]}
+            for r in json.loads(proc.stdout)
+        ]
     return result
 
 
@@ -160,7 +301,11 @@ def startup(args: argparse.Namespace, out: Path) -> dict:
         for i in range(args.startup_repeats):
             for name in times:
                 port = free_port()
-                cmd = llama_server_command(args, port, 1) if name == "llama-server" else kvserve_command(args, port)
+                cmd = (
+                    llama_server_command(args, port, 1)
+                    if name == "llama-server"
+                    else kvserve_command(args, port)
+                )
                 times[name].append(time_to_healthy(cmd, port, Path(tmp) / f"{name}-{i}.log", 300.0))
     result = {name: {"runs_s": t, "median_s": statistics.median(t)} for name, t in times.items()}
     (out / "startup.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -168,30 +313,47 @@ def startup(args: argparse.Namespace, out: Path) -> dict:
 
 
 def versions(args: argparse.Namespace) -> dict:
-    proc = subprocess.run([str(args.llama_bin / "llama-server"), "--version"], capture_output=True, text=True)
-    llama = " ".join(line for line in (proc.stdout + proc.stderr).splitlines() if "version" in line or "built" in line)
-    kvserve = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    proc = subprocess.run(
+        [str(args.llama_bin / "llama-server"), "--version"], capture_output=True, text=True
+    )
+    llama = " ".join(
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "version" in line or "built" in line
+    )
+    kvserve = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     return {"llama-server": llama, "kvserve_commit": kvserve}
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| | C | output tok/s | TPOT p50 ms | TTFT p50 ms | requests (tokens, chunks) | prefix-cache hits |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| | C | output tok/s | TPOT p50 ms | TTFT p50 ms | requests (tokens, chunks) | prefix-cache hits |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for server in ("llama-server", "kvserve"):
         for r in summary.get(server, []):
             hits = "-" if r["prefix_cache_hits"] is None else r["prefix_cache_hits"]
-            lines.append(f"| {server} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['tpot_p50_ms']:.2f} | "
-                         f"{r['ttft_p50_ms']:.1f} | {r['completed']} ({r['output_tokens']} tok, "
-                         f"{r['content_chunks']} chunks) | {hits} |")
+            lines.append(
+                f"| {server} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['tpot_p50_ms']:.2f} | "
+                f"{r['ttft_p50_ms']:.1f} | {r['completed']} ({r['output_tokens']} tok, "
+                f"{r['content_chunks']} chunks) | {hits} |"
+            )
     lines.append("")
     for engine, rows in summary.get("offline", {}).items():
         if engine == "llama-bench":
-            lines += [f"- llama-bench, 1 sequence, prompt {r['n_prompt']} / gen {r['n_gen']}: "
-                      f"{r['avg_tok_s']:.1f} tok/s (mean of 3)" for r in rows]
+            lines += [
+                f"- llama-bench, 1 sequence, prompt {r['n_prompt']} / gen {r['n_gen']}: "
+                f"{r['avg_tok_s']:.1f} tok/s (mean of 3)"
+                for r in rows
+            ]
             continue
         for r in rows:
             tpot = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
-            lines.append(f"- offline {engine}, batch {r['batch_size']}: {r['output_tok_s']:.1f} output tok/s{tpot}")
+            lines.append(
+                f"- offline {engine}, batch {r['batch_size']}: {r['output_tok_s']:.1f} output tok/s{tpot}"
+            )
     for name, s in summary.get("startup", {}).items():
         runs = ", ".join(f"{t:.2f}" for t in s["runs_s"])
         lines.append(f"- start-up to /health 200, {name}: median {s['median_s']:.2f} s ({runs})")
@@ -199,28 +361,57 @@ def markdown(summary: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llama_cpp_compare",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-bin", type=Path, required=True, help="folder with llama-server (and llama-batched-bench)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory (kvserve's model, the GGUF's source)")
-    p.add_argument("--gguf", type=Path, help="GGUF file (default: OUT/../model-DTYPE.gguf; converted if missing)")
-    p.add_argument("--llama-cpp-dir", type=Path, help="llama.cpp source tree (has convert_hf_to_gguf.py)")
-    p.add_argument("--convert-python", default=sys.executable, help="python that runs the converter")
-    p.add_argument("--pre-tokenizer", default="gpt-2", help="llama.cpp pre-tokenizer for unknown BPE hashes")
-    p.add_argument("--kvserve-gguf", action="store_true",
-                   help="kvserve serves the --gguf file too (e.g. a Q8_0 file, held as int8), not --model")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.llama_cpp_compare", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--llama-bin",
+        type=Path,
+        required=True,
+        help="folder with llama-server (and llama-batched-bench)",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF checkpoint directory (kvserve's model, the GGUF's source)",
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        help="GGUF file (default: OUT/../model-DTYPE.gguf; converted if missing)",
+    )
+    p.add_argument(
+        "--llama-cpp-dir", type=Path, help="llama.cpp source tree (has convert_hf_to_gguf.py)"
+    )
+    p.add_argument(
+        "--convert-python", default=sys.executable, help="python that runs the converter"
+    )
+    p.add_argument(
+        "--pre-tokenizer", default="gpt-2", help="llama.cpp pre-tokenizer for unknown BPE hashes"
+    )
+    p.add_argument(
+        "--kvserve-gguf",
+        action="store_true",
+        help="kvserve serves the --gguf file too (e.g. a Q8_0 file, held as int8), not --model",
+    )
     p.add_argument("--name", default="model", help="model name both servers serve")
-    p.add_argument("--llama-args", default="", help="more llama-server flags (e.g. speculative decoding's)")
+    p.add_argument(
+        "--llama-args", default="", help="more llama-server flags (e.g. speculative decoding's)"
+    )
     p.add_argument("--kvserve-args", default="", help="more kvserve serve flags")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_GGUF_TYPES))
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t/-tb (kvserve uses torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=2, help="llama.cpp's -t/-tb (kvserve uses torch's default)"
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     p.add_argument("--seed", type=int, default=1000, help="prompts of concurrency C use seed + C")
     p.add_argument("--offline-repeats", type=int, default=3)
     p.add_argument("--startup-repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help=f"comma-separated steps to leave out: {','.join(STEPS)}")
+    p.add_argument(
+        "--skip", default="", help=f"comma-separated steps to leave out: {','.join(STEPS)}"
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for every result")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -239,8 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gguf.exists() and "convert" not in args.skip:
         convert(args)
     summary: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(args)}
-    steps = [("llama-server", "llama", serve_llama), ("kvserve", "kvserve", serve_kvserve),
-             ("offline", "offline", offline), ("startup", "startup", startup)]
+    steps = [
+        ("llama-server", "llama", serve_llama),
+        ("kvserve", "kvserve", serve_kvserve),
+        ("offline", "offline", offline),
+        ("startup", "startup", startup),
+    ]
     for key, step, fn in steps:
         if step not in args.skip:
             summary[key] = fn(args, args.out)

@@ -35,37 +35,105 @@ from kvserve.models.checkpoint_writer import random_tensors, write_checkpoint
 
 LLAMA_SHAPES: dict[str, dict] = {  # config.json fields; the architecture is Llama's
     "llama-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     "llama-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
     "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
 }
 # Other families, as (architectures[0], model_type, config.json fields).
 OTHER_SHAPES: dict[str, tuple[str, str, dict]] = {
-    "gemma3-1b": ("Gemma3ForCausalLM", "gemma3_text", dict(
-        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
-        sliding_window=512, layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                         for i in range(26)],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)),
-    "qwen3-moe-6l": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=6, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False)),
+    "gemma3-1b": (
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-moe-6l": (
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=6,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 SHAPES = sorted(LLAMA_SHAPES) + sorted(OTHER_SHAPES)
 SHARD_BYTES = 2 << 30
@@ -80,12 +148,24 @@ def shape_config(shape: str, **overrides) -> dict:
         arch, model_type, fields = OTHER_SHAPES[shape]
     else:
         raise ValueError(f"unknown shape {shape!r}: one of {SHAPES}")
-    return {"architectures": [arch], "model_type": model_type, **fields, "bos_token_id": 0, "eos_token_id": 0,
-            **overrides}
+    return {
+        "architectures": [arch],
+        "model_type": model_type,
+        **fields,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        **overrides,
+    }
 
 
-def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dtype: str = "bfloat16",
-                           seed: int = 0, **overrides) -> Path:
+def write_llama_checkpoint(
+    path: str | Path,
+    shape: str,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    **overrides,
+) -> Path:
     """Write `shape`'s checkpoint to `path` unless a complete one is there; returns the path."""
     from benchmarks.smollm_checkpoint import ascii_bpe_tokenizer
 
@@ -99,8 +179,12 @@ def write_llama_checkpoint(path: str | Path, shape: str, device: str = "cpu", dt
     for old in path.glob("*.safetensors"):
         old.unlink()
     config = {**fields, "dtype": dtype}
-    tensors = random_tensors(config, seed=seed, dtype=dtype, device=device, init="normal", std=INIT_STD)
-    write_checkpoint(path, config, tensors, ascii_bpe_tokenizer(fields["vocab_size"]), shard_bytes=SHARD_BYTES)
+    tensors = random_tensors(
+        config, seed=seed, dtype=dtype, device=device, init="normal", std=INIT_STD
+    )
+    write_checkpoint(
+        path, config, tensors, ascii_bpe_tokenizer(fields["vocab_size"]), shard_bytes=SHARD_BYTES
+    )
     marker.write_text(json.dumps(recipe) + "\n")
     return path
 
@@ -112,7 +196,9 @@ def weight_bytes_per_step(config, dtype_bytes: int = 2) -> int:
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
-    return dtype_bytes * (config.num_hidden_layers * per_layer + hidden + config.vocab_size * hidden)
+    return dtype_bytes * (
+        config.num_hidden_layers * per_layer + hidden + config.vocab_size * hidden
+    )
 
 
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:

@@ -68,8 +68,13 @@ def running_server(
     """Run `cmd` (which must listen on `port`) and yield its base URL once healthy."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base_url, proc, log_path, timeout_s)

@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.loadtest import cli
 from benchmarks.procs import free_port, running_server
-from kvserve.loadtest.report import dump_json, fmt_number, markdown_table
 from benchmarks.smollm_checkpoint import build_smollm_like
+from kvserve.loadtest import cli
+from kvserve.loadtest.report import dump_json, fmt_number, markdown_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +48,27 @@ QUICK = SuiteSize(32, 16, 16, (1, 4, 16), (1.0, 4.0), 64)
 
 def sweeps(size: SuiteSize) -> dict[str, list[str]]:
     """Sweep name -> `loadtest serve` options (besides URL, output and tokenizer)."""
-    common = ["--input-len", str(size.input_len), "--output-len", str(size.output_len),
-              "--num-prompts", str(size.num_prompts)]
+    common = [
+        "--input-len",
+        str(size.input_len),
+        "--output-len",
+        str(size.output_len),
+        "--num-prompts",
+        str(size.num_prompts),
+    ]
     return {
-        "concurrency": common + ["--request-rate", "inf", "--max-concurrency",
-                                 *map(str, size.concurrencies)],
+        "concurrency": common
+        + ["--request-rate", "inf", "--max-concurrency", *map(str, size.concurrencies)],
         "rate": common + ["--request-rate", *map(str, size.rates)],
-        "prefix": common + ["--dataset", "prefix-repetition", "--prefix-len", str(size.prefix_len),
-                            "--max-concurrency", "4"],
+        "prefix": common
+        + [
+            "--dataset",
+            "prefix-repetition",
+            "--prefix-len",
+            str(size.prefix_len),
+            "--max-concurrency",
+            "4",
+        ],
     }
 
 
@@ -75,8 +88,15 @@ def kvserve_available() -> bool:
     return importlib.util.find_spec("kvserve.server.cli") is not None
 
 
-def run_server_suite(name: str, cmd: list[str], port: int, size: SuiteSize, model_dir: Path,
-                     out: Path, startup_timeout_s: float) -> dict[str, list[dict]]:
+def run_server_suite(
+    name: str,
+    cmd: list[str],
+    port: int,
+    size: SuiteSize,
+    model_dir: Path,
+    out: Path,
+    startup_timeout_s: float,
+) -> dict[str, list[dict]]:
     """Start one server, run every sweep against it; returns sweep -> points."""
     print(f"\n### {name}: {shlex.join(cmd)}", flush=True)
     results: dict[str, list[dict]] = {}
@@ -85,8 +105,18 @@ def run_server_suite(name: str, cmd: list[str], port: int, size: SuiteSize, mode
         # hitting the prefix cache that an earlier sweep's identical prompts filled
         for sweep_idx, (sweep, options) in enumerate(sweeps(size).items()):
             sweep_out = out / name / sweep
-            argv = ["serve", "--base-url", base_url, "--tokenizer", str(model_dir), "--out", str(sweep_out),
-                    "--seed", str(1000 * sweep_idx), *options]
+            argv = [
+                "serve",
+                "--base-url",
+                base_url,
+                "--tokenizer",
+                str(model_dir),
+                "--out",
+                str(sweep_out),
+                "--seed",
+                str(1000 * sweep_idx),
+                *options,
+            ]
             print(f"--- {name} / {sweep}: loadtest {shlex.join(argv)}", flush=True)
             if cli.main(argv) != 0:
                 print(f"warning: {name} / {sweep} did not complete cleanly", file=sys.stderr)
@@ -99,7 +129,9 @@ def _load_points(sweep_out: Path) -> list[dict]:
         return json.loads((sweep_out / "sweep.json").read_text())
     if (sweep_out / "result.json").exists():  # a single-point sweep
         doc = json.loads((sweep_out / "result.json").read_text())
-        label = cli.point_label(float(doc["config"]["request_rate"]), doc["config"]["max_concurrency"])
+        label = cli.point_label(
+            float(doc["config"]["request_rate"]), doc["config"]["max_concurrency"]
+        )
         return [{"label": label, "summary": doc["summary"], "server": doc["server_metrics"]}]
     return []
 
@@ -109,24 +141,39 @@ def comparison_table(results: dict[str, dict[str, list[dict]]], sweep: str) -> s
     if not {"kvserve", "baseline"} <= results.keys():
         return ""
     base = {p["label"]: p["summary"] for p in results["baseline"].get(sweep, [])}
-    rows = ["| load | kvserve out tok/s | baseline out tok/s | speedup | kvserve TTFT p50 (ms) "
-            "| baseline TTFT p50 (ms) | kvserve E2E p50 (ms) | baseline E2E p50 (ms) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| load | kvserve out tok/s | baseline out tok/s | speedup | kvserve TTFT p50 (ms) "
+        "| baseline TTFT p50 (ms) | kvserve E2E p50 (ms) | baseline E2E p50 (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for p in results["kvserve"].get(sweep, []):
         k, b = p["summary"], base.get(p["label"])
         if b is None:
             continue
-        speedup = k["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
-        cells = [fmt_number(k["output_throughput"], 1), fmt_number(b["output_throughput"], 1),
-                 fmt_number(speedup) + "x",
-                 fmt_number(k["ttft"]["p50_ms"], 1), fmt_number(b["ttft"]["p50_ms"], 1),
-                 fmt_number(k["e2el"]["p50_ms"], 1), fmt_number(b["e2el"]["p50_ms"], 1)]
+        speedup = (
+            k["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
+        )
+        cells = [
+            fmt_number(k["output_throughput"], 1),
+            fmt_number(b["output_throughput"], 1),
+            fmt_number(speedup) + "x",
+            fmt_number(k["ttft"]["p50_ms"], 1),
+            fmt_number(b["ttft"]["p50_ms"], 1),
+            fmt_number(k["e2el"]["p50_ms"], 1),
+            fmt_number(b["e2el"]["p50_ms"], 1),
+        ]
         rows.append(f"| {p['label']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
-def write_report(out: Path, args: argparse.Namespace, size: SuiteSize, commands: dict,
-                 results: dict, notes: list[str]) -> str:
+def write_report(
+    out: Path,
+    args: argparse.Namespace,
+    size: SuiteSize,
+    commands: dict,
+    results: dict,
+    notes: list[str],
+) -> str:
     lines = [
         f"# kvserve benchmark suite ({'quick' if args.quick else 'full'})",
         "",
@@ -153,17 +200,31 @@ def write_report(out: Path, args: argparse.Namespace, size: SuiteSize, commands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run_suite", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small lengths and counts (minutes on 2 CPU cores)")
-    p.add_argument("--model-dir", default="loadtest_out/models/smollm-135m-random",
-                   help="checkpoint folder; built there if missing")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run_suite", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="small lengths and counts (minutes on 2 CPU cores)"
+    )
+    p.add_argument(
+        "--model-dir",
+        default="loadtest_out/models/smollm-135m-random",
+        help="checkpoint folder; built there if missing",
+    )
     p.add_argument("--out", help="output folder (default loadtest_out/suite-<timestamp>)")
     p.add_argument("--dtype", default="bfloat16", help="passed to both servers")
     p.add_argument("--skip-kvserve", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--kvserve-cmd", help="command that starts kvserve (default: python -m kvserve.server.cli serve)")
-    p.add_argument("--kvserve-args", default="", help="extra kvserve flags, e.g. '--max-num-seqs 64'")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    p.add_argument(
+        "--kvserve-cmd",
+        help="command that starts kvserve (default: python -m kvserve.server.cli serve)",
+    )
+    p.add_argument(
+        "--kvserve-args", default="", help="extra kvserve flags, e.g. '--max-num-seqs 64'"
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for /health"
+    )
     return p
 
 
@@ -182,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list[dict]]] = {}
     for name, cmd in commands.items():
         try:  # one port for both: they run one after the other
-            results[name] = run_server_suite(name, cmd, port, size, model_dir, out, args.startup_timeout)
+            results[name] = run_server_suite(
+                name, cmd, port, size, model_dir, out, args.startup_timeout
+            )
         except (RuntimeError, TimeoutError) as exc:
             notes.append(f"{name} failed to run: {str(exc).splitlines()[0]}")
             print(f"error: {name}: {exc}", file=sys.stderr)

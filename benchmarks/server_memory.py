@@ -25,7 +25,9 @@ from benchmarks.procs import free_port, running_server
 
 
 def _status_kib(status: str, key: str) -> int:
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith(key + ":")), 0)
+    return next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith(key + ":")), 0
+    )
 
 
 def tree_processes(pid: int) -> list[dict]:
@@ -45,12 +47,28 @@ def tree_processes(pid: int) -> list[dict]:
         todo += children.get(p, [])
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (
+                Path(f"/proc/{p}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
-        rows.append({"pid": p, "cmd": cmdline.strip()[:120],
-                     **{k: _status_kib(status, field) / 1024 for k, field in
-                        (("rss_mib", "VmRSS"), ("anon_mib", "RssAnon"), ("file_mib", "RssFile"))}})
+        rows.append(
+            {
+                "pid": p,
+                "cmd": cmdline.strip()[:120],
+                **{
+                    k: _status_kib(status, field) / 1024
+                    for k, field in (
+                        ("rss_mib", "VmRSS"),
+                        ("anon_mib", "RssAnon"),
+                        ("file_mib", "RssFile"),
+                    )
+                },
+            }
+        )
     return rows
 
 
@@ -84,8 +102,11 @@ def server_pid(port: int) -> int:
 def measure(cmd: list[str], port: int, log: Path, name: str) -> list[dict]:
     """The server tree's processes (`tree_processes`) after one completion."""
     with running_server(cmd, port, log) as url:
-        httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "Hello there", "max_tokens": 16},
-                   timeout=120).raise_for_status()
+        httpx.post(
+            f"{url}/v1/completions",
+            json={"model": name, "prompt": "Hello there", "max_tokens": 16},
+            timeout=120,
+        ).raise_for_status()
         # the server runs in a session of its own (kvserve: the API server and its engine core)
         return tree_processes(os.getsid(server_pid(port)))
 
@@ -95,26 +116,52 @@ def total_mib(processes: list[dict]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.server_memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.server_memory", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", required=True, help="what both serve (a GGUF file for llama-server)")
-    p.add_argument("--llama-bin", type=Path, help="folder with llama-server (left out: kvserve only)")
+    p.add_argument(
+        "--llama-bin", type=Path, help="folder with llama-server (left out: kvserve only)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=320, help="llama-server's context (one slot)")
-    p.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, space-separated")
+    p.add_argument(
+        "--kvserve-args", default="", help="extra `kvserve serve` flags, space-separated"
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     out_dir = (args.out.parent if args.out else Path("bench_out")) / "server_memory_logs"
     result = {"model": args.model}
     port = free_port()
-    result["kvserve_processes"] = measure(serve_command(args.model, port, ["--served-model-name", "m",
-                                                                           *args.kvserve_args.split()]),
-                                          port, out_dir / "kvserve.log", "m")
+    result["kvserve_processes"] = measure(
+        serve_command(args.model, port, ["--served-model-name", "m", *args.kvserve_args.split()]),
+        port,
+        out_dir / "kvserve.log",
+        "m",
+    )
     result["kvserve_mib"] = total_mib(result["kvserve_processes"])
     if args.llama_bin:
         port = free_port()
-        cmd = [str(args.llama_bin / "llama-server"), "-m", args.model, "--alias", "m", "-t", str(args.threads),
-               "-ngl", "0", "--parallel", "1", "-c", str(args.ctx), "--no-webui", "--host", "127.0.0.1",
-               "--port", str(port)]
+        cmd = [
+            str(args.llama_bin / "llama-server"),
+            "-m",
+            args.model,
+            "--alias",
+            "m",
+            "-t",
+            str(args.threads),
+            "-ngl",
+            "0",
+            "--parallel",
+            "1",
+            "-c",
+            str(args.ctx),
+            "--no-webui",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         result["llama_server_processes"] = measure(cmd, port, out_dir / "llama-server.log", "m")
         result["llama_server_mib"] = total_mib(result["llama_server_processes"])
         result["ratio"] = result["kvserve_mib"] / result["llama_server_mib"]

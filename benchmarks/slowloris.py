@@ -44,7 +44,10 @@ sys.exit(cli.main(sys.argv[1:]))
 MODES = {
     "defaults": ([], None),
     "no-limits": (["--header-timeout", "0", "--max-connections", "1000000"], None),
-    "limit-concurrency": (["--header-timeout", "0", "--max-connections", "1000000"], _LAUNCH_LIMIT_CONCURRENCY),
+    "limit-concurrency": (
+        ["--header-timeout", "0", "--max-connections", "1000000"],
+        _LAUNCH_LIMIT_CONCURRENCY,
+    ),
 }
 
 
@@ -56,14 +59,31 @@ def _free_port() -> int:
 
 def _start(model: str, port: int, nofile: int, mode: str, log_path: str) -> subprocess.Popen:
     flags, launcher = MODES[mode]
-    args = ["serve", "--model", model, "--port", str(port), "--device", "cpu", "--dtype", "float32", *flags]
-    cmd = [sys.executable, "-c", launcher, *args] if launcher else [sys.executable, "-m", "kvserve.server.cli", *args]
+    args = [
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *flags,
+    ]
+    cmd = (
+        [sys.executable, "-c", launcher, *args]
+        if launcher
+        else [sys.executable, "-m", "kvserve.server.cli", *args]
+    )
 
     def limit_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_fds)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_fds
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -88,13 +108,15 @@ def _slow_socket(port: int) -> socket.socket | None:
     return sock
 
 
-def run_mode(model: str, mode: str, num_sockets: int, nofile: int, duration_s: float) -> dict[str, float]:
+def run_mode(
+    model: str, mode: str, num_sockets: int, nofile: int, duration_s: float
+) -> dict[str, float]:
     port = _free_port()
     log_path = tempfile.mktemp(prefix=f"slowloris-{mode}-", suffix=".log")
     proc = _start(model, port, nofile, mode, log_path)
     log_start = os.path.getsize(log_path)
     socks: list[socket.socket] = []
-    started: set[int] = set()   # id() of sockets that sent their request line
+    started: set[int] = set()  # id() of sockets that sent their request line
     latencies: list[float] = []
     num_checks = num_ok = 0
     max_fds = 0
@@ -110,8 +132,11 @@ def run_mode(model: str, mode: str, num_sockets: int, nofile: int, duration_s: f
                 next_trickle = time.monotonic() + 1.0
                 for sock in socks:
                     try:
-                        sock.send(b"X-Slow: 1\r\n" if id(sock) in started
-                                  else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                        sock.send(
+                            b"X-Slow: 1\r\n"
+                            if id(sock) in started
+                            else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                        )
                         started.add(id(sock))
                     except OSError:
                         sock.close()
@@ -130,10 +155,14 @@ def run_mode(model: str, mode: str, num_sockets: int, nofile: int, duration_s: f
             sock.close()
         proc.terminate()
         proc.wait(30)
-    return {"checks": num_checks, "ok": num_ok,
-            "median_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
-            "max_ms": 1000 * max(latencies) if latencies else float("nan"),
-            "max_server_fds": max_fds, "log_bytes": os.path.getsize(log_path) - log_start}
+    return {
+        "checks": num_checks,
+        "ok": num_ok,
+        "median_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
+        "max_ms": 1000 * max(latencies) if latencies else float("nan"),
+        "max_server_fds": max_fds,
+        "log_bytes": os.path.getsize(log_path) - log_start,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for mode in args.mode or ["defaults"]:
         result = run_mode(args.model, mode, args.sockets, args.nofile, args.duration)
-        print(f"{mode:18s} " + " ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in result.items()), flush=True)
+        print(
+            f"{mode:18s} "
+            + " ".join(
+                f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -27,18 +27,46 @@ import itertools
 import json
 from pathlib import Path
 
-from kvserve.models.checkpoint_writer import (SPECIAL_TOKENS, decoder_shape, random_tensors, write_checkpoint,
-                                               write_tokenizer)
+from kvserve.models.checkpoint_writer import (
+    SPECIAL_TOKENS,
+    decoder_shape,
+    random_tensors,
+    write_checkpoint,
+    write_tokenizer,
+)
 
-SMOLLM_135M_SHAPE = decoder_shape(576, 1536, 30, 9, 3, vocab_size=49152, max_position_embeddings=2048,
-                                  rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM_135M_SHAPE = decoder_shape(
+    576,
+    1536,
+    30,
+    9,
+    3,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 # Overrides of SMOLLM_135M_SHAPE for other real models' sizes (the 2048 positions and 1e-5 norm epsilon kept).
 SHAPES: dict[str, dict] = {
     "smollm-135m": {},
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, head_dim=64),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, head_dim=128),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        head_dim=64,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        head_dim=128,
+    ),
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -84,29 +112,55 @@ def save_tokenizer(path: Path, vocab_size: int):
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def build_smollm_like(path: str | Path, seed: int = 0, dtype: str = "bfloat16",
-                      architecture: str = "LlamaForCausalLM", **overrides) -> Path:
+def build_smollm_like(
+    path: str | Path,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    architecture: str = "LlamaForCausalLM",
+    **overrides,
+) -> Path:
     """Write the checkpoint to `path` unless a complete one is already there."""
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     shape = {**SMOLLM_135M_SHAPE, **overrides}
-    config = {"architectures": [architecture], "model_type": MODEL_TYPES[architecture], "dtype": dtype, **shape}
-    write_checkpoint(path, config, random_tensors(config, seed=seed, dtype=dtype), ascii_bpe_tokenizer(shape["vocab_size"]))
-    (path / "loadtest_checkpoint.json").write_text(json.dumps({"seed": seed, "shape": shape}) + "\n")
+    config = {
+        "architectures": [architecture],
+        "model_type": MODEL_TYPES[architecture],
+        "dtype": dtype,
+        **shape,
+    }
+    write_checkpoint(
+        path,
+        config,
+        random_tensors(config, seed=seed, dtype=dtype),
+        ascii_bpe_tokenizer(shape["vocab_size"]),
+    )
+    (path / "loadtest_checkpoint.json").write_text(
+        json.dumps({"seed": seed, "shape": shape}) + "\n"
+    )
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.smollm_checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.smollm_checkpoint", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", type=Path, default=Path("loadtest_out/models/smollm-135m-random"))
     p.add_argument("--shape", choices=SHAPES, default="smollm-135m")
     p.add_argument("--architecture", choices=MODEL_TYPES, default="LlamaForCausalLM")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
-    print(build_smollm_like(args.out, seed=args.seed, dtype=args.dtype, architecture=args.architecture,
-                            **SHAPES[args.shape]))
+    print(
+        build_smollm_like(
+            args.out,
+            seed=args.seed,
+            dtype=args.dtype,
+            architecture=args.architecture,
+            **SHAPES[args.shape],
+        )
+    )
     return 0
 
 

@@ -35,11 +35,13 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.loadtest.metrics_scraper import parse_metrics
 from benchmarks.procs import free_port, stop, wait_healthy
+from kvserve.loadtest.metrics_scraper import parse_metrics
 
-WORDS = ("the quick brown fox jumps over lazy dog a server streams tokens while clients come and go "
-         "memory should stay flat under load every block returns to the pool").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dog a server streams tokens while clients come and go "
+    "memory should stay flat under load every block returns to the pool"
+).split()
 # outcomes that are part of the plan; anything in `failures` fails the run
 EXPECTED = ("ok", "disconnected", "stalled", "rejected", "refused", "cut", "unavailable")
 
@@ -57,7 +59,9 @@ class Server:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.pid = self.proc.pid
         wait_healthy(self.url, self.proc, self.log_path, 300.0)
 
@@ -73,8 +77,12 @@ class Stats:
     counts: collections.Counter = field(default_factory=collections.Counter)
     failures: list[str] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
-    unavailable_until: float = 0.0  # while the server restarts (and a moment after), refused connections are planned
-    started_s: list[float] = field(default_factory=lambda: [0.0])  # when each server process began serving
+    unavailable_until: float = (
+        0.0  # while the server restarts (and a moment after), refused connections are planned
+    )
+    started_s: list[float] = field(
+        default_factory=lambda: [0.0]
+    )  # when each server process began serving
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -105,19 +113,29 @@ def core_pid(server_pid: int | None) -> int | None:
     return None
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: dict, rng: random.Random) -> str:
+async def one_request(
+    client: httpx.AsyncClient, args: argparse.Namespace, model: dict, rng: random.Random
+) -> str:
     """Send one request of a randomly chosen kind; return its outcome."""
     roll = rng.random()
     max_tokens = rng.randint(8, args.max_tokens)
-    body = {"model": model["id"], "prompt": _text(rng, rng.randint(4, 64)), "max_tokens": max_tokens,
-            "temperature": 1.0, "ignore_eos": True}
-    if roll < args.oversized_fraction:   # far more words than the context holds tokens
+    body = {
+        "model": model["id"],
+        "prompt": _text(rng, rng.randint(4, 64)),
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    if roll < args.oversized_fraction:  # far more words than the context holds tokens
         body["prompt"] = _text(rng, 2 * model["max_model_len"])
         resp = await client.post("/v1/completions", json=body)
         return "rejected" if resp.status_code == 400 else _status(resp.status_code, resp.text)
     roll -= args.oversized_fraction
-    kind = "disconnect" if roll < args.disconnect_fraction else (
-        "stall" if roll < args.disconnect_fraction + args.stall_fraction else "full")
+    kind = (
+        "disconnect"
+        if roll < args.disconnect_fraction
+        else ("stall" if roll < args.disconnect_fraction + args.stall_fraction else "full")
+    )
     stream = kind != "full" or rng.random() < 0.5
     if not stream:
         resp = await client.post("/v1/completions", json=body)
@@ -150,13 +168,17 @@ def _text(rng: random.Random, num_words: int) -> str:
 
 def _status(code: int, text: str) -> str:
     if code == 503:
-        return "refused"   # overloaded or draining: both come with Retry-After
+        return "refused"  # overloaded or draining: both come with Retry-After
     return f"HTTP {code}: {text[:200]}"
 
 
-async def worker(url: str, args: argparse.Namespace, model: dict, seed: int, stats: Stats, end: float) -> None:
+async def worker(
+    url: str, args: argparse.Namespace, model: dict, seed: int, stats: Stats, end: float
+) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.request_timeout)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(args.request_timeout)
+    ) as client:
         while time.monotonic() < end:
             try:
                 outcome = await one_request(client, args, model, rng)
@@ -170,7 +192,7 @@ async def worker(url: str, args: argparse.Namespace, model: dict, seed: int, sta
             if outcome not in EXPECTED:
                 stats.failures.append(outcome)
             if outcome == "refused":
-                await asyncio.sleep(0.5)   # as Retry-After asks, roughly
+                await asyncio.sleep(0.5)  # as Retry-After asks, roughly
 
 
 async def sample(server: Server, stats: Stats, started: float, print_line: bool = True) -> dict:
@@ -179,10 +201,16 @@ async def sample(server: Server, stats: Stats, started: float, print_line: bool 
             metrics = parse_metrics((await client.get(server.url + "/metrics")).text)
     except httpx.HTTPError:
         metrics = {}
-    row = {"t_s": round(time.monotonic() - started, 1), "server_rss_mib": rss_mib(server.pid),
-           "core_rss_mib": rss_mib(core_pid(server.pid)), "kv_cache_usage": metrics.get("kv_cache_usage"),
-           "num_running": metrics.get("num_running"), "num_waiting": metrics.get("num_waiting"),
-           "generation": len(server.restart_codes), **{k: stats.counts[k] for k in (*EXPECTED, "failed")}}
+    row = {
+        "t_s": round(time.monotonic() - started, 1),
+        "server_rss_mib": rss_mib(server.pid),
+        "core_rss_mib": rss_mib(core_pid(server.pid)),
+        "kv_cache_usage": metrics.get("kv_cache_usage"),
+        "num_running": metrics.get("num_running"),
+        "num_waiting": metrics.get("num_waiting"),
+        "generation": len(server.restart_codes),
+        **{k: stats.counts[k] for k in (*EXPECTED, "failed")},
+    }
     stats.samples.append(row)
     if print_line:
         print(_format(row), flush=True)
@@ -195,11 +223,15 @@ def _format(row: dict) -> str:
 
     kv = "   -" if row["kv_cache_usage"] is None else f"{100 * row['kv_cache_usage']:4.1f}"
     counts = " ".join(f"{k} {row[k]}" for k in (*EXPECTED, "failed") if row[k])
-    return (f"t={row['t_s']:6.0f}s  RSS MiB server {mib(row['server_rss_mib'])} core {mib(row['core_rss_mib'])}  "
-            f"kv {kv}%  running {row['num_running']} waiting {row['num_waiting']}  | {counts}")
+    return (
+        f"t={row['t_s']:6.0f}s  RSS MiB server {mib(row['server_rss_mib'])} core {mib(row['core_rss_mib'])}  "
+        f"kv {kv}%  running {row['num_running']} waiting {row['num_waiting']}  | {counts}"
+    )
 
 
-async def monitor(server: Server, args: argparse.Namespace, stats: Stats, started: float, end: float) -> None:
+async def monitor(
+    server: Server, args: argparse.Namespace, stats: Stats, started: float, end: float
+) -> None:
     restart_at = started + args.restart_at * args.minutes * 60 if args.restart_at else None
     while time.monotonic() < end:
         await asyncio.sleep(args.interval)
@@ -210,7 +242,9 @@ async def monitor(server: Server, args: argparse.Namespace, stats: Stats, starte
             await asyncio.to_thread(server.restart)
             stats.unavailable_until = time.monotonic() + 2.0
             stats.started_s.append(time.monotonic() - started)
-            print(f"restarted; the drained server exited with {server.restart_codes[-1]}", flush=True)
+            print(
+                f"restarted; the drained server exited with {server.restart_codes[-1]}", flush=True
+            )
         await sample(server, stats, started)
 
 
@@ -218,8 +252,11 @@ async def wait_idle(server: Server, stats: Stats, started: float, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while True:
         row = await sample(server, stats, started, print_line=False)
-        if (row["kv_cache_usage"], row["num_running"], row["num_waiting"]) == (0, 0, 0) \
-                or time.monotonic() > deadline:
+        if (row["kv_cache_usage"], row["num_running"], row["num_waiting"]) == (
+            0,
+            0,
+            0,
+        ) or time.monotonic() > deadline:
             print(_format(row) + "  (after the load)", flush=True)
             return row
 
@@ -228,10 +265,18 @@ def verdict(server: Server, stats: Stats, args: argparse.Namespace, final: dict)
     """Reasons the run failed (empty: it passed)."""
     problems = [f"{n} x {text}" for text, n in collections.Counter(stats.failures).most_common(10)]
     if (final["kv_cache_usage"], final["num_running"], final["num_waiting"]) != (0, 0, 0):
-        problems.append(f"not idle after the load: kv {final['kv_cache_usage']}, running {final['num_running']}, "
-                        f"waiting {final['num_waiting']}")
-    problems += [f"the drained server exited with {code}, not 0" for code in server.restart_codes if code != 0]
-    generation = final["generation"]   # RSS is compared within the last server process, after its warm-up
+        problems.append(
+            f"not idle after the load: kv {final['kv_cache_usage']}, running {final['num_running']}, "
+            f"waiting {final['num_waiting']}"
+        )
+    problems += [
+        f"the drained server exited with {code}, not 0"
+        for code in server.restart_codes
+        if code != 0
+    ]
+    generation = final[
+        "generation"
+    ]  # RSS is compared within the last server process, after its warm-up
     warm_s = stats.started_s[generation] + args.warmup
     rows = [r for r in stats.samples if r["generation"] == generation and r["t_s"] >= warm_s]
     rows = rows or [r for r in stats.samples if r["generation"] == generation]
@@ -239,10 +284,14 @@ def verdict(server: Server, stats: Stats, args: argparse.Namespace, final: dict)
         values = [r[key] for r in rows if r[key] is not None]
         if len(values) >= 2:
             growth = values[-1] - values[0]
-            print(f"{key}: {values[0]:.0f} after warm-up -> {values[-1]:.0f} at the end "
-                  f"(max {max(values):.0f}), growth {growth:+.0f} MiB")
+            print(
+                f"{key}: {values[0]:.0f} after warm-up -> {values[-1]:.0f} at the end "
+                f"(max {max(values):.0f}), growth {growth:+.0f} MiB"
+            )
             if growth > args.max_rss_growth_mib:
-                problems.append(f"{key} grew by {growth:.0f} MiB (> --max-rss-growth-mib {args.max_rss_growth_mib})")
+                problems.append(
+                    f"{key} grew by {growth:.0f} MiB (> --max-rss-growth-mib {args.max_rss_growth_mib})"
+                )
     return problems
 
 
@@ -252,42 +301,75 @@ async def run(args: argparse.Namespace, server: Server) -> int:
     stats = Stats()
     started = time.monotonic()
     end = started + args.minutes * 60
-    print(f"soak: {args.minutes} min against {server.url} ({model['id']}, context {model['max_model_len']}), "
-          f"{args.concurrency} workers", flush=True)
+    print(
+        f"soak: {args.minutes} min against {server.url} ({model['id']}, context {model['max_model_len']}), "
+        f"{args.concurrency} workers",
+        flush=True,
+    )
     await sample(server, stats, started)
-    workers = [worker(server.url, args, model, args.seed + i, stats, end) for i in range(args.concurrency)]
+    workers = [
+        worker(server.url, args, model, args.seed + i, stats, end) for i in range(args.concurrency)
+    ]
     await asyncio.gather(monitor(server, args, stats, started, end), *workers)
     final = await wait_idle(server, stats, started, args.idle_timeout)
     print("requests: " + ", ".join(f"{k} {stats.counts[k]}" for k in (*EXPECTED, "failed")))
     problems = verdict(server, stats, args, final)
     if args.json:
-        Path(args.json).write_text(json.dumps({"samples": stats.samples, "counts": dict(stats.counts),
-                                               "problems": problems}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"samples": stats.samples, "counts": dict(stats.counts), "problems": problems},
+                indent=1,
+            )
+        )
     print("FAIL:\n  " + "\n  ".join(problems) if problems else "PASS", flush=True)
     return 1 if problems else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0]
+    )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--model", help="start `kvserve serve --model MODEL` (extra flags: --server-arg)")
+    target.add_argument(
+        "--model", help="start `kvserve serve --model MODEL` (extra flags: --server-arg)"
+    )
     target.add_argument("--url", help="soak a running server instead")
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, for RSS figures")
-    p.add_argument("--server-arg", action="append", default=[], help="extra `kvserve serve` flag (repeatable)")
+    p.add_argument(
+        "--server-arg", action="append", default=[], help="extra `kvserve serve` flag (repeatable)"
+    )
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request: uniform in 8..N")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="output tokens per request: uniform in 8..N"
+    )
     p.add_argument("--disconnect-fraction", type=float, default=0.3)
     p.add_argument("--stall-fraction", type=float, default=0.05)
     p.add_argument("--stall-seconds", type=float, default=10.0)
     p.add_argument("--oversized-fraction", type=float, default=0.05)
-    p.add_argument("--restart-at", type=float, default=None, help="SIGTERM + restart at this fraction of the run")
+    p.add_argument(
+        "--restart-at",
+        type=float,
+        default=None,
+        help="SIGTERM + restart at this fraction of the run",
+    )
     p.add_argument("--interval", type=float, default=5.0, help="seconds between sample lines")
-    p.add_argument("--warmup", type=float, default=10.0,
-                   help="seconds after a server (re)start before its RSS baseline is taken")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        help="seconds after a server (re)start before its RSS baseline is taken",
+    )
     p.add_argument("--max-rss-growth-mib", type=float, default=100.0)
-    p.add_argument("--request-timeout", type=float, default=120.0, help="a request slower than this is a hang")
-    p.add_argument("--idle-timeout", type=float, default=60.0, help="how long to wait for the server to go idle")
+    p.add_argument(
+        "--request-timeout", type=float, default=120.0, help="a request slower than this is a hang"
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="how long to wait for the server to go idle",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the samples and the verdict to this file")
     args = p.parse_args(argv)
@@ -297,7 +379,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.disconnect_fraction + args.stall_fraction + args.oversized_fraction > 1:
         p.error("the disconnect, stall and oversized fractions add up to more than 1")
     if args.restart_at is not None and (args.url or not 0 < args.restart_at < 1):
-        p.error(f"--restart-at needs --model (an own server) and a fraction in (0, 1), got {args.restart_at}")
+        p.error(
+            f"--restart-at needs --model (an own server) and a fraction in (0, 1), got {args.restart_at}"
+        )
     if args.minutes <= 0 or args.concurrency < 1 or args.max_tokens < 8:
         p.error("--minutes must be > 0, --concurrency >= 1 and --max-tokens >= 8")
     return args
@@ -309,8 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run(args, Server(url=args.url.rstrip("/"), pid=args.server_pid)))
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="kvserve-soak-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", args.model, "--port", str(port),
-           *args.server_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.server.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        *args.server_arg,
+    ]
     server = Server(url=f"http://127.0.0.1:{port}", cmd=cmd, log_path=log_path)
     print(f"server log: {log_path}", flush=True)
     server.start()

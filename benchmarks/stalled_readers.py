@@ -52,9 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tempfile.mktemp(prefix="stalled-readers-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", args.model, "--port", str(port),
-                             "--device", "cpu", "--dtype", "float32", *args.server_args], cwd=REPO,
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.server.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            *args.server_args,
+        ],
+        cwd=REPO,
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -66,15 +83,25 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"server did not start; see {log_path}") from None
                 time.sleep(0.3)
         print(f"before: rss={_rss_mib(proc.pid)} MiB", flush=True)
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": args.max_tokens, "ignore_eos": True,
-                           "stream": True, "logprobs": 20, "n": 8}).encode()
+        body = json.dumps(
+            {
+                "prompt": "Once upon a time",
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "logprobs": 20,
+                "n": 8,
+            }
+        ).encode()
         socks = []
         for _ in range(args.streams):
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", port))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             socks.append(sock)
         start = time.monotonic()
         peak = 0
@@ -82,11 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         while (elapsed := time.monotonic() - start) < args.duration:
             peak = max(peak, _rss_mib(proc.pid))
             if elapsed >= next_print:
-                print(f"t={elapsed:.0f}s rss={_rss_mib(proc.pid)} MiB running={_num_running(url):.0f}", flush=True)
+                print(
+                    f"t={elapsed:.0f}s rss={_rss_mib(proc.pid)} MiB running={_num_running(url):.0f}",
+                    flush=True,
+                )
                 next_print += 10
             time.sleep(1)
-        status = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code
-        print(f"peak rss={peak} MiB, after={_rss_mib(proc.pid)} MiB; a new request: {status}", flush=True)
+        status = httpx.post(
+            url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+        ).status_code
+        print(
+            f"peak rss={peak} MiB, after={_rss_mib(proc.pid)} MiB; a new request: {status}",
+            flush=True,
+        )
     finally:
         proc.terminate()
         proc.wait(30)

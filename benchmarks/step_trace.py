@@ -23,7 +23,9 @@ import numpy as np
 from kvserve.engine import LLM, SamplingParams
 
 
-def run_round(llm: LLM, prompts: list[list[int]], every: int, output_len: int, tag: str) -> list[tuple]:
+def run_round(
+    llm: LLM, prompts: list[list[int]], every: int, output_len: int, tag: str
+) -> list[tuple]:
     """(step, ms, running, waiting) for every step of one staggered round."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -43,7 +45,9 @@ def run_round(llm: LLM, prompts: list[list[int]], every: int, output_len: int, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_trace", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -52,11 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--warm-up", action="store_true", help="run the engine core's warm-up step first")
-    p.add_argument("--slow", type=float, default=5.0, help="print steps slower than this x the median")
+    p.add_argument(
+        "--warm-up", action="store_true", help="run the engine core's warm-up step first"
+    )
+    p.add_argument(
+        "--slow", type=float, default=5.0, help="print steps slower than this x the median"
+    )
     args = p.parse_args(argv)
-    if min(args.requests, args.every, args.input_len, args.output_len, args.rounds) < 1 or args.slow <= 1:
-        p.error("--requests, --every, --input-len, --output-len, --rounds must be >= 1 and --slow > 1")
+    if (
+        min(args.requests, args.every, args.input_len, args.output_len, args.rounds) < 1
+        or args.slow <= 1
+    ):
+        p.error(
+            "--requests, --every, --input-len, --output-len, --rounds must be >= 1 and --slow > 1"
+        )
 
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -72,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         trace = run_round(llm, prompts, args.every, args.output_len, f"r{r}")
         times = [ms for _, ms, _, _ in trace]
         median = statistics.median(times)
-        print(f"round {r}: {len(trace)} steps, median {median:.2f} ms, max {max(times):.1f} ms, "
-              f"total {sum(times) / 1000:.2f} s")
+        print(
+            f"round {r}: {len(trace)} steps, median {median:.2f} ms, max {max(times):.1f} ms, "
+            f"total {sum(times) / 1000:.2f} s"
+        )
         for step, ms, running, waiting in trace:
             if ms > args.slow * median:
                 print(f"  step {step:4d}: {ms:8.1f} ms  running {running:3d}  waiting {waiting:3d}")

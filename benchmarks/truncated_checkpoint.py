@@ -35,7 +35,9 @@ def truncate(model: Path, layers: int, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.truncated_checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.truncated_checkpoint", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)

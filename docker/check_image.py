@@ -40,7 +40,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
-MAX_IMAGE_BYTES = 1_600_000_000  # torch's CPU build is most of it; a bound, so that growth is noticed
+MAX_IMAGE_BYTES = (
+    1_600_000_000  # torch's CPU build is most of it; a bound, so that growth is noticed
+)
 SERVE_ENV = {
     # n-gram speculation on, so that the dashboard's speculative-decoding panels have data too
     "KVSERVE_SPECULATIVE_CONFIG": json.dumps({"method": "ngram", "num_speculative_tokens": 2}),
@@ -74,19 +76,26 @@ def pip_config_cmd(out: Path) -> None:
     """Write pip's effective configuration on this machine (files and PIP_* variables) as one
     pip.conf whose paths point under MOUNT_PREFIX, and print "HOST_PATH CONTAINER_PATH" for each
     local folder or file it names, for the build to mount."""
-    result = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    )
     settings: dict[str, str] = {}
     for line in result.stdout.splitlines():
         key, _, value = line.partition("=")
         name = key.split(".", 1)[-1]
-        if name in ("default-timeout", "disable-pip-version-check", "timeout", "retries") or name in _PATH_KEYS:
+        if (
+            name in ("default-timeout", "disable-pip-version-check", "timeout", "retries")
+            or name in _PATH_KEYS
+        ):
             settings[name] = value.strip().strip("'\"")
     mounts: dict[str, str] = {}
     for name in _PATH_KEYS:
         items = []
         for item in settings.get(name, "").split():
             is_file_url = item.startswith("file://")
-            path = Path(item.removeprefix("file://")) if is_file_url or item.startswith("/") else None
+            path = (
+                Path(item.removeprefix("file://")) if is_file_url or item.startswith("/") else None
+            )
             if path is None or not path.exists():
                 items.append(item)
                 continue
@@ -119,9 +128,12 @@ def find_wheel_cmd(prefix: str, conf_path: Path) -> None:
 
 # ---------------------------------------------------------------- HTTP
 
+
 def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
@@ -135,7 +147,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, predicate, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(
+    what: str,
+    predicate,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    log: Path | None = None,
+):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -153,6 +171,7 @@ def wait_for(what: str, predicate, timeout_s: float, proc: subprocess.Popen | No
 
 # ---------------------------------------------------------------- the image
 
+
 class Image:
     """A built image, run with `buildah run` as a container engine would run it."""
 
@@ -163,7 +182,9 @@ class Image:
         self.containers: list[str] = []
 
     def bh(self, *args: str) -> str:
-        return subprocess.run([*self.buildah, *args], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            [*self.buildah, *args], check=True, capture_output=True, text=True
+        ).stdout
 
     def container(self) -> str:
         ctr = self.bh("from", "--pull-never", self.name).strip()
@@ -182,7 +203,11 @@ class Image:
 
     def size_bytes(self) -> int:
         images = json.loads(self.bh("images", "--json", self.name))
-        return int(images[0]["size"]) if isinstance(images[0]["size"], int) else _parse_size(images[0]["size"])
+        return (
+            int(images[0]["size"])
+            if isinstance(images[0]["size"], int)
+            else _parse_size(images[0]["size"])
+        )
 
     def remove(self) -> None:
         for ctr in self.containers:
@@ -204,14 +229,19 @@ def server_pid(port: int) -> int | None:
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"serve" in argv and any(a.endswith(b"/kvserve") for a in argv[:2]) \
-                and f"KVSERVE_PORT={port}".encode() in environ:
+        if (
+            b"serve" in argv
+            and any(a.endswith(b"/kvserve") for a in argv[:2])
+            and f"KVSERVE_PORT={port}".encode() in environ
+        ):
             return int(entry)
     return None
 
 
 def uid_of(pid: int) -> int:
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:"))
+    line = next(
+        x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:")
+    )
     return int(line.split()[1])
 
 
@@ -223,7 +253,9 @@ def kernels_digest() -> str:
     """The folder name kvserve's models/cpu_build.py gives the host library built from this checkout
     (no torch in it: any torch shares it)."""
     csrc = REPO / "models" / "csrc"
-    paths = sorted([*(csrc / "host").glob("*.cpp"), *(csrc / "host").glob("*.h"), *csrc.glob("*.h")])
+    paths = sorted(
+        [*(csrc / "host").glob("*.cpp"), *(csrc / "host").glob("*.h"), *csrc.glob("*.h")]
+    )
     sources = b"".join(path.name.encode() + path.read_bytes() for path in paths)
     return "host-" + hashlib.sha256(sources + HOST_FLAGS.encode()).hexdigest()[:16]
 
@@ -242,6 +274,7 @@ print(json.dumps({"torch": torch.__version__, "folder": str(library.parent),
 
 # ---------------------------------------------------------------- Prometheus
 
+
 def dashboard_queries(dashboard: dict) -> list[str]:
     """Every PromQL expression of the dashboard: panel targets and query variables."""
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -256,7 +289,9 @@ def grafana_substitute(expr: str, dashboard: dict, scrape_interval_s: int) -> st
     $__interval is the datasource's scrape interval, $__rate_interval = max($__interval +
     scrape interval, 4 * scrape interval), a multi-value variable's All is its allValue."""
     rate_interval = max(2 * scrape_interval_s, 4 * scrape_interval_s)
-    expr = expr.replace("$__rate_interval", f"{rate_interval}s").replace("$__interval", f"{scrape_interval_s}s")
+    expr = expr.replace("$__rate_interval", f"{rate_interval}s").replace(
+        "$__interval", f"{scrape_interval_s}s"
+    )
     for var in dashboard.get("templating", {}).get("list", []):
         expr = expr.replace(f"${{{var['name']}}}", var.get("allValue") or ".*")
         expr = expr.replace(f"${var['name']}", var.get("allValue") or ".*")
@@ -272,7 +307,10 @@ def prometheus_query(base: str, expr: str) -> dict:
         url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     status, body = http("GET", url, timeout=10)
     answer = json.loads(body)
-    need(status == 200 and answer.get("status") == "success", f"Prometheus refused {expr!r}: {answer}")
+    need(
+        status == 200 and answer.get("status") == "success",
+        f"Prometheus refused {expr!r}: {answer}",
+    )
     data = answer["data"]
     return {"result": data} if isinstance(data, list) else data
 
@@ -280,26 +318,47 @@ def prometheus_query(base: str, expr: str) -> dict:
 def check_prometheus(server: str, work: Path) -> None:
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        raise CheckFailed("prometheus not found (apt-get install prometheus): the dashboard's queries were not checked")
+        raise CheckFailed(
+            "prometheus not found (apt-get install prometheus): the dashboard's queries were not checked"
+        )
     config = (DOCKER / "prometheus" / "prometheus.yml").read_text()
-    need("kvserve:8000" in config, "docker/prometheus/prometheus.yml no longer scrapes kvserve:8000")
+    need(
+        "kvserve:8000" in config, "docker/prometheus/prometheus.yml no longer scrapes kvserve:8000"
+    )
     scrape_s = int(re.search(r"scrape_interval:\s*(\d+)s", config).group(1))
     config_path = work / "prometheus.yml"
     config_path.write_text(config.replace("kvserve:8000", server.removeprefix("http://")))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = (work / "prometheus.log").open("w")
-    proc = subprocess.Popen([prometheus, f"--config.file={config_path}", f"--storage.tsdb.path={work / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=log,
+    )
     stop = threading.Event()
     traffic = threading.Thread(target=send_traffic, args=(server, stop), daemon=True)
     try:
-        wait_for("Prometheus ready", lambda: http("GET", f"{base}/-/ready", timeout=2)[0] == 200, 30, proc)
+        wait_for(
+            "Prometheus ready",
+            lambda: http("GET", f"{base}/-/ready", timeout=2)[0] == 200,
+            30,
+            proc,
+        )
         traffic.start()
         dashboard = json.loads((DOCKER / "grafana" / "dashboards" / "kvserve.json").read_text())
         rate_window = 4 * scrape_s
         # rate() needs two samples inside its window, taken while requests run
-        wait_for("scrapes during traffic", lambda: scraped_samples(base, rate_window) >= 4, 6 * rate_window)
+        wait_for(
+            "scrapes during traffic",
+            lambda: scraped_samples(base, rate_window) >= 4,
+            6 * rate_window,
+        )
         exprs = dashboard_queries(dashboard)
         empty = []
         for expr in exprs:
@@ -307,10 +366,15 @@ def check_prometheus(server: str, work: Path) -> None:
             result = prometheus_query(base, query)["result"]
             if not result:
                 empty.append(query)
-        need(not empty, f"{len(empty)} of the dashboard's {len(exprs)} queries returned no data "
-                        f"during traffic: {empty}")
-        ok(f"Prometheus (scraping every {scrape_s} s with docker/prometheus/prometheus.yml): "
-           f"all {len(exprs)} queries of the Grafana dashboard parse and return data")
+        need(
+            not empty,
+            f"{len(empty)} of the dashboard's {len(exprs)} queries returned no data "
+            f"during traffic: {empty}",
+        )
+        ok(
+            f"Prometheus (scraping every {scrape_s} s with docker/prometheus/prometheus.yml): "
+            f"all {len(exprs)} queries of the Grafana dashboard parse and return data"
+        )
     finally:
         stop.set()
         proc.terminate()
@@ -332,16 +396,24 @@ def send_traffic(server: str, stop: threading.Event) -> None:
     i = 0
     while not stop.is_set():
         prompt = "one two three four one two three four one two three four " * 4 + str(i % 3)
-        http("POST", f"{server}/v1/completions",
-             {"model": model, "prompt": prompt, "max_tokens": 16, "stream": i % 2 == 0}, timeout=120)
+        http(
+            "POST",
+            f"{server}/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 16, "stream": i % 2 == 0},
+            timeout=120,
+        )
         i += 1
 
 
 # ---------------------------------------------------------------- run
 
+
 def check_run(image: Image, work: Path) -> None:
     cfg = image.config
-    need(cfg.get("User", "").split(":")[0] == "1000", f"the image's USER is {cfg.get('User')!r}, not 1000")
+    need(
+        cfg.get("User", "").split(":")[0] == "1000",
+        f"the image's USER is {cfg.get('User')!r}, not 1000",
+    )
     entrypoint, cmd = cfg.get("Entrypoint") or [], cfg.get("Cmd") or []
     health = (cfg.get("Healthcheck") or {}).get("Test") or []
     need(health[:1] == ["CMD"], f"no exec-form HEALTHCHECK in the image: {health}")
@@ -351,48 +423,82 @@ def check_run(image: Image, work: Path) -> None:
     serve_ctr, exec_ctr = image.container(), image.container()
 
     def exec_in(command: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(image.run_argv(exec_ctr, command, env), capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            image.run_argv(exec_ctr, command, env), capture_output=True, text=True, timeout=120
+        )
 
     before = exec_in(health[1:])
-    need(before.returncode == 1, f"the HEALTHCHECK command exited {before.returncode} before the server started")
+    need(
+        before.returncode == 1,
+        f"the HEALTHCHECK command exited {before.returncode} before the server started",
+    )
     ok("HEALTHCHECK command exits 1 before the server starts")
 
     probe = exec_in(["python", "-c", KERNEL_PROBE])
     need(probe.returncode == 0, f"kernel probe failed: {probe.stderr[-2000:]}")
     kernels = json.loads(probe.stdout.strip().splitlines()[-1])
     expected = kernels_digest()
-    need(Path(kernels["folder"]).name == expected,
-         f"the image's kernel sources differ from this checkout's ({kernels['folder']} vs {expected})")
-    need(kernels["prebuilt"] and kernels["loaded"] and not kernels["compiler"],
-         f"CPU kernels not prebuilt and loaded without a compiler: {kernels}")
-    ok(f"CPU kernels built into the image from this checkout's sources ({kernels['folder']}, every kernel set), "
-       f"loaded without g++ (set {kernels['isa']})")
+    need(
+        Path(kernels["folder"]).name == expected,
+        f"the image's kernel sources differ from this checkout's ({kernels['folder']} vs {expected})",
+    )
+    need(
+        kernels["prebuilt"] and kernels["loaded"] and not kernels["compiler"],
+        f"CPU kernels not prebuilt and loaded without a compiler: {kernels}",
+    )
+    ok(
+        f"CPU kernels built into the image from this checkout's sources ({kernels['folder']}, every kernel set), "
+        f"loaded without g++ (set {kernels['isa']})"
+    )
 
     log_path = work / "server.log"
     log = log_path.open("w")
     started = time.monotonic()
-    proc = subprocess.Popen(image.run_argv(serve_ctr, [*entrypoint, *cmd], env), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        image.run_argv(serve_ctr, [*entrypoint, *cmd], env), stdout=log, stderr=subprocess.STDOUT
+    )
     try:
-        wait_for("/health 200", lambda: http("GET", f"{server}/health", timeout=2)[0] == 200, 300, proc, log_path)
+        wait_for(
+            "/health 200",
+            lambda: http("GET", f"{server}/health", timeout=2)[0] == 200,
+            300,
+            proc,
+            log_path,
+        )
         ok(f"/health 200 {time.monotonic() - started:.1f} s after start")
         pid = server_pid(port)
         need(pid is not None, "cannot find the server's process")
         need(uid_of(pid) == 1000, f"the server runs as uid {uid_of(pid)}, not 1000")
         ok("the server runs as uid 1000")
-        need("CPU kernels unavailable" not in log_path.read_text(), "the server fell back to the PyTorch path")
+        need(
+            "CPU kernels unavailable" not in log_path.read_text(),
+            "the server fell back to the PyTorch path",
+        )
 
         model = json.loads(http("GET", f"{server}/v1/models")[1])["data"][0]["id"]
-        status, body = http("POST", f"{server}/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 8})
-        need(status == 200 and json.loads(body)["choices"][0]["text"], f"completion: {status} {body[:300]!r}")
+        status, body = http(
+            "POST", f"{server}/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 8}
+        )
+        need(
+            status == 200 and json.loads(body)["choices"][0]["text"],
+            f"completion: {status} {body[:300]!r}",
+        )
         ok("a completion answers 200")
-        status, body = http("POST", f"{server}/v1/chat/completions",
-                             {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
-        need(status == 200 and json.loads(body)["choices"][0]["message"]["content"] is not None,
-             f"chat completion: {status} {body[:300]!r}")
+        status, body = http(
+            "POST",
+            f"{server}/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        )
+        need(
+            status == 200 and json.loads(body)["choices"][0]["message"]["content"] is not None,
+            f"chat completion: {status} {body[:300]!r}",
+        )
         ok("a chat completion answers 200")
         during = exec_in(health[1:])
-        need(during.returncode == 0,
-             f"the HEALTHCHECK command exited {during.returncode} while serving: {during.stderr}")
+        need(
+            during.returncode == 0,
+            f"the HEALTHCHECK command exited {during.returncode} while serving: {during.stderr}",
+        )
         ok("HEALTHCHECK command exits 0 while serving")
 
         check_prometheus(server, work)
@@ -404,16 +510,24 @@ def check_run(image: Image, work: Path) -> None:
         log.close()
 
     size = image.size_bytes()
-    need(size <= MAX_IMAGE_BYTES, f"the image is {size / 1e9:.2f} GB, over {MAX_IMAGE_BYTES / 1e9:.2f} GB")
+    need(
+        size <= MAX_IMAGE_BYTES,
+        f"the image is {size / 1e9:.2f} GB, over {MAX_IMAGE_BYTES / 1e9:.2f} GB",
+    )
     ok(f"image size {size / 1e9:.2f} GB (bound {MAX_IMAGE_BYTES / 1e9:.2f} GB)")
 
 
 def check_sigterm_drain(server: str, model: str, pid: int, proc: subprocess.Popen) -> None:
     """SIGTERM while a stream is open: the stream still ends normally, then the server exits."""
-    body = json.dumps({"model": model, "prompt": "Once", "max_tokens": 48, "stream": True,
-                       "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"{server}/v1/completions", data=body, method="POST",
-                                      headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": model, "prompt": "Once", "max_tokens": 48, "stream": True, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"{server}/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     finish, done, signalled = None, False, False
     with urllib.request.urlopen(request, timeout=120) as response:
         for raw in response:
@@ -427,13 +541,18 @@ def check_sigterm_drain(server: str, model: str, pid: int, proc: subprocess.Pope
                 done = True
                 break
             finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
-    need(done and finish == "length",
-         f"the stream open at SIGTERM did not finish (finish_reason {finish}, [DONE] {done})")
+    need(
+        done and finish == "length",
+        f"the stream open at SIGTERM did not finish (finish_reason {finish}, [DONE] {done})",
+    )
     try:
         code = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         raise CheckFailed("the server did not exit within 60 s of SIGTERM") from None
-    need(code in (0, 128 + signal.SIGTERM, -signal.SIGTERM), f"the server exited {code} after SIGTERM")
+    need(
+        code in (0, 128 + signal.SIGTERM, -signal.SIGTERM),
+        f"the server exited {code} after SIGTERM",
+    )
     ok(f"SIGTERM: the open stream finished ({finish}), then the server exited ({code})")
 
 
@@ -443,7 +562,9 @@ def main() -> int:
     run = sub.add_parser("run")
     run.add_argument("--image", required=True)
     run.add_argument("--work", type=Path, default=None)
-    run.add_argument("--buildah", default="buildah", help="the buildah command line, storage options included")
+    run.add_argument(
+        "--buildah", default="buildah", help="the buildah command line, storage options included"
+    )
     pip_config = sub.add_parser("pip-config")
     pip_config.add_argument("out", type=Path)
     find_wheel = sub.add_parser("find-wheel")

@@ -20,7 +20,9 @@ def main() -> int:
     if ":" in host:
         host = f"[{host}]"
     request = urllib.request.Request(f"http://{host}:{port}/health")
-    api_key = (os.environ.get("KVSERVE_API_KEY") or "").split(",")[0].strip()  # the first of its keys
+    api_key = (
+        (os.environ.get("KVSERVE_API_KEY") or "").split(",")[0].strip()
+    )  # the first of its keys
     if api_key:  # in case /health sits behind the key
         request.add_header("Authorization", f"Bearer {api_key}")
     try:

@@ -13,8 +13,15 @@ from kvserve.engine.config import EngineArgs
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob,
-                                    RequestMetrics, RequestOutput)
+from kvserve.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    EngineStats,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams, StructuredOutputs
 

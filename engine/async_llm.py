@@ -36,15 +36,33 @@ from typing import TYPE_CHECKING
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs, RuntimeInfo
 from kvserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutDownError
-from kvserve.engine.structured_output.limits import check_limits
-from kvserve.engine.input_processor import ProcessedPrompt, PromptType, load_tokenizer, max_chars_per_token, process_prompt, run_off_loop
-from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
-                             StepFailedRequests, StepOutputs, Stop)
+from kvserve.engine.input_processor import (
+    ProcessedPrompt,
+    PromptType,
+    load_tokenizer,
+    max_chars_per_token,
+    process_prompt,
+    run_off_loop,
+)
 from kvserve.engine.lora_request import LoRARequest
+from kvserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Dead,
+    Overloaded,
+    Ready,
+    Rejected,
+    StartFailed,
+    Stats,
+    StepFailedRequests,
+    StepOutputs,
+    Stop,
+)
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
-from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.pooling_params import PoolingParams
+from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.structured_output.limits import check_limits
 from kvserve.models import built_default_model
 from kvserve.models.heap import release_free_memory
 
@@ -68,7 +86,9 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, wait: bool = True, executor_wrapper: ExecutorWrapper | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, wait: bool = True, executor_wrapper: ExecutorWrapper | None = None
+    ) -> None:
         """Start the engine core process. With `wait=False` this returns at once (the core
         loads while the caller does other start-up work); call `wait_ready()` before use.
         After `args.max_consecutive_step_failures` failed steps in a row the core declares itself dead.
@@ -79,8 +99,11 @@ class AsyncLLM:
         self._grammar_limits = args.structured_outputs_config().limits
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_core_main, name="kvserve-core", args=(
-            args, child_conn, logging.getLogger().level, executor_wrapper))
+        self._process = ctx.Process(
+            target=_core_main,
+            name="kvserve-core",
+            args=(args, child_conn, logging.getLogger().level, executor_wrapper),
+        )
         self._process.start()
         child_conn.close()
         atexit.register(self._kill_core)
@@ -107,7 +130,11 @@ class AsyncLLM:
         try:
             self.info, self._stats = self._receive_ready()
             early = self._early_tokenizer
-            self.tokenizer = early.result() if early else load_tokenizer(self._args.tokenizer or self.info.model_path)
+            self.tokenizer = (
+                early.result()
+                if early
+                else load_tokenizer(self._args.tokenizer or self.info.model_path)
+            )
         except BaseException:
             self._kill_core()
             raise
@@ -122,14 +149,18 @@ class AsyncLLM:
     def _receive_ready(self) -> tuple[RuntimeInfo, EngineStats]:
         while not self._conn.poll(_START_POLL_S):
             if not self._process.is_alive():
-                raise EngineDeadError(f"the engine core exited with code {self._process.exitcode} while starting")
+                raise EngineDeadError(
+                    f"the engine core exited with code {self._process.exitcode} while starting"
+                )
         match messages.decode(self._conn.recv_bytes()):
             case Ready(info, stats):
                 return info, stats
             case StartFailed() as failed:
                 raise failed.to_exception()
             case other:
-                raise EngineDeadError(f"the engine core sent {type(other).__name__} instead of Ready")
+                raise EngineDeadError(
+                    f"the engine core sent {type(other).__name__} instead of Ready"
+                )
 
     @property
     def model_config(self) -> RuntimeInfo:
@@ -141,7 +172,12 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._is_ready and self._error is None and not self._is_stopping and self._process.is_alive()
+        return (
+            self._is_ready
+            and self._error is None
+            and not self._is_stopping
+            and self._process.is_alive()
+        )
 
     @property
     def error(self) -> BaseException | None:
@@ -153,8 +189,13 @@ class AsyncLLM:
         return self._stats
 
     # ---- asyncio side ------------------------------------------------------
-    async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
-                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs as steps produce them; the last has finished=True.
 
         `prompt` is text, token ids, or a dict `{"prompt": text}` / `{"prompt_token_ids": [...]}`
@@ -170,8 +211,18 @@ class AsyncLLM:
         if not self.is_healthy:
             raise self._not_running() from self._error
         # big prompts are tokenized (and token ids checked) in a worker thread, off this loop
-        inner = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
-        size = len(inner) if isinstance(inner, str) else len(inner) // 8 if isinstance(inner, Sequence) else None
+        inner = (
+            prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(prompt, dict)
+            else prompt
+        )
+        size = (
+            len(inner)
+            if isinstance(inner, str)
+            else len(inner) // 8
+            if isinstance(inner, Sequence)
+            else None
+        )
         processed = await run_off_loop(self._check_prompt, prompt, params, num_chars=size)
         if lora_request is not None:
             processed = replace(processed, lora_request=lora_request)
@@ -183,7 +234,9 @@ class AsyncLLM:
         self._streams[request_id] = stream
         is_finished = False
         try:
-            if not self.is_healthy:  # it died after the check above, maybe after failing every stream
+            if (
+                not self.is_healthy
+            ):  # it died after the check above, maybe after failing every stream
                 is_finished = True
                 raise self._not_running() from self._error
             self._send(AddRequest(request_id=request_id, prompt=processed, arrival_time=arrival))
@@ -203,9 +256,17 @@ class AsyncLLM:
             if not is_finished:
                 self._abort_now(request_id)
 
-    def _check_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
-        processed = process_prompt(self.tokenizer, self.info, prompt, params, self._max_chars_per_token)
-        if processed.pooling is None and isinstance(params, SamplingParams) and params.structured_outputs is not None:  # here, so that the core never walks an oversized schema
+    def _check_prompt(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams
+    ) -> ProcessedPrompt:
+        processed = process_prompt(
+            self.tokenizer, self.info, prompt, params, self._max_chars_per_token
+        )
+        if (
+            processed.pooling is None
+            and isinstance(params, SamplingParams)
+            and params.structured_outputs is not None
+        ):  # here, so that the core never walks an oversized schema
             check_limits(params.structured_outputs, self._grammar_limits)
         return processed
 
@@ -261,7 +322,9 @@ class AsyncLLM:
         except (EOFError, OSError):
             if not self._is_stopping:
                 self._process.join(1.0)
-                self._error = EngineDeadError(f"the engine core process exited (code {self._process.exitcode})")
+                self._error = EngineDeadError(
+                    f"the engine core process exited (code {self._process.exitcode})"
+                )
         if self._error is not None:
             logger.error("%s", self._error)
         self._fail_all(self._error or EngineShutDownError("the engine was shut down"))
@@ -285,7 +348,9 @@ class AsyncLLM:
                 self._error = EngineDeadError(text)
                 return False
             case _:  # a bug on one side of the pipe: nothing after it can be trusted
-                self._error = EngineDeadError(f"the engine core sent an unknown message: {type(message).__name__}")
+                self._error = EngineDeadError(
+                    f"the engine core sent an unknown message: {type(message).__name__}"
+                )
                 return False
         return True
 
@@ -293,7 +358,9 @@ class AsyncLLM:
         self._route([(rid, error) for rid in list(self._streams)])
 
     def _route(self, items: list[tuple[str, RequestDelta | BaseException]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestDelta | BaseException]]] = {}
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[_Stream, RequestDelta | BaseException]]
+        ] = {}
         for request_id, item in items:
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -308,14 +375,17 @@ class AsyncLLM:
 def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
     for stream, item in batch:
         if isinstance(item, BaseException):
-            stream.error = stream.error or item  # a request's own step error outlives DEAD's that follows
+            stream.error = (
+                stream.error or item
+            )  # a request's own step error outlives DEAD's that follows
         else:
             stream.builder.add(item)
         stream.wakeup.set()
 
 
-def _core_main(args: EngineArgs, conn: Connection, log_level: int, executor_wrapper: ExecutorWrapper | None) -> None:
+def _core_main(
+    args: EngineArgs, conn: Connection, log_level: int, executor_wrapper: ExecutorWrapper | None
+) -> None:
     from kvserve.engine.core.engine_core import run_engine_core
 
     run_engine_core(args, conn, log_level, executor_wrapper)
-

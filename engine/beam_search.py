@@ -53,17 +53,33 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not (
-                1 <= self.beam_width <= MAX_NUM_LOGPROBS // 2):
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_NUM_LOGPROBS // 2}], got {self.beam_width!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if (
+            isinstance(self.beam_width, bool)
+            or not isinstance(self.beam_width, int)
+            or not (1 <= self.beam_width <= MAX_NUM_LOGPROBS // 2)
+        ):
+            raise ValueError(
+                f"beam_width must be an integer in [1, {MAX_NUM_LOGPROBS // 2}], got {self.beam_width!r}"
+            )
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) or not (
-                -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY):
-            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
-                             f"got {self.length_penalty!r}")
+        if (
+            isinstance(self.length_penalty, bool)
+            or not isinstance(self.length_penalty, (int, float))
+            or not (-MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY)
+        ):
+            raise ValueError(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                f"got {self.length_penalty!r}"
+            )
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+            raise ValueError(
+                f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+            )
 
 
 @dataclass(slots=True)
@@ -81,7 +97,7 @@ class BeamSearchSequence:
 
     @property
     def generated_tokens(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclass(slots=True)
@@ -103,7 +119,9 @@ class _Search:
 
     prompt: list[int]
     running: list[_Beam]
-    finished: list[tuple[float, _Beam, str]] = field(default_factory=list)  # (score, beam, reason), best first
+    finished: list[tuple[float, _Beam, str]] = field(
+        default_factory=list
+    )  # (score, beam, reason), best first
     improvable: bool = True
     done: bool = False
 
@@ -118,7 +136,9 @@ class BeamSearch:
         outputs = search.outputs()
     """
 
-    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int]):
+    def __init__(
+        self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int]
+    ):
         self.params = params
         self.eos = () if params.ignore_eos else tuple(eos_token_ids)
         self.num_candidates = max(2, 1 + len(self.eos)) * params.beam_width
@@ -144,34 +164,54 @@ class BeamSearch:
             raise ValueError(f"got logprobs for {len(logprobs)} beams, {len(self._beams)} are live")
         by_search: dict[int, list[tuple[float, int, int, _Beam]]] = {i: [] for i, _ in self._beams}
         for rank, ((i, beam), entry) in enumerate(zip(self._beams, logprobs)):
-            by_search[i] += [(beam.logprob + logprob, rank, token, beam) for token, logprob in entry.items()]
+            by_search[i] += [
+                (beam.logprob + logprob, rank, token, beam) for token, logprob in entry.items()
+            ]
         self.step += 1
         last = self.step == self.params.max_tokens
         for i, candidates in by_search.items():
             # (a token the generation config bans or forces away has -inf: never a candidate)
-            candidates = sorted((c for c in candidates if c[0] > float("-inf")),
-                                key=lambda c: (-c[0], c[1], c[2]))[: self.num_candidates]
+            candidates = sorted(
+                (c for c in candidates if c[0] > float("-inf")), key=lambda c: (-c[0], c[1], c[2])
+            )[: self.num_candidates]
             _advance(self.searches[i], candidates, self.step, last, self.eos, self.params)
         self._beams = []
 
     def outputs(self) -> list[BeamSearchOutput]:
-        return [BeamSearchOutput([_sequence(s.prompt, score, beam, reason) for score, beam, reason in s.finished])
-                for s in self.searches]
+        return [
+            BeamSearchOutput(
+                [_sequence(s.prompt, score, beam, reason) for score, beam, reason in s.finished]
+            )
+            for s in self.searches
+        ]
 
 
-def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int],
-                next_token_logprobs: NextTokenScorer) -> list[BeamSearchOutput]:
+def beam_search(
+    prompts: Sequence[list[int]],
+    params: BeamSearchParams,
+    eos_token_ids: Sequence[int],
+    next_token_logprobs: NextTokenScorer,
+) -> list[BeamSearchOutput]:
     """Run the search for every prompt together: one `next_token_logprobs` call per step with
     the live beams of every unfinished prompt."""
     search = BeamSearch(prompts, params, eos_token_ids)
     while beams := search.live_beams():
-        search.advance(next_token_logprobs([i for i, _ in beams], [tokens for _, tokens in beams],
-                                           search.num_logprobs))
+        search.advance(
+            next_token_logprobs(
+                [i for i, _ in beams], [tokens for _, tokens in beams], search.num_logprobs
+            )
+        )
     return search.outputs()
 
 
-def _advance(search: _Search, candidates: list[tuple[float, int, int, _Beam]], length: int, last: bool,
-             eos: tuple[int, ...], params: BeamSearchParams) -> None:
+def _advance(
+    search: _Search,
+    candidates: list[tuple[float, int, int, _Beam]],
+    length: int,
+    last: bool,
+    eos: tuple[int, ...],
+    params: BeamSearchParams,
+) -> None:
     """One step of transformers' selection for one prompt; `length` is the new generated length."""
     width = params.beam_width
     ends = [last or token in eos for _, _, token, _ in candidates]
@@ -179,22 +219,34 @@ def _advance(search: _Search, candidates: list[tuple[float, int, int, _Beam]], l
     if search.improvable and not (full and params.early_stopping is True):
         for (logprob, _, token, beam), end in zip(candidates[:width], ends[:width]):
             if end:
-                score = logprob / length ** params.length_penalty
+                score = logprob / length**params.length_penalty
                 reason = "stop" if token in eos else "length"
                 search.finished.append((score, _Beam(beam.generated + [token], logprob), reason))
         search.finished.sort(key=lambda f: -f[0])
         del search.finished[width:]
-    search.running = [_Beam(beam.generated + [token], logprob)
-                      for (logprob, _, token, beam), end in zip(candidates, ends) if not end][:width]
+    search.running = [
+        _Beam(beam.generated + [token], logprob)
+        for (logprob, _, token, beam), end in zip(candidates, ends)
+        if not end
+    ][:width]
     full = len(search.finished) == width
     if full and search.running:
-        best_length = params.max_tokens if params.early_stopping == "never" and params.length_penalty > 0 else length
-        best_possible = search.running[0].logprob / best_length ** params.length_penalty
+        best_length = (
+            params.max_tokens
+            if params.early_stopping == "never" and params.length_penalty > 0
+            else length
+        )
+        best_possible = search.running[0].logprob / best_length**params.length_penalty
         search.improvable = search.improvable and best_possible > search.finished[-1][0]
     stop_early = full and params.early_stopping is True
     search.done = last or not search.improvable or stop_early or all(ends)
 
 
 def _sequence(prompt: list[int], score: float, beam: _Beam, reason: str) -> BeamSearchSequence:
-    return BeamSearchSequence(tokens=prompt + beam.generated, num_prompt_tokens=len(prompt),
-                              cum_logprob=beam.logprob, score=score, finish_reason=reason)
+    return BeamSearchSequence(
+        tokens=prompt + beam.generated,
+        num_prompt_tokens=len(prompt),
+        cum_logprob=beam.logprob,
+        score=score,
+        finish_reason=reason,
+    )

@@ -18,11 +18,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, dataclass_transform
 
+from kvserve.engine.generation_config import GenerationConfig, check_mode
 from kvserve.engine.pooling_params import TASKS, PoolerConfig
 from kvserve.engine.spec_decode.config import SpeculativeConfig
-from kvserve.engine.generation_config import GenerationConfig, check_mode
-from kvserve.models.backends import (ATTENTION_BACKENDS, DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS,
-                                     check_quantization)
+from kvserve.models.backends import (
+    ATTENTION_BACKENDS,
+    DEFAULT_GROUP_SIZE,
+    QUANTIZATION_METHODS,
+    check_quantization,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -35,13 +39,27 @@ _Config = TypeVar("_Config")
 _SubConfig = TypeVar("_SubConfig", bound="DataclassInstance")
 
 
-def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, metavar: str | None = None,
-           unit: str | None = None, server_default: Any = None, aliases: tuple[str, ...] = ()) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    metavar: str | None = None,
+    unit: str | None = None,
+    server_default: Any = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     """An options dataclass field (`EngineArgs`, and the server's `RayServeOptions`) with what the
     CLIs show for it: `help`, `choices`, a `metavar`, a `unit` ("bytes": the server also reads
     4GiB, 512MB), other flag spellings (`aliases`), and `server_default` where `kvserve serve`
     defaults differently from the offline API (a server bounds what the library leaves open)."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "unit": unit, "aliases": aliases}
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "metavar": metavar,
+        "unit": unit,
+        "aliases": aliases,
+    }
     if server_default is not None:
         metadata["server_default"] = server_default
     return field(default=default, metadata=metadata)
@@ -52,92 +70,145 @@ class EngineArgs:
     """Everything a user can set; `LLM(**kwargs)` and `kvserve serve` flags map onto it."""
 
     model: str | None = option(
-        None, "Checkpoint directory, GGUF file (or a directory holding one) or Hub id; unset serves the embedded "
-        "default model.", metavar="PATH_OR_ID")
-    tokenizer: str | None = option(None, "Tokenizer directory or Hub id (default: the model's).",
-                                   metavar="PATH_OR_ID")
-    dtype: str = option("auto", "Weight/activation dtype (auto: bf16 on CUDA and on CPUs with bf16 units, "
-                        "else fp32).", choices=DTYPES)
+        None,
+        "Checkpoint directory, GGUF file (or a directory holding one) or Hub id; unset serves the embedded "
+        "default model.",
+        metavar="PATH_OR_ID",
+    )
+    tokenizer: str | None = option(
+        None, "Tokenizer directory or Hub id (default: the model's).", metavar="PATH_OR_ID"
+    )
+    dtype: str = option(
+        "auto",
+        "Weight/activation dtype (auto: bf16 on CUDA and on CPUs with bf16 units, else fp32).",
+        choices=DTYPES,
+    )
     device: str = option("auto", "Device: auto, cpu, cuda, cuda:N.")
     block_size: int = option(16, "Tokens per KV-cache block.")
     max_num_seqs: int = option(256, "Most sequences in one running batch.")
     max_num_batched_tokens: int = option(2048, "Token budget of one engine step.")
     scheduling_policy: str = option(
-        "fcfs", "fcfs: first come, first served; priority: requests' `priority` orders the queue (lower first, "
-        "then by arrival) and preemption takes the lowest priority first.", choices=SCHEDULING_POLICIES)
-    kv_cache_memory: int | None = option(None, "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9 (unset: on CUDA what "
-                                         "--gpu-memory-utilization leaves after the profiled step; on the CPU 32k "
-                                         "tokens, at most RAM/4 and 4 GiB).",
-                                         metavar="BYTES", unit="bytes")
-    num_kv_blocks: int | None = option(None, "Exact number of KV blocks (overrides --kv-cache-memory).")
+        "fcfs",
+        "fcfs: first come, first served; priority: requests' `priority` orders the queue (lower first, "
+        "then by arrival) and preemption takes the lowest priority first.",
+        choices=SCHEDULING_POLICIES,
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        "Bytes for the KV cache; accepts 4GiB, 512MB, 1e9 (unset: on CUDA what "
+        "--gpu-memory-utilization leaves after the profiled step; on the CPU 32k "
+        "tokens, at most RAM/4 and 4 GiB).",
+        metavar="BYTES",
+        unit="bytes",
+    )
+    num_kv_blocks: int | None = option(
+        None, "Exact number of KV blocks (overrides --kv-cache-memory)."
+    )
     enable_prefix_caching: bool = option(True, "Reuse KV blocks of shared prompt prefixes.")
     seed: int = option(0, "Engine random seed.")
     max_model_len: int | None = option(None, "Context length limit (default: the model's).")
     attention_backend: str = option(
-        "auto", "Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), cpu, triton.",
-        choices=ATTENTION_BACKENDS)
+        "auto",
+        "Attention kernels: auto (cpu on CPU, triton on CUDA), torch (portable reference), cpu, triton.",
+        choices=ATTENTION_BACKENDS,
+    )
     enforce_eager: bool = option(
-        False, "Run every step through the model's Python forward (no CUDA graphs; on the CPU, no C++ decoder stack).")
+        False,
+        "Run every step through the model's Python forward (no CUDA graphs; on the CPU, no C++ decoder stack).",
+    )
     gpu_memory_utilization: float = option(
-        0.9, "CUDA: share of the GPU's memory kvserve may use (weights, activations, KV).")
+        0.9, "CUDA: share of the GPU's memory kvserve may use (weights, activations, KV)."
+    )
     tensor_parallel_size: int = option(
-        1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md.")
+        1, "Split the model over N devices (N GPUs; on the CPU, N processes): docs/scaling.md."
+    )
     quantization: str | None = option(
-        None, "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), or fp8 (e4m3, for "
+        None,
+        "Weights int8 or int4 (groups along the input, llama.cpp's Q8_0 / Q4_0), or fp8 (e4m3, for "
         "GPUs), quantized at load; none keeps the checkpoint's. Unset: a GGUF file's own type, else none. "
         "docs/quantization.md.",
-        choices=QUANTIZATION_METHODS)
+        choices=QUANTIZATION_METHODS,
+    )
     quantization_group_size: int = option(
-        DEFAULT_GROUP_SIZE, "Input features per quantization scale (a multiple of 16 dividing every matrix's input).")
+        DEFAULT_GROUP_SIZE,
+        "Input features per quantization scale (a multiple of 16 dividing every matrix's input).",
+    )
     task: str | None = option(
-        None, "generate: completions and chat (and /v1/embeddings from the LM's hidden states); embed: "
+        None,
+        "generate: completions and chat (and /v1/embeddings from the LM's hidden states); embed: "
         "/v1/embeddings only. Unset: embed for an embedding checkpoint (no LM head, or sentence-transformers' "
-        "modules.json), else generate.", choices=TASKS)
+        "modules.json), else generate.",
+        choices=TASKS,
+    )
     generation_config: str = option(
-        "auto", "The generation_config.json applied as transformers' generate() applies it: auto (the model "
+        "auto",
+        "The generation_config.json applied as transformers' generate() applies it: auto (the model "
         "folder's), vllm (none: kvserve's defaults), or a folder holding one. Its sampling and beam settings "
         "become defaults a request overrides; its no_repeat_ngram_size, bad_words_ids, min_length, "
         "min_new_tokens and forced BOS/EOS apply to every request. docs/generation_config.md.",
-        metavar="auto|vllm|FOLDER")
+        metavar="auto|vllm|FOLDER",
+    )
     speculative_config: str | None = option(
-        None, 'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.', metavar="JSON")
+        None,
+        'Speculative decoding, as JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}. Unset: off. docs/speculative.md.',
+        metavar="JSON",
+    )
     # LoRA adapters (LoRAConfig)
-    enable_lora: bool = option(False, "Serve LoRA adapters on the base model (Llama, Mistral, Qwen2, Qwen3): "
-                               "docs/lora.md.")
+    enable_lora: bool = option(
+        False, "Serve LoRA adapters on the base model (Llama, Mistral, Qwen2, Qwen3): docs/lora.md."
+    )
     max_loras: int = option(1, "Most distinct LoRA adapters in one batch (device slots).")
     max_lora_rank: int = option(16, "Largest LoRA rank an adapter may have.")
-    max_cpu_loras: int | None = option(None, "LoRA adapters kept read in host memory (default: max_loras).")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept read in host memory (default: max_loras)."
+    )
     # structured outputs (StructuredOutputsConfig, GrammarLimits). The JSON Schema bounds are OpenAI's
     # Structured Outputs limits (max_schema_depth counts every subschema, OpenAI only objects); the others
     # have no OpenAI counterpart and are set an order of magnitude above realistic use.
     grammar_compile_timeout_s: float = option(
-        20.0, "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
-        "(or an error event).")
+        20.0,
+        "Seconds a request may wait for its grammar (queue and compile); then it fails with a 400 "
+        "(or an error event).",
+    )
     max_grammar_queue: int | None = option(
-        None, "Most distinct grammars queued or compiling at once; a request needing one more is refused for now "
-        "(503 from the server; unset: no limit).", server_default=64)
+        None,
+        "Most distinct grammars queued or compiling at once; a request needing one more is refused for now "
+        "(503 from the server; unset: no limit).",
+        server_default=64,
+    )
     grammar_compile_threads: int | None = option(
-        None, "Grammar compile threads, at a low CPU priority (nice 10; unset: one per two cores, at most 2).")
+        None,
+        "Grammar compile threads, at a low CPU priority (nice 10; unset: one per two cores, at most 2).",
+    )
     max_schema_properties: int = option(
-        5000, "Most object properties in one JSON schema (OpenAI: 5000).")
+        5000, "Most object properties in one JSON schema (OpenAI: 5000)."
+    )
     max_schema_depth: int = option(
-        32, "Deepest nesting of a JSON schema, every subschema counting one level "
-        "(OpenAI: 10 object levels).")
+        32,
+        "Deepest nesting of a JSON schema, every subschema counting one level "
+        "(OpenAI: 10 object levels).",
+    )
     max_schema_enum_values: int = option(
-        1000, "Most enum values in one JSON schema (OpenAI: 1000).")
+        1000, "Most enum values in one JSON schema (OpenAI: 1000)."
+    )
     max_schema_string_chars: int = option(
-        120_000, "Most characters of property names, enum and const values and patterns "
-        "in one JSON schema (OpenAI: 120000).")
+        120_000,
+        "Most characters of property names, enum and const values and patterns "
+        "in one JSON schema (OpenAI: 120000).",
+    )
     max_regex_chars: int = option(10_000, "Longest guided_regex.")
     max_grammar_chars: int = option(100_000, "Longest guided_grammar (EBNF).")
     max_choices: int = option(1000, "Most strings in a guided_choice.")
-    max_choice_chars: int = option(120_000, "Most characters in a guided_choice, all strings "
-                                   "together.")
+    max_choice_chars: int = option(
+        120_000, "Most characters in a guided_choice, all strings together."
+    )
     # the engine core process (AsyncLLM, the server)
     max_consecutive_step_failures: int = option(
-        3, "Failed engine steps in a row after which the engine counts as dead (one failed step fails only its "
-        "requests).")
+        3,
+        "Failed engine steps in a row after which the engine counts as dead (one failed step fails only its "
+        "requests).",
+    )
 
     def model_config(self) -> ModelConfig:
         return self.derive(ModelConfig)
@@ -146,7 +217,9 @@ class EngineArgs:
         return self.derive(CacheConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return self.derive(SchedulerConfig, max_lora_slots=self.max_loras if self.enable_lora else 0)
+        return self.derive(
+            SchedulerConfig, max_lora_slots=self.max_loras if self.enable_lora else 0
+        )
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA settings (checked whether or not LoRA is on); None when it is off."""
@@ -206,9 +279,13 @@ def sub_config(cls: type[_Config]) -> type[_Config]:
         if name not in OPTIONS:
             continue
         if name in cls.__dict__:
-            raise TypeError(f"{cls.__name__}.{name} has a default of its own; EngineArgs.{name} declares it")
+            raise TypeError(
+                f"{cls.__name__}.{name} has a default of its own; EngineArgs.{name} declares it"
+            )
         if annotation != OPTIONS[name].type:
-            raise TypeError(f"{cls.__name__}.{name}: {annotation} is not EngineArgs.{name}'s {OPTIONS[name].type}")
+            raise TypeError(
+                f"{cls.__name__}.{name}: {annotation} is not EngineArgs.{name}'s {OPTIONS[name].type}"
+            )
         setattr(cls, name, OPTIONS[name].default)
     own_checks = cls.__dict__.get("__post_init__")
 
@@ -237,7 +314,9 @@ class ModelConfig:
     seed: int
     max_model_len: int | None  # None = the model's own limit
     attention_backend: str  # auto: the device's best, cpu on CPU, triton on CUDA
-    enforce_eager: bool  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
+    enforce_eager: (
+        bool  # the model's Python forward every step: no CUDA graphs, no CPU decoder stack
+    )
     gpu_memory_utilization: float  # share of the GPU's total memory kvserve may take
     quantization: str | None  # int8, int4, fp8, none; None: a GGUF file's own, else none
     quantization_group_size: int
@@ -254,9 +333,14 @@ class ModelConfig:
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if (
+            isinstance(self.gpu_memory_utilization, bool)
+            or not isinstance(self.gpu_memory_utilization, (int, float))
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
 
 
 @sub_config
@@ -271,7 +355,9 @@ class CacheConfig:
         _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _check_positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
 
 
 @sub_config
@@ -280,7 +366,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     # fcfs: by arrival; priority: by (priority, arrival), lower value first (engine/core/scheduler.py)
     scheduling_policy: str
-    max_lora_slots: int = 0  # most distinct LoRA adapters in the running batch (--max-loras); 0: LoRA off
+    max_lora_slots: int = (
+        0  # most distinct LoRA adapters in the running batch (--max-loras); 0: LoRA off
+    )
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -302,7 +390,9 @@ class LoRAConfig:
         _check_positive("max_lora_rank", self.max_lora_rank)
         _check_positive("max_cpu_loras", self.max_cpu_loras, allow_none=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
 
     @property
     def num_cpu_loras(self) -> int:
@@ -368,8 +458,14 @@ class StructuredOutputsConfig:
 
     def __post_init__(self) -> None:
         timeout_s = self.grammar_compile_timeout_s
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout_s!r}")
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not timeout_s > 0
+        ):
+            raise ValueError(
+                f"grammar_compile_timeout_s must be a positive number, got {timeout_s!r}"
+            )
         _check_positive("max_grammar_queue", self.max_grammar_queue, allow_none=True)
         _check_positive("grammar_compile_threads", self.grammar_compile_threads, allow_none=True)
 

@@ -27,8 +27,14 @@ from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
 
 MODES = ("auto", "vllm")
 # fields that become SamplingParams defaults (file name -> SamplingParams name), as vLLM reads them
-_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +43,9 @@ class GenerationConfig:
     `RuntimeInfo`). Empty in `vllm` mode or without a file."""
 
     source: str = "vllm"  # the file read, or "vllm" / "none"
-    sampling_defaults: dict[str, float] = field(default_factory=dict)  # SamplingParams name -> value
+    sampling_defaults: dict[str, float] = field(
+        default_factory=dict
+    )  # SamplingParams name -> value
     num_beams: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
@@ -45,30 +53,43 @@ class GenerationConfig:
 
     def default_sampling_params(self) -> SamplingParams:
         """kvserve's defaults with the checkpoint's in place of them (vLLM's `get_default_sampling_params`)."""
-        values = {k: int(v) if k in ("top_k", "max_tokens") else v for k, v in self.sampling_defaults.items()}
+        values = {
+            k: int(v) if k in ("top_k", "max_tokens") else v
+            for k, v in self.sampling_defaults.items()
+        }
         return SamplingParams(**values)  # type: ignore[arg-type]  # names from _SAMPLING_FIELDS, numbers all
 
     def describe(self) -> str:
         """The defaults and processors applied, for the start-up log."""
         parts = [f"{k}={v!r}" for k, v in self.sampling_defaults.items()]
-        parts += [f"{k}={getattr(self, k)!r}" for k in ("num_beams", "length_penalty", "early_stopping")
-                  if getattr(self, k) is not None]
+        parts += [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("num_beams", "length_penalty", "early_stopping")
+            if getattr(self, k) is not None
+        ]
         if self.constraints is not None:
-            parts += [f"{k}={v!r}" for k, v in zip(self.constraints.__struct_fields__,
-                                                    (getattr(self.constraints, k) for k in
-                                                     self.constraints.__struct_fields__))
-                      if v not in (0, (), None)]
+            parts += [
+                f"{k}={v!r}"
+                for k, v in zip(
+                    self.constraints.__struct_fields__,
+                    (getattr(self.constraints, k) for k in self.constraints.__struct_fields__),
+                )
+                if v not in (0, (), None)
+            ]
         return ", ".join(parts)
 
 
 def check_mode(value: Any) -> None:
     """`generation_config` is auto, vllm or a folder path (its file is read at load)."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder path, got {value!r}")
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a folder path, got {value!r}"
+        )
 
 
-def load_generation_config(mode: str, model_path: str, vocab_size: int,
-                           eos_token_ids: tuple[int, ...]) -> GenerationConfig:
+def load_generation_config(
+    mode: str, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> GenerationConfig:
     """The generation config `mode` names, for a model with `vocab_size` tokens."""
     check_mode(mode)
     if mode == "vllm":
@@ -88,8 +109,9 @@ def load_generation_config(mode: str, model_path: str, vocab_size: int,
     return parse_generation_config(raw, str(path), vocab_size, eos_token_ids)
 
 
-def parse_generation_config(raw: dict[str, Any], source: str, vocab_size: int,
-                            eos_token_ids: tuple[int, ...]) -> GenerationConfig:
+def parse_generation_config(
+    raw: dict[str, Any], source: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> GenerationConfig:
     """Validate the fields kvserve applies (others are ignored, as transformers' unknown ones are)."""
     check = _Checker(raw, source, vocab_size)
     defaults: dict[str, float] = {}
@@ -105,7 +127,7 @@ def parse_generation_config(raw: dict[str, Any], source: str, vocab_size: int,
     length_penalty = check.number("length_penalty")
     early_stopping = raw.get("early_stopping")
     if early_stopping not in (None, True, False, "never"):
-        raise check.error("early_stopping", "true, false or \"never\"")
+        raise check.error("early_stopping", 'true, false or "never"')
     # transformers drops a bad word that is an EOS alone (NoBadWordsLogitsProcessor)
     bad_words = tuple(w for w in check.bad_words() if not (len(w) == 1 and w[0] in eos_token_ids))
     forced_eos = check.token_ids("forced_eos_token_id")
@@ -115,10 +137,16 @@ def parse_generation_config(raw: dict[str, Any], source: str, vocab_size: int,
         min_length=check.integer("min_length", lo=0) or 0,
         min_new_tokens=check.integer("min_new_tokens", lo=0) or 0,
         forced_bos_token_id=check.token_id("forced_bos_token_id"),
-        forced_eos_token_ids=forced_eos)
-    return GenerationConfig(source=source, sampling_defaults=defaults, num_beams=num_beams,
-                            length_penalty=length_penalty, early_stopping=early_stopping,
-                            constraints=None if constraints.is_empty else constraints)
+        forced_eos_token_ids=forced_eos,
+    )
+    return GenerationConfig(
+        source=source,
+        sampling_defaults=defaults,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        constraints=None if constraints.is_empty else constraints,
+    )
 
 
 class _Checker:
@@ -130,12 +158,19 @@ class _Checker:
     def error(self, name: str, expected: str) -> ValueError:
         return ValueError(f"{self.source}: {name} must be {expected}, got {self.raw.get(name)!r}")
 
-    def number(self, name: str, int_only: bool = False, lo: float | None = None) -> float | int | None:
+    def number(
+        self, name: str, int_only: bool = False, lo: float | None = None
+    ) -> float | int | None:
         value = self.raw.get(name)
         if value is None:
             return None
         kinds = (int,) if int_only else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds) or value != value or abs(value) == float("inf"):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, kinds)
+            or value != value
+            or abs(value) == float("inf")
+        ):
             raise self.error(name, "an integer" if int_only else "a finite number")
         if lo is not None and value < lo:
             raise self.error(name, f">= {lo}")
@@ -157,7 +192,11 @@ class _Checker:
         value = self.raw.get(name)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 <= value < self.vocab_size
+        ):
             raise self.error(name, f"a token id in [0, {self.vocab_size})")
         return value
 
@@ -167,7 +206,10 @@ class _Checker:
         if value is None:
             return ()
         ids = value if isinstance(value, list) else [value]
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+        if not ids or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size
+            for i in ids
+        ):
             raise self.error(name, f"a token id in [0, {self.vocab_size}) or a list of them")
         return tuple(ids)
 
@@ -176,21 +218,33 @@ class _Checker:
         if value is None:
             return ()
         ok = isinstance(value, list) and all(
-            isinstance(w, list) and w and all(not isinstance(i, bool) and isinstance(i, int)
-                                              and 0 <= i < self.vocab_size for i in w) for w in value)
+            isinstance(w, list)
+            and w
+            and all(
+                not isinstance(i, bool) and isinstance(i, int) and 0 <= i < self.vocab_size
+                for i in w
+            )
+            for w in value
+        )
         if not ok:
-            raise self.error("bad_words_ids", f"a list of non-empty lists of token ids in [0, {self.vocab_size})")
+            raise self.error(
+                "bad_words_ids", f"a list of non-empty lists of token ids in [0, {self.vocab_size})"
+            )
         return tuple(tuple(w) for w in value)
 
 
-def beam_step_constraints(constraints: GenerationConstraints | None, step: int,
-                          max_tokens: int) -> GenerationConstraints:
+def beam_step_constraints(
+    constraints: GenerationConstraints | None, step: int, max_tokens: int
+) -> GenerationConstraints:
     """The constraints of one beam search step's one-token requests (the step-th new token, from 0):
     the search's own max_tokens and output length, not the step request's."""
     if constraints is None:
         return GenerationConstraints()
     return GenerationConstraints(
-        no_repeat_ngram_size=constraints.no_repeat_ngram_size, bad_words_ids=constraints.bad_words_ids,
-        min_length=constraints.min_length, min_new_tokens=1 if step < constraints.min_new_tokens else 0,
+        no_repeat_ngram_size=constraints.no_repeat_ngram_size,
+        bad_words_ids=constraints.bad_words_ids,
+        min_length=constraints.min_length,
+        min_new_tokens=1 if step < constraints.min_new_tokens else 0,
         forced_bos_token_id=constraints.forced_bos_token_id,
-        forced_eos_token_ids=constraints.forced_eos_token_ids if step == max_tokens - 1 else ())
+        forced_eos_token_ids=constraints.forced_eos_token_ids if step == max_tokens - 1 else (),
+    )

@@ -30,7 +30,7 @@ def banned_ngram_tokens(tokens: np.ndarray, size: int) -> np.ndarray:
     if size == 1:
         return tokens
     windows = sliding_window_view(tokens, size)  # [L - size + 1, size]
-    match = (windows[:, :-1] == tokens[len(tokens) - size + 1:]).all(axis=1)
+    match = (windows[:, :-1] == tokens[len(tokens) - size + 1 :]).all(axis=1)
     return windows[match, -1]
 
 
@@ -39,13 +39,20 @@ def banned_bad_words(tokens: np.ndarray, bad_words: tuple[tuple[int, ...], ...])
     banned = []
     for word in bad_words:
         prefix = len(word) - 1
-        if prefix == 0 or (len(tokens) >= prefix and tokens[len(tokens) - prefix:].tolist() == list(word[:-1])):
+        if prefix == 0 or (
+            len(tokens) >= prefix and tokens[len(tokens) - prefix :].tolist() == list(word[:-1])
+        ):
             banned.append(word[-1])
     return banned
 
 
-def row_plan(c: GenerationConstraints, tokens: np.ndarray, num_output: int, max_tokens: int,
-             eos_token_ids: tuple[int, ...]) -> tuple[list[int] | None, list[int]]:
+def row_plan(
+    c: GenerationConstraints,
+    tokens: np.ndarray,
+    num_output: int,
+    max_tokens: int,
+    eos_token_ids: tuple[int, ...],
+) -> tuple[list[int] | None, list[int]]:
     """(forced token ids or None, banned token ids) for the next token of one sequence of
     `tokens` [L] (prompt + output; a decoder's tokens) with `num_output` generated so far.
     transformers' order: the forced processors come last, so forcing wins over any ban, and
@@ -67,16 +74,24 @@ def row_plan(c: GenerationConstraints, tokens: np.ndarray, num_output: int, max_
 ConstrainedRow = tuple[int, int, GenerationConstraints, int, tuple[int, ...]]
 
 
-def apply_constraints(logits: torch.Tensor, rows: list[ConstrainedRow], token_ids: np.ndarray,
-                      num_tokens: np.ndarray, num_prompt_tokens: np.ndarray, with_shift: bool) -> torch.Tensor | None:
+def apply_constraints(
+    logits: torch.Tensor,
+    rows: list[ConstrainedRow],
+    token_ids: np.ndarray,
+    num_tokens: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    with_shift: bool,
+) -> torch.Tensor | None:
     """Ban and force, in place, for `rows`: (logits row, batch row, constraints, max_tokens, eos
     ids) of each constrained row of `logits` [B, V]. Returns the logprob shift [B] when `with_shift`
     (None: no row changed)."""
     bans: list[tuple[int, int]] = []  # (row, token id)
     forced: list[tuple[int, int]] = []
     for row, i, c, max_tokens, eos in rows:
-        tokens = token_ids[i, :num_tokens[i]]
-        forced_ids, banned = row_plan(c, tokens, int(num_tokens[i] - num_prompt_tokens[i]), max_tokens, eos)
+        tokens = token_ids[i, : num_tokens[i]]
+        forced_ids, banned = row_plan(
+            c, tokens, int(num_tokens[i] - num_prompt_tokens[i]), max_tokens, eos
+        )
         if forced_ids is not None:
             forced += [(row, t) for t in forced_ids]
         else:
@@ -90,11 +105,15 @@ def apply_constraints(logits: torch.Tensor, rows: list[ConstrainedRow], token_id
         before = torch.logsumexp(logits.index_select(0, ban_rows).float(), dim=-1)  # [R]
     if bans:
         index = torch.tensor(bans, dtype=torch.int64, device=device).T  # [2, N]
-        logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+        logits.index_put_(
+            (index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
+        )
     if forced:
         logits.index_fill_(0, forced_rows, float("-inf"))
         index = torch.tensor(forced, dtype=torch.int64, device=device).T
-        logits.index_put_((index[0], index[1]), torch.tensor(0.0, dtype=logits.dtype, device=device))
+        logits.index_put_(
+            (index[0], index[1]), torch.tensor(0.0, dtype=logits.dtype, device=device)
+        )
     if not with_shift:
         return None
     shift = torch.zeros(logits.shape[0], dtype=torch.float32, device=device)

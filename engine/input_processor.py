@@ -42,8 +42,15 @@ _COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
 # Parts that keep every input character (Replace and Split are checked one by one); any
 # other part may drop characters (StripAccents, Whitespace, Precompiled...) and voids the bound.
 _KEEPING_NORMALIZERS = {"Sequence", "NFC", "NFKC", "NFD", "NFKD", "Lowercase", "Prepend", "Replace"}
-_KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Punctuation",
-                           "Split"}
+_KEEPING_PRE_TOKENIZERS = {
+    "Sequence",
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "UnicodeScripts",
+    "Punctuation",
+    "Split",
+}
 
 
 # A prompt: text, token ids, or (as vLLM takes them) a dict {"prompt": text} or
@@ -67,14 +74,22 @@ class ProcessedPrompt:
     priority: int = 0  # the priority scheduling policy runs lower values first
     # an embedding request (defaults resolved): its prompt is pooled, nothing is sampled (`params` is greedy)
     pooling: PoolingParams | None = None
-    lora_request: LoRARequest | None = None  # its LoRA adapter (docs/lora.md); None = the base model
+    lora_request: LoRARequest | None = (
+        None  # its LoRA adapter (docs/lora.md); None = the base model
+    )
 
     def output_builder(self, request_id: str, arrival_time: float) -> RequestOutputBuilder:
         """What folds this request's deltas into `RequestOutput`s."""
         p = self.params
-        return RequestOutputBuilder(request_id=request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                                    n=p.n, has_logprobs=p.logprobs is not None,
-                                    has_prompt_logprobs=p.prompt_logprobs is not None, arrival_time=arrival_time)
+        return RequestOutputBuilder(
+            request_id=request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            n=p.n,
+            has_logprobs=p.logprobs is not None,
+            has_prompt_logprobs=p.prompt_logprobs is not None,
+            arrival_time=arrival_time,
+        )
 
 
 def check_cache_salt(cache_salt: Any) -> str | None:
@@ -91,32 +106,45 @@ def split_prompt(prompt: PromptType) -> tuple[str | Sequence[int], str | None]:
     given = _PROMPT_KEYS & prompt.keys()
     unknown = prompt.keys() - _PROMPT_KEYS - {"cache_salt", "decoder_prompt_token_ids", "priority"}
     if len(given) != 1 or unknown:
-        raise ValueError(f"a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', and optionally "
-                         f"'cache_salt', 'priority' (and, for an encoder-decoder model, 'decoder_prompt_token_ids'); "
-                         f"got {sorted(map(str, prompt))}")
+        raise ValueError(
+            f"a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', and optionally "
+            f"'cache_salt', 'priority' (and, for an encoder-decoder model, 'decoder_prompt_token_ids'); "
+            f"got {sorted(map(str, prompt))}"
+        )
     (key,) = given
     value = prompt[key]
     if key == "prompt" and not isinstance(value, str):
         raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
-    if key == "prompt_token_ids" and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+    if key == "prompt_token_ids" and (
+        isinstance(value, (str, bytes)) or not isinstance(value, Sequence)
+    ):
         raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
     return value, check_cache_salt(prompt.get("cache_salt"))
 
 
-def process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: SamplingParams | PoolingParams,
-                   max_chars_per_token: int | None = None) -> ProcessedPrompt:
+def process_prompt(
+    tokenizer: Any,
+    info: RuntimeInfo,
+    prompt: PromptType,
+    params: SamplingParams | PoolingParams,
+    max_chars_per_token: int | None = None,
+) -> ProcessedPrompt:
     """Tokenize and validate; raises ValueError naming the bad value. With `max_chars_per_token`
     (see `max_chars_per_token()`), a text prompt that cannot fit is refused before tokenizing.
     `PoolingParams` make an embedding request."""
     if isinstance(params, PoolingParams):
         return process_pooling_prompt(tokenizer, info, prompt, params, max_chars_per_token)
     if info.task == "embed":
-        raise ValueError("this model serves embeddings only (task 'embed'): use /v1/embeddings or LLM.embed")
+        raise ValueError(
+            "this model serves embeddings only (task 'embed'): use /v1/embeddings or LLM.embed"
+        )
     decoder_prompt = prompt.get("decoder_prompt_token_ids") if isinstance(prompt, dict) else None
     priority = prompt.get("priority", 0) if isinstance(prompt, dict) else 0
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an integer, got {priority!r}")
-    processed = _process_prompt(tokenizer, info, prompt, params, decoder_prompt, max_chars_per_token)
+    processed = _process_prompt(
+        tokenizer, info, prompt, params, decoder_prompt, max_chars_per_token
+    )
     return replace(processed, priority=priority) if priority else processed
 
 
@@ -125,17 +153,31 @@ def check_constraints(c: GenerationConstraints, vocab_size: int) -> None:
     for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"generation_constraints.{name} must be an integer >= 0, got {value!r}")
-    ids = [*(t for word in c.bad_words_ids for t in word), *c.forced_eos_token_ids,
-           *(() if c.forced_bos_token_id is None else (c.forced_bos_token_id,))]
+            raise ValueError(
+                f"generation_constraints.{name} must be an integer >= 0, got {value!r}"
+            )
+    ids = [
+        *(t for word in c.bad_words_ids for t in word),
+        *c.forced_eos_token_ids,
+        *(() if c.forced_bos_token_id is None else (c.forced_bos_token_id,)),
+    ]
     if any(not word for word in c.bad_words_ids) or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"generation_constraints: token ids must be in [0, {vocab_size}) and bad words "
-                         f"non-empty, got {c!r}")
+        isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids
+    ):
+        raise ValueError(
+            f"generation_constraints: token ids must be in [0, {vocab_size}) and bad words "
+            f"non-empty, got {c!r}"
+        )
 
 
-def _process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: SamplingParams,
-                    decoder_prompt: list[int] | None, max_chars_per_token: int | None) -> ProcessedPrompt:
+def _process_prompt(
+    tokenizer: Any,
+    info: RuntimeInfo,
+    prompt: PromptType,
+    params: SamplingParams,
+    decoder_prompt: list[int] | None,
+    max_chars_per_token: int | None,
+) -> ProcessedPrompt:
     prompt, cache_salt = split_prompt(prompt)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -144,16 +186,25 @@ def _process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, param
         check_constraints(params.generation_constraints, info.vocab_size)
     bad_bias = [t for t in params.logit_bias or () if t >= info.vocab_size]
     if bad_bias:
-        raise ValueError(f"logit_bias token ids must be in [0, {info.vocab_size}), got {bad_bias[:5]}")
+        raise ValueError(
+            f"logit_bias token ids must be in [0, {info.vocab_size}), got {bad_bias[:5]}"
+        )
     if isinstance(prompt, str):
-        check_prompt_chars(len(prompt), params.max_tokens or 1, info.max_model_len, max_chars_per_token)
+        check_prompt_chars(
+            len(prompt), params.max_tokens or 1, info.max_model_len, max_chars_per_token
+        )
         text, token_ids = prompt, tokenizer.encode(prompt)
     else:
         text, token_ids = None, list(prompt)
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < info.vocab_size]
+        bad = [
+            t
+            for t in token_ids
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size
+        ]
         if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {info.vocab_size}), got {bad[:5]}")
+            raise ValueError(
+                f"prompt token ids must be ints in [0, {info.vocab_size}), got {bad[:5]}"
+            )
     if not token_ids:
         raise ValueError("prompt must not be empty")
     if info.is_encoder_decoder:
@@ -163,81 +214,132 @@ def _process_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, param
     num_prompt, limit = len(token_ids), info.max_model_len
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
     if num_prompt + max_tokens > limit:
-        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                         f"{num_prompt + max_tokens} exceeds the model's context length {limit}")
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt + max_tokens} exceeds the model's context length {limit}"
+        )
     if max_tokens < 1:
-        raise ValueError(f"prompt ({num_prompt} tokens) leaves no room to generate within "
-                         f"the context length {limit}")
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) leaves no room to generate within "
+            f"the context length {limit}"
+        )
     capacity = info.kv_capacity_tokens
     if num_prompt + max_tokens > capacity:
-        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
-                         f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-                           cache_salt=cache_salt)
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) can never fit "
+            f"in the KV cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens"
+        )
+    return ProcessedPrompt(
+        prompt=text,
+        prompt_token_ids=token_ids,
+        params=params,
+        max_tokens=max_tokens,
+        cache_salt=cache_salt,
+    )
 
 
-def process_pooling_prompt(tokenizer: Any, info: RuntimeInfo, prompt: PromptType, params: PoolingParams,
-                           max_chars_per_token: int | None = None) -> ProcessedPrompt:
+def process_pooling_prompt(
+    tokenizer: Any,
+    info: RuntimeInfo,
+    prompt: PromptType,
+    params: PoolingParams,
+    max_chars_per_token: int | None = None,
+) -> ProcessedPrompt:
     """An embedding request: its whole prompt within the context length and the KV cache."""
     if info.pooler is None:
-        raise ValueError(f"{info.architecture} cannot compute embeddings (an encoder-decoder model)")
+        raise ValueError(
+            f"{info.architecture} cannot compute embeddings (an encoder-decoder model)"
+        )
     pooling = info.pooler.resolve(params)
     if isinstance(prompt, dict) and prompt.keys() - {"prompt", "prompt_token_ids", "cache_salt"}:
-        raise ValueError(f"an embedding prompt dict takes 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+        raise ValueError(
+            f"an embedding prompt dict takes 'prompt' or 'prompt_token_ids', got {sorted(prompt)}"
+        )
     text, _ = split_prompt(prompt)
     limit, capacity = info.max_model_len, info.kv_capacity_tokens
     if isinstance(text, str):
         check_prompt_chars(len(text), 0, limit, max_chars_per_token)
     # the length checks below are an embedding's own (no output tokens): here only tokenize and check ids
     unbounded = replace(info, max_model_len=2**62, num_kv_blocks=2**62)
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)  # fills the runner's sampling row; nothing is sampled
+    greedy = SamplingParams(
+        max_tokens=1, temperature=0.0
+    )  # fills the runner's sampling row; nothing is sampled
     processed = _process_prompt(tokenizer, unbounded, prompt, greedy, None, None)
     num_prompt = len(processed.prompt_token_ids)
     if num_prompt > limit:
-        raise PromptTooLongError(f"This model's maximum context length is {limit} tokens. However, your input "
-                                 f"has {num_prompt} tokens. Please reduce the length of the input.")
+        raise PromptTooLongError(
+            f"This model's maximum context length is {limit} tokens. However, your input "
+            f"has {num_prompt} tokens. Please reduce the length of the input."
+        )
     if num_prompt > capacity:
-        raise ValueError(f"input ({num_prompt} tokens) can never fit in the KV cache ({capacity} tokens); "
-                         f"raise kv_cache_memory")
+        raise ValueError(
+            f"input ({num_prompt} tokens) can never fit in the KV cache ({capacity} tokens); "
+            f"raise kv_cache_memory"
+        )
     return replace(processed, pooling=pooling)
 
 
-def _encoder_decoder_prompt(text: str | None, token_ids: list[int], params: SamplingParams,
-                            cache_salt: str | None, info: RuntimeInfo,
-                            decoder_prompt: Sequence[int] | None = None) -> ProcessedPrompt:
+def _encoder_decoder_prompt(
+    text: str | None,
+    token_ids: list[int],
+    params: SamplingParams,
+    cache_salt: str | None,
+    info: RuntimeInfo,
+    decoder_prompt: Sequence[int] | None = None,
+) -> ProcessedPrompt:
     """The prompt is the encoder's input (the source); the decoder starts from its start token, or
     from `decoder_prompt` (a prefix the output continues; it must begin with the start token).
     Both are bounded by the context length; together they must fit in the KV cache."""
     if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs is not supported for encoder-decoder models (the prompt is "
-                         "the encoder's input, which is not scored)")
+        raise ValueError(
+            "prompt_logprobs is not supported for encoder-decoder models (the prompt is "
+            "the encoder's input, which is not scored)"
+        )
     if decoder_prompt is None:
         assert info.decoder_start_token_id is not None  # every encoder-decoder checkpoint has one
         decoder_prompt = [info.decoder_start_token_id]
     else:
         decoder_prompt = list(decoder_prompt)
-        bad = [t for t in decoder_prompt if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < info.vocab_size]
+        bad = [
+            t
+            for t in decoder_prompt
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < info.vocab_size
+        ]
         if bad or not decoder_prompt or decoder_prompt[0] != info.decoder_start_token_id:
-            raise ValueError(f"decoder_prompt_token_ids must be token ids in [0, {info.vocab_size}) starting "
-                             f"with the decoder start token {info.decoder_start_token_id}, got {decoder_prompt[:8]}")
+            raise ValueError(
+                f"decoder_prompt_token_ids must be token ids in [0, {info.vocab_size}) starting "
+                f"with the decoder start token {info.decoder_start_token_id}, got {decoder_prompt[:8]}"
+            )
     num_source, limit = len(token_ids), info.max_model_len
     if num_source > limit:
-        raise ValueError(f"the source ({num_source} tokens) exceeds the encoder's limit of {limit} tokens")
+        raise ValueError(
+            f"the source ({num_source} tokens) exceeds the encoder's limit of {limit} tokens"
+        )
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(decoder_prompt)
     if len(decoder_prompt) + max_tokens > limit:
-        raise ValueError(f"max_tokens ({max_tokens}) exceeds the decoder's context length {limit} "
-                         f"(less its {len(decoder_prompt)} start token)")
+        raise ValueError(
+            f"max_tokens ({max_tokens}) exceeds the decoder's context length {limit} "
+            f"(less its {len(decoder_prompt)} start token)"
+        )
     capacity = info.kv_capacity_tokens
     if num_source + len(decoder_prompt) + max_tokens > capacity:
-        raise ValueError(f"source ({num_source} tokens) + max_tokens ({max_tokens}) can never fit in the KV "
-                         f"cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens")
-    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-                           cache_salt=cache_salt, decoder_prompt_token_ids=decoder_prompt)
+        raise ValueError(
+            f"source ({num_source} tokens) + max_tokens ({max_tokens}) can never fit in the KV "
+            f"cache ({capacity} tokens); raise kv_cache_memory or lower max_tokens"
+        )
+    return ProcessedPrompt(
+        prompt=text,
+        prompt_token_ids=token_ids,
+        params=params,
+        max_tokens=max_tokens,
+        cache_salt=cache_salt,
+        decoder_prompt_token_ids=decoder_prompt,
+    )
 
 
-def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,
-                       max_chars_per_token: int | None) -> None:
+def check_prompt_chars(
+    num_chars: int, max_tokens: int, max_model_len: int, max_chars_per_token: int | None
+) -> None:
     """Refuse, before tokenizing, a prompt of `num_chars` characters that cannot fit with
     `max_tokens` more tokens: it is at least ceil(num_chars / max_chars_per_token) tokens.
     Raises PromptTooLongError (a ValueError) with the numbers; None disables the check."""
@@ -249,7 +351,8 @@ def check_prompt_chars(num_chars: int, max_tokens: int, max_model_len: int,
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
             f"{num_chars} characters, which is at least {min_prompt_tokens} tokens (no token covers more "
             f"than {max_chars_per_token} characters), and you requested {max_tokens} tokens in the "
-            f"completion. Please reduce the length of the prompt or completion.")
+            f"completion. Please reduce the length of the prompt or completion."
+        )
 
 
 class PromptTooLongError(ValueError):
@@ -268,13 +371,14 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     backend: Any = getattr(tokenizer, "backend_tokenizer", None)
     model = getattr(backend, "model", None)
     if model is None or type(model).__name__ != "BPE":
-        return None   # WordPiece maps a too-long word to one [UNK]; Unigram fuses unknowns
+        return None  # WordPiece maps a too-long word to one [UNK]; Unigram fuses unknowns
     if model.unk_token is not None and model.fuse_unk and not model.byte_fallback:
-        return None   # a run of unknown characters becomes one token
+        return None  # a run of unknown characters becomes one token
     normalizers = _components(backend.normalizer, "normalizers")
     pre_tokenizers = _components(backend.pre_tokenizer, "pretokenizers")
-    if not all(_keeps_chars(n, _KEEPING_NORMALIZERS) for n in normalizers) \
-            or not all(_keeps_chars(p, _KEEPING_PRE_TOKENIZERS) for p in pre_tokenizers):
+    if not all(_keeps_chars(n, _KEEPING_NORMALIZERS) for n in normalizers) or not all(
+        _keeps_chars(p, _KEEPING_PRE_TOKENIZERS) for p in pre_tokenizers
+    ):
         return None
     longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
     is_composing = any(n.get("type") in _COMPOSING_NORMALIZERS for n in normalizers)
@@ -295,18 +399,21 @@ def _components(component: Any, list_key: str) -> list[dict[str, Any]]:
 
 def _keeps_chars(node: dict[str, Any], keeping: set[str]) -> bool:
     kind = node.get("type")
-    if kind == "Replace":   # e.g. Llama's " " -> "▁"; a pattern replaced by less text drops characters
+    if (
+        kind == "Replace"
+    ):  # e.g. Llama's " " -> "▁"; a pattern replaced by less text drops characters
         pattern = node.get("pattern", {}).get("String")
         return pattern is not None and len(node.get("content", "")) >= len(pattern)
-    if kind == "Split":     # Llama-3 / Qwen's regex split keeps its matches ("Isolated")
+    if kind == "Split":  # Llama-3 / Qwen's regex split keeps its matches ("Isolated")
         return node.get("behavior") != "Removed"
     return kind in keeping
 
 
 @functools.cache
 def _tokenizer_executor() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(min(MAX_TOKENIZER_THREADS, os.cpu_count() or 1),
-                                                 thread_name_prefix="kvserve-tokenize")
+    return concurrent.futures.ThreadPoolExecutor(
+        min(MAX_TOKENIZER_THREADS, os.cpu_count() or 1), thread_name_prefix="kvserve-tokenize"
+    )
 
 
 async def run_off_loop(fn: Callable[..., T], *args: Any, num_chars: int | None = None) -> T:
@@ -315,7 +422,9 @@ async def run_off_loop(fn: Callable[..., T], *args: Any, num_chars: int | None =
     A cancelled caller stops waiting; the thread finishes its call and the result is dropped."""
     if num_chars is not None and num_chars <= INLINE_MAX_CHARS:
         return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(_tokenizer_executor(), functools.partial(fn, *args))
+    return await asyncio.get_running_loop().run_in_executor(
+        _tokenizer_executor(), functools.partial(fn, *args)
+    )
 
 
 # model_types for which AutoTokenizer loads a `tokenizer_class: PreTrainedTokenizerFast` checkpoint
@@ -366,7 +475,9 @@ def _names_generic_fast_tokenizer(path: str) -> bool:
         return value if isinstance(value, dict) else {}
 
     tokenizer_config = read("tokenizer_config.json")
-    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
-            and "auto_map" not in tokenizer_config
-            and (Path(path) / "tokenizer.json").is_file()
-            and read("config.json").get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES)
+    return (
+        tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tokenizer_config
+        and (Path(path) / "tokenizer.json").is_file()
+        and read("config.json").get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
+    )

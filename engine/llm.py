@@ -19,6 +19,7 @@ from kvserve.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, Logp
 from kvserve.engine.pooling_params import PoolingParams
 from kvserve.engine.sampling_params import SamplingParams
 
+
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -27,8 +28,10 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
         return [items]  # one prompt given as token ids
     for p in items:
         if not isinstance(p, (str, list, tuple, dict)):
-            raise ValueError(f"each prompt must be a str, a list of token ids or a prompt dict, "
-                             f"got {type(p).__name__}")
+            raise ValueError(
+                f"each prompt must be a str, a list of token ids or a prompt dict, "
+                f"got {type(p).__name__}"
+            )
     return items
 
 
@@ -73,13 +76,21 @@ class LLM:
         """The checkpoint's `num_beams` (else 1), `length_penalty`, `early_stopping` and
         `max_new_tokens` (else 16, or `max_tokens`)."""
         g = self.engine.info.generation_config
-        kwargs = {k: getattr(g, k) for k in ("length_penalty", "early_stopping") if getattr(g, k) is not None}
+        kwargs = {
+            k: getattr(g, k)
+            for k in ("length_penalty", "early_stopping")
+            if getattr(g, k) is not None
+        }
         max_tokens = max_tokens or int(g.sampling_defaults.get("max_tokens", 16))
         return BeamSearchParams(beam_width=g.num_beams or 1, max_tokens=max_tokens, **kwargs)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Run `prompts` (one or a list of: text, token ids, or a dict `{"prompt": text}` /
         `{"prompt_token_ids": [...]}` with an optional `"cache_salt"`) to completion.
         `lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None: the
@@ -87,12 +98,18 @@ class LLM:
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        loras = ([lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest)
-                 else list(lora_request))
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         # validate everything before queueing anything, so a bad prompt or adapter leaves no partial batch
@@ -100,8 +117,12 @@ class LLM:
             self.engine.add_lora(lora)
         return self._run(self._add(prompts, params, loras), use_tqdm)
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as `generate` takes them): the final hidden states pooled
         (`last` or `mean`, the model's default unless `pooling_params` says), L2-normalized by default."""
         prompts = _normalize_prompts(prompts)
@@ -110,20 +131,33 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
         outputs = self._run(self._add(prompts, params), use_tqdm)
-        return [EmbeddingRequestOutput(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
-                                       outputs=EmbeddingOutput(_floats(out.embedding)))
-                for out in outputs]
+        return [
+            EmbeddingRequestOutput(
+                request_id=out.request_id,
+                prompt_token_ids=out.prompt_token_ids,
+                outputs=EmbeddingOutput(_floats(out.embedding)),
+            )
+            for out in outputs
+        ]
 
-    def _add(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
-             loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
+    def _add(
+        self,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | PoolingParams],
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[str]:
         """Queue the requests, all or none: each is validated before any is queued."""
         loras = loras or [None] * len(prompts)
-        processed = [self.engine.process_prompt(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)]
+        processed = [
+            self.engine.process_prompt(p, sp, lora) for p, sp, lora in zip(prompts, params, loras)
+        ]
         request_ids = [f"offline-{next(self._ids)}" for _ in processed]
         added = []
         try:
             for rid, item in zip(request_ids, processed):
-                self.engine.add_processed(rid, item)  # may refuse: the grammar compile queue is full
+                self.engine.add_processed(
+                    rid, item
+                )  # may refuse: the grammar compile queue is full
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -131,8 +165,12 @@ class LLM:
             raise
         return request_ids
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams | None = None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
         """Beam search over `prompts` (as `generate` takes them) with transformers' selection and
         scores (engine/beam_search.py, docs/beam_search.md); each output's hypotheses best first.
         Without `params`, the checkpoint's (`get_default_beam_search_params`)."""
@@ -141,34 +179,55 @@ class LLM:
             params = self.get_default_beam_search_params()
         constraints = self.engine.info.generation_config.constraints
         # tokenize and check every prompt (its length + max_tokens within the context) up front
-        processed = [self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens)) for p in prompts]
+        processed = [
+            self.engine.process_prompt(p, SamplingParams(max_tokens=params.max_tokens))
+            for p in prompts
+        ]
         # an encoder-decoder model's beams are decoder sequences over the prompt's fixed source
         seq2seq = self.engine.info.is_encoder_decoder
         bar = tqdm(total=params.max_tokens, desc="beam search steps", disable=not use_tqdm)
 
         def request(item: ProcessedPrompt, beam: list[int]) -> dict[str, Any]:
-            req: dict[str, Any] = ({"prompt_token_ids": item.prompt_token_ids, "decoder_prompt_token_ids": beam} if seq2seq
-                   else {"prompt_token_ids": beam})
-            if item.cache_salt:  # a beam shares cached blocks only under its prompt's salt (docs/security.md)
+            req: dict[str, Any] = (
+                {"prompt_token_ids": item.prompt_token_ids, "decoder_prompt_token_ids": beam}
+                if seq2seq
+                else {"prompt_token_ids": beam}
+            )
+            if (
+                item.cache_salt
+            ):  # a beam shares cached blocks only under its prompt's salt (docs/security.md)
                 req["cache_salt"] = item.cache_salt
             return req
 
         step_index = [0]  # the search's step: the constraints depend on it
 
-        def next_token_logprobs(owners: list[int], sequences: list[list[int]], k: int) -> list[dict[int, float]]:
+        def next_token_logprobs(
+            owners: list[int], sequences: list[list[int]], k: int
+        ) -> list[dict[int, float]]:
             requests = [request(processed[i], seq) for i, seq in zip(owners, sequences)]
             constrained = beam_step_constraints(constraints, step_index[0], params.max_tokens)
             step_index[0] += 1
-            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True,
-                                  generation_constraints=constrained)
+            step = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=k,
+                ignore_eos=True,
+                generation_constraints=constrained,
+            )
             outputs = self.generate(requests, step, use_tqdm=False)
             bar.update(1)
-            return [{token: lp.logprob for token, lp in _first_logprobs(out).items()} for out in outputs]
+            return [
+                {token: lp.logprob for token, lp in _first_logprobs(out).items()} for out in outputs
+            ]
 
         try:
-            starts = [list(item.decoder_prompt_token_ids or ()) if seq2seq else item.prompt_token_ids
-                      for item in processed]
-            results = beam_search(starts, params, self.engine.info.eos_token_ids, next_token_logprobs)
+            starts = [
+                list(item.decoder_prompt_token_ids or ()) if seq2seq else item.prompt_token_ids
+                for item in processed
+            ]
+            results = beam_search(
+                starts, params, self.engine.info.eos_token_ids, next_token_logprobs
+            )
         finally:
             bar.close()
         for result in results:

@@ -18,22 +18,22 @@ from dataclasses import replace
 from functools import partial
 
 from kvserve.engine.config import EngineArgs, ModelConfig, RuntimeInfo
-from kvserve.engine.errors import StepFailed
-from kvserve.engine.worker.executor_protocol import Executor
-from kvserve.engine.generation_config import load_generation_config
-from kvserve.engine.structured_output.limits import check_limits
-from kvserve.engine.input_processor import PromptType, ProcessedPrompt, process_prompt
-from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.core.kv_cache_manager import KVCacheManager, prefix_root
+from kvserve.engine.core.request import Request, RequestStatus
+from kvserve.engine.core.scheduler import Scheduler, StepPlan
+from kvserve.engine.errors import StepFailed
+from kvserve.engine.generation_config import load_generation_config
+from kvserve.engine.input_processor import ProcessedPrompt, PromptType, process_prompt
+from kvserve.engine.lora_request import LoRARequest
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestOutput, RequestOutputBuilder
-from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.pooling_params import PoolingParams, read_pooler_config, resolve_task
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.core.scheduler import Scheduler, StepPlan
 from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.structured_output.grammar import StructuredOutputManager, fill_threads_for
+from kvserve.engine.structured_output.limits import check_limits
 from kvserve.engine.tokenizer import ModelFiles, load_model_files
+from kvserve.engine.worker.executor_protocol import Executor
 from kvserve.models.timing import PhaseTimer, process_uptime
 
 logger = logging.getLogger(__name__)
@@ -60,13 +60,19 @@ def compile_threads_for(host_cores: int) -> int:
 
 def _check_encoder_decoder(args: EngineArgs, tp_size: int) -> None:
     """What encoder-decoder models (models/seq2seq.py) do not run with yet: a clear error at start."""
-    unsupported = [name for name, used in (
-        ("tensor_parallel_size > 1", tp_size > 1),
-        ("speculative_config", args.speculative() is not None),
-    ) if used]
+    unsupported = [
+        name
+        for name, used in (
+            ("tensor_parallel_size > 1", tp_size > 1),
+            ("speculative_config", args.speculative() is not None),
+        )
+        if used
+    ]
     if unsupported:
-        raise ValueError(f"encoder-decoder models do not support {', '.join(unsupported)} yet "
-                         "(docs/architecture.md, encoder-decoder models)")
+        raise ValueError(
+            f"encoder-decoder models do not support {', '.join(unsupported)} yet "
+            "(docs/architecture.md, encoder-decoder models)"
+        )
 
 
 class LLMEngine:
@@ -75,8 +81,11 @@ class LLMEngine:
         timer = PhaseTimer()
         with timer.active():
             self._build(args)
-        logger.info("engine start-up %s%s", timer.summary(),
-                    "" if before is None else f"; the process ran {before:.2f} s before it (imports)")
+        logger.info(
+            "engine start-up %s%s",
+            timer.summary(),
+            "" if before is None else f"; the process ran {before:.2f} s before it (imports)",
+        )
 
     def _build(self, args: EngineArgs) -> None:
         args.validate()
@@ -91,28 +100,53 @@ class LLMEngine:
         if is_encoder_decoder:
             _check_encoder_decoder(args, tp_size)
         task = resolve_task(args.task, files.model_path, files.hf_config)
-        pooler = None if is_encoder_decoder else read_pooler_config(files.model_path, files.hf_config)
-        generation_config = load_generation_config(model_config.generation_config, files.model_path,
-                                                   files.hf_config.vocab_size, files.eos_token_ids)
+        pooler = (
+            None if is_encoder_decoder else read_pooler_config(files.model_path, files.hf_config)
+        )
+        generation_config = load_generation_config(
+            model_config.generation_config,
+            files.model_path,
+            files.hf_config.vocab_size,
+            files.eos_token_ids,
+        )
         lora_config = args.lora_config()
         if lora_config is not None and tp_size > 1:
-            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet (docs/lora.md)")
+            raise ValueError(
+                "enable_lora does not support tensor_parallel_size > 1 yet (docs/lora.md)"
+            )
         self.lora_enabled = lora_config is not None
         self.runner: Executor
         if tp_size == 1:
             from kvserve.engine.worker.runner import ModelRunner
 
-            self.runner = ModelRunner(model_config, cache_config, scheduler_config, files.model_path,
-                                      files.hf_config, files.max_model_len, lora_config=lora_config)
+            self.runner = ModelRunner(
+                model_config,
+                cache_config,
+                scheduler_config,
+                files.model_path,
+                files.hf_config,
+                files.max_model_len,
+                lora_config=lora_config,
+            )
         else:
             from kvserve.engine.worker.executor import TensorParallelExecutor
             from kvserve.models.parallel import check_tensor_parallel
 
             hf = files.hf_config
-            check_tensor_parallel(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None)
-                                  or hf.num_attention_heads, tp_size)
-            self.runner = TensorParallelExecutor(model_config, cache_config, scheduler_config, files.model_path,
-                                                 hf, files.max_model_len, tp_size)
+            check_tensor_parallel(
+                hf.num_attention_heads,
+                getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                tp_size,
+            )
+            self.runner = TensorParallelExecutor(
+                model_config,
+                cache_config,
+                scheduler_config,
+                files.model_path,
+                hf,
+                files.max_model_len,
+                tp_size,
+            )
         self.info = RuntimeInfo(
             model_path=files.model_path,
             architecture=files.hf_config.architectures[0],  # type: ignore[index]  # the registry found it
@@ -133,24 +167,34 @@ class LLMEngine:
             pooler=pooler,
             generation_config=generation_config,
         )
-        self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         # an encoder-decoder model's encoder outputs: blocks of the same pool
         cross_cache = None
         if files.decoder_start_token_id is not None:
             from kvserve.engine.seq2seq.cross_cache import CrossCache
 
             cross_cache = CrossCache(self.kv_cache_manager.pool, cache_config.block_size)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, files.max_model_len,
-                                   self._proposer(args, model_config, files), cross_cache)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.kv_cache_manager,
+            files.max_model_len,
+            self._proposer(args, model_config, files),
+            cross_cache,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests wait there (not in the scheduler) while their grammar compiles
         so_config = args.structured_outputs_config()
         self.grammar_limits = so_config.limits
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, so_config,
+            self.tokenizer,
+            self.info.vocab_size,
+            self.info.eos_token_ids,
+            so_config,
             max_workers=so_config.grammar_compile_threads or compile_threads_for(_host_cores()),
-            fill_threads=fill_threads_for(self.runner.device.type, _torch_threads(), _host_cores()))
+            fill_threads=fill_threads_for(self.runner.device.type, _torch_threads(), _host_cores()),
+        )
         self._rejected: list[tuple[str, str]] = []  # (request id, why): failed grammar compiles
         self._builders: dict[str, RequestOutputBuilder] = {}  # in-process callers' outputs
         # prompt tokens: of every request once, when it is first scheduled (n samples share one prompt);
@@ -159,27 +203,50 @@ class LLMEngine:
         self.prompt_tokens_cached_total = 0
         self.prompt_tokens_computed_total = 0
         self.generation_tokens_total = 0
-        self.num_consecutive_step_failures = 0  # a sticky device error fails every step; the core counts on this
-        logger.info("engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens; %s",
-                    files.model_path, self.info.architecture, self.info.device, self.info.dtype,
-                    self.info.attention_backend, " + CUDA graphs" if self.info.cuda_graphs else "",
-                    self.info.max_model_len, self.info.kv_capacity_tokens,
-                    self.runner.weights_report.describe())
+        self.num_consecutive_step_failures = (
+            0  # a sticky device error fails every step; the core counts on this
+        )
+        logger.info(
+            "engine ready: %s (%s) on %s, dtype %s, attention %s%s, max_model_len %d, KV cache %d tokens; %s",
+            files.model_path,
+            self.info.architecture,
+            self.info.device,
+            self.info.dtype,
+            self.info.attention_backend,
+            " + CUDA graphs" if self.info.cuda_graphs else "",
+            self.info.max_model_len,
+            self.info.kv_capacity_tokens,
+            self.runner.weights_report.describe(),
+        )
         if applied := generation_config.describe():  # (vLLM's words, which users grep for)
-            logger.info("Default sampling parameters have been overridden by the model's generation config "
-                        "(%s): %s", generation_config.source, applied)
+            logger.info(
+                "Default sampling parameters have been overridden by the model's generation config "
+                "(%s): %s",
+                generation_config.source,
+                applied,
+            )
 
     # ---- requests ----------------------------------------------------------
-    def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams,
-                       lora_request: LoRARequest | None = None) -> ProcessedPrompt:
+    def process_prompt(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> ProcessedPrompt:
         """Tokenize and validate; raises ValueError naming the bad value. Touches no engine state.
         `PoolingParams` make an embedding request."""
         processed = process_prompt(self.tokenizer, self.info, prompt, params)
-        if processed.pooling is None and isinstance(params, SamplingParams) and params.structured_outputs is not None:
+        if (
+            processed.pooling is None
+            and isinstance(params, SamplingParams)
+            and params.structured_outputs is not None
+        ):
             check_limits(params.structured_outputs, self.grammar_limits)
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
-                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+                raise ValueError(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+                )
             processed = replace(processed, lora_request=lora_request)
         return processed
 
@@ -190,17 +257,25 @@ class LLMEngine:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
         # LoRA runs on the in-process ModelRunner only (no tensor parallelism), not in the protocol
         self.runner.add_lora(  # type: ignore[attr-defined]
-            lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path)
+            lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path
+        )
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (its id may then name another adapter); False if unknown.
         ValueError while requests with it are unfinished."""
-        if any(r.lora_id == lora_int_id for r in (*self.scheduler.running, *self.scheduler.waiting)):
+        if any(
+            r.lora_id == lora_int_id for r in (*self.scheduler.running, *self.scheduler.waiting)
+        ):
             raise ValueError(f"LoRA adapter {lora_int_id} still has unfinished requests")
         return self.lora_enabled and self.runner.remove_lora(lora_int_id)  # type: ignore[attr-defined]
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt, arrival_time: float | None = None,
-                      build_outputs: bool = True) -> None:
+    def add_processed(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        arrival_time: float | None = None,
+        build_outputs: bool = True,
+    ) -> None:
         """Queue a validated request. `build_outputs=False` (the engine core process) keeps no
         cumulative output here: the caller folds `step_deltas()` itself. Raises `EngineOverloadedError`
         (engine/structured_output/grammar.py) when its grammar would overfill the compile queue."""
@@ -212,23 +287,45 @@ class LLMEngine:
             self.add_lora(lora)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         # an encoder-decoder request: its source goes to the encoder, its decoder starts afresh
-        encoder_ids = tuple(processed.prompt_token_ids) if processed.decoder_prompt_token_ids is not None else ()
+        encoder_ids = (
+            tuple(processed.prompt_token_ids)
+            if processed.decoder_prompt_token_ids is not None
+            else ()
+        )
         decoder_prompt = processed.decoder_prompt_token_ids or processed.prompt_token_ids
-        root = prefix_root(processed.cache_salt, encoder_ids, None if lora is None else lora.cache_key)
-        constraints = (params.generation_constraints if params.generation_constraints is not None
-                       else self.info.generation_config.constraints)
+        root = prefix_root(
+            processed.cache_salt, encoder_ids, None if lora is None else lora.cache_key
+        )
+        constraints = (
+            params.generation_constraints
+            if params.generation_constraints is not None
+            else self.info.generation_config.constraints
+        )
         constraints = None if constraints is None or constraints.is_empty else constraints
         children = [
             Request(
-                request_id=f"{request_id}#{i}", prompt_token_ids=decoder_prompt,
-                params=params, eos_token_ids=self.info.eos_token_ids, max_tokens=processed.max_tokens,
-                parent_id=request_id, sample_index=i, seed=self._child_seed(params.seed, i),
-                arrival_time=arrival, prefix_root=root, encoder_token_ids=encoder_ids, priority=processed.priority,
-                pooling=processed.pooling, constraints=constraints, lora_request=lora)
+                request_id=f"{request_id}#{i}",
+                prompt_token_ids=decoder_prompt,
+                params=params,
+                eos_token_ids=self.info.eos_token_ids,
+                max_tokens=processed.max_tokens,
+                parent_id=request_id,
+                sample_index=i,
+                seed=self._child_seed(params.seed, i),
+                arrival_time=arrival,
+                prefix_root=root,
+                encoder_token_ids=encoder_ids,
+                priority=processed.priority,
+                pooling=processed.pooling,
+                constraints=constraints,
+                lora_request=lora,
+            )
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:
-            self.structured.add(request_id, children, params.structured_outputs)  # first: it may refuse
+            self.structured.add(
+                request_id, children, params.structured_outputs
+            )  # first: it may refuse
         self.output_processor.add(request_id, children)
         if build_outputs:
             self._builders[request_id] = processed.output_builder(request_id, arrival)
@@ -237,18 +334,28 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams
+    ) -> None:
         self.add_processed(request_id, self.process_prompt(prompt, params))
 
-    def _proposer(self, args: EngineArgs, model_config: ModelConfig, files: ModelFiles) -> Proposer | None:
+    def _proposer(
+        self, args: EngineArgs, model_config: ModelConfig, files: ModelFiles
+    ) -> Proposer | None:
         spec = args.speculative()
         if spec is None:
             return None
         if spec.method == "draft_model":
             from kvserve.engine.spec_decode.draft_model import DraftModelProposer
 
-            return DraftModelProposer(spec, files.max_model_len, model_config, files.hf_config.vocab_size,
-                                      args.block_size, args.max_num_seqs)
+            return DraftModelProposer(
+                spec,
+                files.max_model_len,
+                model_config,
+                files.hf_config.vocab_size,
+                args.block_size,
+                args.max_num_seqs,
+            )
         return Proposer(spec, files.max_model_len)
 
     @staticmethod
@@ -270,7 +377,9 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # a failed compile not yet reported counts: the next step() raises it
-        return self.scheduler.has_unfinished() or self.structured.has_pending or bool(self._rejected)
+        return (
+            self.scheduler.has_unfinished() or self.structured.has_pending or bool(self._rejected)
+        )
 
     def take_rejected(self) -> list[tuple[str, str]]:
         """(request id, error) of requests failed since the last call: their grammar did not compile.
@@ -328,8 +437,12 @@ class LLMEngine:
             self.structured.accept_tokens(plan, result.sampled_token_ids, result.accepted)
             num_before = sum(item.request.num_output_tokens for item in plan.scheduled)
             finished = self.scheduler.update(plan, result.sampled_token_ids, result.accepted)
-            self.generation_tokens_total += sum(item.request.num_output_tokens for item in plan.scheduled) - num_before
-            outputs, stopped = self.output_processor.process(plan, result, finished, time.monotonic())
+            self.generation_tokens_total += (
+                sum(item.request.num_output_tokens for item in plan.scheduled) - num_before
+            )
+            outputs, stopped = self.output_processor.process(
+                plan, result, finished, time.monotonic()
+            )
         except Exception as e:
             # fail only the requests of this step (freeing their blocks); the engine goes on
             self.num_consecutive_step_failures += 1
@@ -352,11 +465,14 @@ class LLMEngine:
                 self.output_processor.mark_scheduled(req, now)
                 if req.sample_index == 0:
                     self.prompt_tokens_total += req.num_prompt_tokens + len(req.encoder_token_ids)
-                    self.prompt_tokens_cached_total += item.start_pos   # what the prefix cache held
-            self.prompt_tokens_computed_total += max(0, min(item.start_pos + item.num_new_tokens,
-                                                            req.num_prompt_tokens) - item.start_pos)
+                    self.prompt_tokens_cached_total += item.start_pos  # what the prefix cache held
+            self.prompt_tokens_computed_total += max(
+                0, min(item.start_pos + item.num_new_tokens, req.num_prompt_tokens) - item.start_pos
+            )
         # encoder-decoder requests new to the runner: their sources run through the encoder this step
-        self.prompt_tokens_computed_total += sum(len(r.encoder_token_ids) for r in plan.record.new_requests)
+        self.prompt_tokens_computed_total += sum(
+            len(r.encoder_token_ids) for r in plan.record.new_requests
+        )
 
     @property
     def dead_reason(self) -> str | None:

@@ -17,7 +17,11 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id <= 0:
+        if (
+            isinstance(self.lora_int_id, bool)
+            or not isinstance(self.lora_int_id, int)
+            or self.lora_int_id <= 0
+        ):
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")

@@ -28,9 +28,9 @@ import traceback as traceback_module
 import msgspec
 
 from kvserve.engine.config import RuntimeInfo
+from kvserve.engine.core.step_record import StepRecord
 from kvserve.engine.input_processor import ProcessedPrompt
 from kvserve.engine.outputs import EngineStats, RequestDelta
-from kvserve.engine.core.step_record import StepRecord
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -71,8 +71,11 @@ class StartFailed(_Message, frozen=True, tag="start_failed"):
     @classmethod
     def from_exception(cls, error: BaseException) -> StartFailed:
         kind = type(error)
-        return cls(error_type=f"{kind.__module__}.{kind.__qualname__}", message=str(error),
-                   traceback="".join(traceback_module.format_exception(error)))
+        return cls(
+            error_type=f"{kind.__module__}.{kind.__qualname__}",
+            message=str(error),
+            traceback="".join(traceback_module.format_exception(error)),
+        )
 
     @property
     def text(self) -> str:
@@ -145,7 +148,9 @@ class Dead(_Message, frozen=True, tag="dead"):
 # ---- rank 0 <-> tensor-parallel workers ----------------------------------------------------
 class WorkerStep(_Message, frozen=True, tag="worker_step"):
     record: StepRecord
-    prev_sampled_token_ids: tuple[int | None, ...]  # rank 0's samples of the step before (None: no sample)
+    prev_sampled_token_ids: tuple[
+        int | None, ...
+    ]  # rank 0's samples of the step before (None: no sample)
     # speculative decoding: how many of each request's drafts rank 0 accepted the step before
     prev_num_accepted: tuple[int, ...] = ()
 
@@ -154,8 +159,21 @@ class WorkerLoaded(_Message, frozen=True, tag="worker_loaded"):
     pass
 
 
-Message = (AddRequest | AbortRequest | Stop | Ready | StartFailed | StepOutputs | Stats | Rejected | Overloaded
-           | StepFailedRequests | Dead | WorkerStep | WorkerLoaded)
+Message = (
+    AddRequest
+    | AbortRequest
+    | Stop
+    | Ready
+    | StartFailed
+    | StepOutputs
+    | Stats
+    | Rejected
+    | Overloaded
+    | StepFailedRequests
+    | Dead
+    | WorkerStep
+    | WorkerLoaded
+)
 MESSAGE_TYPES: tuple[type[_Message], ...] = Message.__args__
 
 
@@ -181,5 +199,8 @@ def decode(data: bytes) -> Message:
     """The message in `data`; TypeError naming the problem if the frame is not a well-formed message."""
     try:
         return _decoder.decode(data)
-    except (ValueError, TypeError) as e:  # msgspec's (a wrong tag, field type or count) or a record's own check
+    except (
+        ValueError,
+        TypeError,
+    ) as e:  # msgspec's (a wrong tag, field type or count) or a record's own check
         raise TypeError(f"not a kvserve message: {e}") from None

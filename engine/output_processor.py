@@ -13,10 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import CompletionDelta, Logprob, LogprobsEntry, RequestDelta, RequestMetrics
 from kvserve.engine.core.request import Request, RequestStatus
 from kvserve.engine.core.scheduler import FinishedRequest, StepPlan
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.outputs import (
+    CompletionDelta,
+    Logprob,
+    LogprobsEntry,
+    RequestDelta,
+    RequestMetrics,
+)
 
 if TYPE_CHECKING:
     from kvserve.engine.worker.runner import RunnerOutput, TokenLogprobs
@@ -63,15 +69,21 @@ class OutputProcessor:
             _ChildState(
                 request=c,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, c.prompt_token_ids, params.skip_special_tokens, params.stop or [],
-                    include_stop_str=params.include_stop_str_in_output),
+                    self.tokenizer,
+                    c.prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.stop or [],
+                    include_stop_str=params.include_stop_str_in_output,
+                ),
                 cumulative_logprob=0.0 if has_logprobs else None,
                 pending_logprobs=[] if has_logprobs else None,
             )
             for c in children
         ]
         # position 0 has no logprob; it goes out with the first delta
-        prompt_logprobs: list[LogprobsEntry | None] | None = [None] if params.prompt_logprobs is not None else None
+        prompt_logprobs: list[LogprobsEntry | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         metrics = RequestMetrics(arrival_time=children[0].arrival_time)
         self.parents[request_id] = _ParentState(request_id, states, metrics, prompt_logprobs)
 
@@ -91,8 +103,9 @@ class OutputProcessor:
         return self._emit(parent)
 
     # ---- per step ----------------------------------------------------------
-    def process(self, plan: StepPlan, out: RunnerOutput, finished: list[FinishedRequest],
-                now: float) -> tuple[list[RequestDelta], list[str]]:
+    def process(
+        self, plan: StepPlan, out: RunnerOutput, finished: list[FinishedRequest], now: float
+    ) -> tuple[list[RequestDelta], list[str]]:
         """Returns the deltas to deliver and the child ids that hit a stop string
         (the caller finishes those in the scheduler)."""
         finished_ids = {f.request.request_id for f in finished}
@@ -119,7 +132,10 @@ class OutputProcessor:
             parent.metrics.last_token_time = now
             step_logprobs = None  # one entry per new token: accepted drafts' (when speculating), the sampled one's
             if child.pending_logprobs is not None and req.request_id in out.logprobs:
-                step_logprobs = [*out.draft_logprobs.get(req.request_id, ()), out.logprobs[req.request_id]]
+                step_logprobs = [
+                    *out.draft_logprobs.get(req.request_id, ()),
+                    out.logprobs[req.request_id],
+                ]
             is_done = req.request_id in finished_ids
             if self._detokenize(child, req, is_done, step_logprobs):
                 stopped_by_string.append(req.request_id)
@@ -133,26 +149,41 @@ class OutputProcessor:
             deltas.append(self._emit(parent))
         return deltas, stopped_by_string
 
-    def _detokenize(self, child: _ChildState, req: Request, is_done: bool, step_logprobs: list[TokenLogprobs] | None) -> bool:
+    def _detokenize(
+        self,
+        child: _ChildState,
+        req: Request,
+        is_done: bool,
+        step_logprobs: list[TokenLogprobs] | None,
+    ) -> bool:
         """Feed the step's new tokens (one, or a speculating request's accepted drafts and its sampled
         token) to the detokenizer one at a time, with their logprobs; True when a stop string ended the
         request. Tokens after the one that completed a stop string are dropped from the request's output."""
-        new = req.output_token_ids[child.num_tokens_seen:]
+        new = req.output_token_ids[child.num_tokens_seen :]
         for k, token_id in enumerate(new):
             if step_logprobs is not None:
                 self._add_logprobs(child, step_logprobs[k])
             last = is_done and k == len(new) - 1
             # like a stop string, the EOS / stop token that ended the request adds no text
-            hide = last and req.status == RequestStatus.FINISHED_STOPPED and not req.params.include_stop_str_in_output
-            child.pending_text += child.detokenizer.update([] if hide else [token_id], finished=last)
+            hide = (
+                last
+                and req.status == RequestStatus.FINISHED_STOPPED
+                and not req.params.include_stop_str_in_output
+            )
+            child.pending_text += child.detokenizer.update(
+                [] if hide else [token_id], finished=last
+            )
             child.num_tokens_seen += 1
             if last:
                 child.finish_reason, child.stop_reason = req.status.value, req.stop_reason
             elif child.detokenizer.stop_reason is not None:
                 req.stop_reason = child.detokenizer.stop_reason
-                child.finish_reason, child.stop_reason = RequestStatus.FINISHED_STOPPED.value, req.stop_reason
-                del req.output_token_ids[child.num_tokens_seen:]
-                del req.all_token_ids[req.num_prompt_tokens + child.num_tokens_seen:]
+                child.finish_reason, child.stop_reason = (
+                    RequestStatus.FINISHED_STOPPED.value,
+                    req.stop_reason,
+                )
+                del req.output_token_ids[child.num_tokens_seen :]
+                del req.all_token_ids[req.num_prompt_tokens + child.num_tokens_seen :]
                 return True
         return False
 
@@ -176,15 +207,23 @@ class OutputProcessor:
         child.pending_logprobs.append(self._entry(lp))
         child.cumulative_logprob += lp[1]
 
-    def _add_prompt_logprobs(self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]) -> None:
-        if req.sample_index == 0:  # the n samples share the prompt; the runner scores each position once
-            assert parent.pending_prompt_logprobs is not None  # set when prompt logprobs were asked for
+    def _add_prompt_logprobs(
+        self, parent: _ParentState, req: Request, entries: list[TokenLogprobs]
+    ) -> None:
+        if (
+            req.sample_index == 0
+        ):  # the n samples share the prompt; the runner scores each position once
+            assert (
+                parent.pending_prompt_logprobs is not None
+            )  # set when prompt logprobs were asked for
             parent.pending_prompt_logprobs.extend(self._entry(lp) for lp in entries)
 
     def _entry(self, lp: TokenLogprobs) -> LogprobsEntry:
         token_id, logprob, rank, top_ids, top_lps = lp
-        entry = {tid: Logprob(tid_lp, r + 1, self._token_text(tid))
-                 for r, (tid, tid_lp) in enumerate(zip(top_ids, top_lps))}
+        entry = {
+            tid: Logprob(tid_lp, r + 1, self._token_text(tid))
+            for r, (tid, tid_lp) in enumerate(zip(top_ids, top_lps))
+        }
         if token_id not in entry:
             entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
         return entry
@@ -206,7 +245,9 @@ class OutputProcessor:
             request_id=parent.request_id,
             outputs=outputs,
             finished=parent.finished,
-            metrics=RequestMetrics(**{s: getattr(parent.metrics, s) for s in RequestMetrics.__struct_fields__}),
+            metrics=RequestMetrics(
+                **{s: getattr(parent.metrics, s) for s in RequestMetrics.__struct_fields__}
+            ),
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=prompt_logprobs or None,
             embedding=embedding,
@@ -218,7 +259,7 @@ class OutputProcessor:
         delta = CompletionDelta(
             index=child.request.sample_index,
             text=child.pending_text,
-            token_ids=tokens[child.num_tokens_sent:],
+            token_ids=tokens[child.num_tokens_sent :],
             logprobs=child.pending_logprobs,
             cumulative_logprob=child.cumulative_logprob,
             finish_reason=child.finish_reason,

@@ -100,7 +100,9 @@ class EngineStats(_Record, frozen=True, gc=False):  # type: ignore[misc]  # msgs
     grammar_compiles_total: int = 0  # cache misses
     grammar_compile_seconds_total: float = 0.0
     prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, found in the prefix cache
-    prompt_tokens_computed_total: int = 0  # run through the model, recomputation after preemption included
+    prompt_tokens_computed_total: int = (
+        0  # run through the model, recomputation after preemption included
+    )
     # distinct grammars queued or compiling, including those whose requests left (still using the CPU)
     num_grammars_compiling: int = 0
     # speculative decoding: request-steps that verified drafts, the drafts, and those accepted
@@ -137,7 +139,9 @@ class RequestDelta(_Record):
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsEntry | None] | None = None  # new prompt positions only
-    embedding: bytes | None = None  # an embedding request's vector (little-endian float32), in its last delta
+    embedding: bytes | None = (
+        None  # an embedding request's vector (little-endian float32), in its last delta
+    )
 
 
 class RequestOutputBuilder:
@@ -148,15 +152,30 @@ class RequestOutputBuilder:
     unread output never piles up as repeated snapshots.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
-                 has_logprobs: bool, has_prompt_logprobs: bool, arrival_time: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        n: int,
+        has_logprobs: bool,
+        has_prompt_logprobs: bool,
+        arrival_time: float,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.completions = [CompletionOutput(index=i, logprobs=[] if has_logprobs else None,
-                                             delta_logprobs=[] if has_logprobs else None)
-                            for i in range(n)]
-        self.prompt_logprobs: list[LogprobsEntry | None] | None = [] if has_prompt_logprobs else None
+        self.completions = [
+            CompletionOutput(
+                index=i,
+                logprobs=[] if has_logprobs else None,
+                delta_logprobs=[] if has_logprobs else None,
+            )
+            for i in range(n)
+        ]
+        self.prompt_logprobs: list[LogprobsEntry | None] | None = (
+            [] if has_prompt_logprobs else None
+        )
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.embedding: bytes | None = None
@@ -189,18 +208,35 @@ class RequestOutputBuilder:
             c.token_ids.extend(c.delta_token_ids)
             if c.logprobs is not None and c.delta_logprobs is not None:  # set together
                 c.logprobs.extend(c.delta_logprobs)
-            outputs.append(CompletionOutput(
-                index=c.index, text=c.text, token_ids=list(c.token_ids),
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, delta_text=c.delta_text,
-                delta_token_ids=c.delta_token_ids, delta_logprobs=c.delta_logprobs))
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    delta_text=c.delta_text,
+                    delta_token_ids=c.delta_token_ids,
+                    delta_logprobs=c.delta_logprobs,
+                )
+            )
             c.delta_text, c.delta_token_ids = "", []
             c.delta_logprobs = [] if c.logprobs is not None else None
         self.has_news = False
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs, finished=self.finished,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-            metrics=RequestMetrics(**{s: getattr(self.metrics, s) for s in RequestMetrics.__struct_fields__}),
-            num_cached_tokens=self.num_cached_tokens, embedding=self.embedding)
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            prompt_logprobs=list(self.prompt_logprobs)
+            if self.prompt_logprobs is not None
+            else None,
+            metrics=RequestMetrics(
+                **{s: getattr(self.metrics, s) for s in RequestMetrics.__struct_fields__}
+            ),
+            num_cached_tokens=self.num_cached_tokens,
+            embedding=self.embedding,
+        )

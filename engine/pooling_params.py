@@ -28,15 +28,22 @@ class PoolingParams:
 
     pooling_type: str | None = None  # "last" | "mean"
     normalize: bool | None = None  # L2-normalize the vector
-    dimensions: int | None = None  # Matryoshka: keep the first N (only if the checkpoint declares it)
+    dimensions: int | None = (
+        None  # Matryoshka: keep the first N (only if the checkpoint declares it)
+    )
 
     def validate(self) -> None:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+            raise ValueError(
+                f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
+            )
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
-        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
-                                            or self.dimensions < 1):
+        if self.dimensions is not None and (
+            isinstance(self.dimensions, bool)
+            or not isinstance(self.dimensions, int)
+            or self.dimensions < 1
+        ):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
 
 
@@ -57,15 +64,22 @@ class PoolerConfig:
         dims = params.dimensions
         if dims is not None and dims != self.hidden_size:
             if not self.is_matryoshka and self.matryoshka_dimensions is None:
-                raise ValueError(f"dimensions: this model does not support Matryoshka embeddings; its vectors have "
-                                 f"{self.hidden_size} dimensions (got dimensions={dims})")
+                raise ValueError(
+                    f"dimensions: this model does not support Matryoshka embeddings; its vectors have "
+                    f"{self.hidden_size} dimensions (got dimensions={dims})"
+                )
             allowed = self.matryoshka_dimensions
             if (allowed is not None and dims not in allowed) or dims > self.hidden_size:
-                raise ValueError(f"dimensions must be one of {list(allowed or ())} or at most {self.hidden_size}, "
-                                 f"got {dims}")
-        return replace(params, pooling_type=params.pooling_type or self.pooling_type,
-                       normalize=self.normalize if params.normalize is None else params.normalize,
-                       dimensions=None if dims == self.hidden_size else dims)
+                raise ValueError(
+                    f"dimensions must be one of {list(allowed or ())} or at most {self.hidden_size}, "
+                    f"got {dims}"
+                )
+        return replace(
+            params,
+            pooling_type=params.pooling_type or self.pooling_type,
+            normalize=self.normalize if params.normalize is None else params.normalize,
+            dimensions=None if dims == self.hidden_size else dims,
+        )
 
 
 def _read_json(path: Path) -> Any:
@@ -91,8 +105,10 @@ def resolve_task(task: str | None, model_path: str, hf_config: Any) -> str:
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if task == "generate" and is_embedding_checkpoint(model_path, hf_config):
-        raise ValueError(f"{model_path} is an embedding checkpoint ({hf_config.architectures[0]}, loaded without "
-                         "an LM head): it can only embed (task 'embed')")
+        raise ValueError(
+            f"{model_path} is an embedding checkpoint ({hf_config.architectures[0]}, loaded without "
+            "an LM head): it can only embed (task 'embed')"
+        )
     return task
 
 
@@ -103,13 +119,23 @@ def read_pooler_config(model_path: str, hf_config: Any) -> PoolerConfig:
     if isinstance(modules, list):
         for module in modules:
             if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
-                settings = _read_json(Path(model_path) / str(module.get("path", "")) / "config.json") or {}
+                settings = (
+                    _read_json(Path(model_path) / str(module.get("path", "")) / "config.json") or {}
+                )
                 modes = [ours for key, ours in _ST_POOLING_MODES.items() if settings.get(key)]
-                if not modes and any(v is True for k, v in settings.items() if k.startswith("pooling_mode")):
-                    raise ValueError(f"{model_path}: unsupported sentence-transformers pooling {settings}; "
-                                     f"kvserve pools {POOLING_TYPES}")
+                if not modes and any(
+                    v is True for k, v in settings.items() if k.startswith("pooling_mode")
+                ):
+                    raise ValueError(
+                        f"{model_path}: unsupported sentence-transformers pooling {settings}; "
+                        f"kvserve pools {POOLING_TYPES}"
+                    )
                 pooling_type = modes[0] if modes else pooling_type
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    return PoolerConfig(hidden_size=hf_config.hidden_size, pooling_type=pooling_type, normalize=True,
-                        is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False)),
-                        matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None)
+    return PoolerConfig(
+        hidden_size=hf_config.hidden_size,
+        pooling_type=pooling_type,
+        normalize=True,
+        is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False)),
+        matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
+    )

@@ -43,7 +43,9 @@ MIN_REPETITION_PENALTY = 1e-4
 MAX_REPETITION_PENALTY = 1e4
 
 
-class GenerationConstraints(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+class GenerationConstraints(
+    msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True
+):
     """transformers' logits processors that a checkpoint's generation_config.json switches on, as
     one request applies them (engine/generation_config.py, docs/generation_config.md). Lengths
     count the sequence's tokens: the prompt and the output (an encoder-decoder's decoder tokens)."""
@@ -52,7 +54,9 @@ class GenerationConstraints(msgspec.Struct, frozen=True, array_like=True, forbid
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
     min_length: int = 0  # EOS banned while the sequence is shorter
     min_new_tokens: int = 0  # EOS banned while the output is shorter
-    forced_bos_token_id: int | None = None  # the token after a one-token sequence (a decoder's start)
+    forced_bos_token_id: int | None = (
+        None  # the token after a one-token sequence (a decoder's start)
+    )
     forced_eos_token_ids: tuple[int, ...] = ()  # forced as the request's last token (max_tokens)
 
     @property
@@ -81,29 +85,45 @@ class StructuredOutputs:
     any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if (getattr(self, k) is not None and k != "json_object") or
-                 (k == "json_object" and self.json_object is not False)]
+        given = [
+            k
+            for k in _KINDS
+            if (getattr(self, k) is not None and k != "json_object")
+            or (k == "json_object" and self.json_object is not False)
+        ]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
-                             f"{given or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
+                f"{given or 'none'}"
+            )
         if not isinstance(self.any_whitespace, bool):
-            raise ValueError(f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}")
+            raise ValueError(
+                f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}"
+            )
         kind = given[0]
         if kind == "json":
             object.__setattr__(self, "json", _check_schema(self.json))
         elif kind == "json_object" and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True, got {self.json_object!r}")
+            raise ValueError(
+                f"structured_outputs.json_object must be True, got {self.json_object!r}"
+            )
         elif kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
-                raise ValueError(f"structured_outputs.{kind} must be a non-empty str, got {value!r}")
+                raise ValueError(
+                    f"structured_outputs.{kind} must be a non-empty str, got {value!r}"
+                )
         elif kind == "choice":
             choice = self.choice
             if not isinstance(choice, (list, tuple)) or not choice:
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of str, got {choice!r}")
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of str, got {choice!r}"
+                )
             for c in choice:
                 if not isinstance(c, str) or not c:
-                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
+                    raise ValueError(
+                        f"structured_outputs.choice must hold non-empty strings, got {c!r}"
+                    )
             object.__setattr__(self, "choice", tuple(choice))
 
     @property
@@ -113,7 +133,9 @@ class StructuredOutputs:
     @property
     def key(self) -> str:
         """Canonical form: equal specs (dict key order aside) share one compiled grammar."""
-        return json.dumps([self.kind, getattr(self, self.kind), self.any_whitespace], sort_keys=True)
+        return json.dumps(
+            [self.kind, getattr(self, self.kind), self.any_whitespace], sort_keys=True
+        )
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -124,11 +146,15 @@ def _check_schema(schema: Any) -> dict[str, Any] | bool:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}") from None
+            raise ValueError(
+                f"structured_outputs.json is not valid JSON ({e}): {schema[:200]!r}"
+            ) from None
         except RecursionError:
             raise ValueError("structured_outputs.json is nested too deeply to parse") from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {str(schema)[:200]!r}")
+        raise ValueError(
+            f"structured_outputs.json must be a JSON Schema object, got {str(schema)[:200]!r}"
+        )
     walk_schema(schema)  # refuses keywords the grammar cannot enforce, at any depth (no recursion)
     return schema
 
@@ -169,7 +195,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
-    speculative: bool = True  # False: this request never speculates (engine/spec_decode/proposer.py)
+    speculative: bool = (
+        True  # False: this request never speculates (engine/spec_decode/proposer.py)
+    )
     generation_constraints: GenerationConstraints | None = None
 
     def __post_init__(self) -> None:
@@ -194,8 +222,10 @@ class SamplingParams:
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids accepts at most {MAX_NUM_STOP_TOKEN_IDS} ids, "
-                             f"got {len(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids accepts at most {MAX_NUM_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.speculative = _bool("speculative", self.speculative)
         if self.seed is not None:
@@ -224,10 +254,13 @@ class SamplingParams:
         )
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         self.logit_bias = _logit_bias(self.logit_bias)
-        if self.generation_constraints is not None and not isinstance(self.generation_constraints,
-                                                                      GenerationConstraints):
-            raise ValueError(f"generation_constraints must be a GenerationConstraints, got "
-                             f"{self.generation_constraints!r}")
+        if self.generation_constraints is not None and not isinstance(
+            self.generation_constraints, GenerationConstraints
+        ):
+            raise ValueError(
+                f"generation_constraints must be a GenerationConstraints, got "
+                f"{self.generation_constraints!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -297,8 +330,10 @@ def _stop_list(stop: object) -> list[str]:
             raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
     num_chars = sum(len(s) for s in stop)
     if len(stop) > MAX_NUM_STOP or num_chars > MAX_STOP_CHARS:
-        raise ValueError(f"stop accepts at most {MAX_NUM_STOP} strings of {MAX_STOP_CHARS} characters "
-                         f"in all, got {len(stop)} strings of {num_chars} characters")
+        raise ValueError(
+            f"stop accepts at most {MAX_NUM_STOP} strings of {MAX_STOP_CHARS} characters "
+            f"in all, got {len(stop)} strings of {num_chars} characters"
+        )
     return list(stop)
 
 
@@ -335,6 +370,7 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
         token_id = int(key) if isinstance(key, str) and key.isdigit() else key
         if not _is_int(token_id) or token_id < 0:
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
-        result[token_id] = _float(f"logit_bias[{key!r}]", value, lo=-MAX_ABS_LOGIT_BIAS,
-                                  hi=MAX_ABS_LOGIT_BIAS)
+        result[token_id] = _float(
+            f"logit_bias[{key!r}]", value, lo=-MAX_ABS_LOGIT_BIAS, hi=MAX_ABS_LOGIT_BIAS
+        )
     return result or None

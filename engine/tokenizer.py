@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
     model_path: str
-    hf_config: transformers.PretrainedConfig  # or models.hf_config.CheckpointConfig (same attributes)
+    hf_config: (
+        transformers.PretrainedConfig
+    )  # or models.hf_config.CheckpointConfig (same attributes)
     tokenizer: transformers.PreTrainedTokenizerBase
     max_model_len: int
     eos_token_ids: tuple[int, ...]
@@ -30,8 +32,12 @@ class ModelFiles:
 
 def load_model_files(config: ModelConfig) -> ModelFiles:
     # (the loader imports torch: here, so that importing the engine does not)
-    from kvserve.models.loader import (get_decoder_start_token_id, get_eos_token_ids, get_max_model_len,
-                                       resolve_model_path)
+    from kvserve.models.loader import (
+        get_decoder_start_token_id,
+        get_eos_token_ids,
+        get_max_model_len,
+        resolve_model_path,
+    )
 
     with phase("model files"):
         if config.model is None:
@@ -50,7 +56,11 @@ def load_model_files(config: ModelConfig) -> ModelFiles:
     eos = list(get_eos_token_ids(model_path, hf_config))
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    return ModelFiles(model_path=model_path, hf_config=hf_config, tokenizer=tokenizer, max_model_len=max_model_len,
-                      eos_token_ids=tuple(eos),
-                      decoder_start_token_id=get_decoder_start_token_id(model_path, hf_config))
-
+    return ModelFiles(
+        model_path=model_path,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        eos_token_ids=tuple(eos),
+        decoder_start_token_id=get_decoder_start_token_id(model_path, hf_config),
+    )

@@ -52,14 +52,22 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_PATHS:
-            raise ValueError(f"endpoint must be one of {list(ENDPOINT_PATHS)}, got {self.endpoint!r}")
+            raise ValueError(
+                f"endpoint must be one of {list(ENDPOINT_PATHS)}, got {self.endpoint!r}"
+            )
         if (self.num_prompts is None) == (self.duration_s is None):
             raise ValueError("set exactly one of num_prompts and duration_s")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not 0 <= self.disconnect_fraction <= 1:
-            raise ValueError(f"disconnect_fraction must be in [0, 1], got {self.disconnect_fraction}")
-        if self.duration_s is not None and math.isinf(self.request_rate) and not self.max_concurrency:
+            raise ValueError(
+                f"disconnect_fraction must be in [0, 1], got {self.disconnect_fraction}"
+            )
+        if (
+            self.duration_s is not None
+            and math.isinf(self.request_rate)
+            and not self.max_concurrency
+        ):
             raise ValueError("--duration with an infinite rate needs --max-concurrency")
 
     def to_dict(self) -> dict:
@@ -88,7 +96,10 @@ def plan_disconnects(output_lens: list[int], fraction: float, seed: int) -> list
     rng = np.random.default_rng([seed, 1])  # independent of the arrival stream
     n = len(output_lens)
     picked = set(rng.permutation(n)[: round(fraction * n)].tolist())
-    return [int(rng.integers(0, max(out, 1))) if i in picked else None for i, out in enumerate(output_lens)]
+    return [
+        int(rng.integers(0, max(out, 1))) if i in picked else None
+        for i, out in enumerate(output_lens)
+    ]
 
 
 def _schedule(cfg: RunConfig, num_requests: int) -> Iterable[float]:
@@ -112,8 +123,12 @@ async def probe(cfg: RunConfig, request: BenchRequest) -> RequestRecord:
     The prompt is reversed so that it does not seed the prefix cache for the run.
     """
     short = BenchRequest(request.prompt[::-1], request.prompt_len, min(request.output_len, 4))
-    record = RequestRecord(index=-1, prompt_len=short.prompt_len, max_tokens=short.output_len, scheduled_s=0)
-    async with httpx.AsyncClient(headers=auth_headers(cfg.api_key), timeout=cfg.timeout_s) as client:
+    record = RequestRecord(
+        index=-1, prompt_len=short.prompt_len, max_tokens=short.output_len, scheduled_s=0
+    )
+    async with httpx.AsyncClient(
+        headers=auth_headers(cfg.api_key), timeout=cfg.timeout_s
+    ) as client:
         payload = build_payload(cfg.endpoint, cfg.model, short, cfg.ignore_eos, cfg.temperature)
         url = cfg.base_url + ENDPOINT_PATHS[cfg.endpoint]
         return await send_request(client, url, payload, record, cfg.endpoint, time.perf_counter())
@@ -124,19 +139,27 @@ async def run_benchmark(cfg: RunConfig, requests: list[BenchRequest], label: str
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     url = cfg.base_url + ENDPOINT_PATHS[cfg.endpoint]
-    disconnects = plan_disconnects([r.output_len for r in requests], cfg.disconnect_fraction, cfg.seed)
+    disconnects = plan_disconnects(
+        [r.output_len for r in requests], cfg.disconnect_fraction, cfg.seed
+    )
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    async with httpx.AsyncClient(headers=auth_headers(cfg.api_key), timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        headers=auth_headers(cfg.api_key), timeout=timeout, limits=limits
+    ) as client:
         scraper = MetricsScraper(client, f"{cfg.base_url}/metrics", cfg.metrics_interval_s)
         await scraper.start()
         total = cfg.num_prompts if cfg.duration_s is None else None
-        pbar = tqdm(total=total, desc=label or "requests", unit="req", disable=not cfg.show_progress)
+        pbar = tqdm(
+            total=total, desc=label or "requests", unit="req", disable=not cfg.show_progress
+        )
         run_start = time.perf_counter()
         not_ok: Counter[str] = Counter()  # shown next to the progress bar
 
         async def one(record: RequestRecord, req: BenchRequest) -> RequestRecord:
             try:
-                payload = build_payload(cfg.endpoint, cfg.model, req, cfg.ignore_eos, cfg.temperature)
+                payload = build_payload(
+                    cfg.endpoint, cfg.model, req, cfg.ignore_eos, cfg.temperature
+                )
                 return await send_request(client, url, payload, record, cfg.endpoint, run_start)
             finally:
                 if semaphore is not None:
@@ -160,8 +183,13 @@ async def run_benchmark(cfg: RunConfig, requests: list[BenchRequest], label: str
             if offset > now:
                 await asyncio.sleep(offset - now)
             req = requests[i % len(requests)]
-            record = RequestRecord(i, req.prompt_len, req.output_len, offset,
-                                   disconnect_after_chunks=disconnects[i % len(requests)])
+            record = RequestRecord(
+                i,
+                req.prompt_len,
+                req.output_len,
+                offset,
+                disconnect_after_chunks=disconnects[i % len(requests)],
+            )
             tasks.append(asyncio.create_task(one(record, req)))
         records = list(await asyncio.gather(*tasks))
         pbar.close()

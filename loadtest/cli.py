@@ -20,7 +20,14 @@ from typing import Any
 import httpx
 
 from kvserve.loadtest.arrivals import arrival_offsets_for_duration
-from kvserve.loadtest.bench import RunConfig, RunResult, auth_headers, fetch_model_name, probe, run_benchmark
+from kvserve.loadtest.bench import (
+    RunConfig,
+    RunResult,
+    auth_headers,
+    fetch_model_name,
+    probe,
+    run_benchmark,
+)
 from kvserve.loadtest.client import OK
 from kvserve.loadtest.datasets import (
     BenchRequest,
@@ -29,7 +36,14 @@ from kvserve.loadtest.datasets import (
     sharegpt_requests,
     translation_requests,
 )
-from kvserve.loadtest.report import dump_json, format_table, markdown_table, parse_goodput, summarize, write_result
+from kvserve.loadtest.report import (
+    dump_json,
+    format_table,
+    markdown_table,
+    parse_goodput,
+    summarize,
+    write_result,
+)
 from kvserve.loadtest.token_source import TokenSource, resolve_token_source
 
 log = logging.getLogger("loadtest")
@@ -46,49 +60,99 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loadtest", description="Benchmark an OpenAI-compatible server.")
+    parser = argparse.ArgumentParser(
+        prog="loadtest", description="Benchmark an OpenAI-compatible server."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="benchmark a running server over HTTP")
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", help="model name to request (default: first of GET /v1/models)")
-    p.add_argument("--dataset", default="random",
-                   help="random | sharegpt:PATH | prefix-repetition | translation")
-    p.add_argument("--input-len", type=int, default=256,
-                   help="prompt tokens (prefix-repetition: suffix; translation: source)")
-    p.add_argument("--target-ratio", type=float, default=1.2,
-                   help="translation: output tokens per source token (each request's own length)")
-    p.add_argument("--output-len", type=int, help=f"output tokens (default {DEFAULT_OUTPUT_LEN}; "
-                   "ShareGPT: the reply's length)")
+    p.add_argument(
+        "--dataset",
+        default="random",
+        help="random | sharegpt:PATH | prefix-repetition | translation",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=256,
+        help="prompt tokens (prefix-repetition: suffix; translation: source)",
+    )
+    p.add_argument(
+        "--target-ratio",
+        type=float,
+        default=1.2,
+        help="translation: output tokens per source token (each request's own length)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        help=f"output tokens (default {DEFAULT_OUTPUT_LEN}; ShareGPT: the reply's length)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1±r)")
-    p.add_argument("--prefix-len", type=int, help="shared prefix tokens (random: 0, "
-                   f"prefix-repetition: {DEFAULT_PREFIX_LEN})")
-    p.add_argument("--num-prefix-groups", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        help=f"shared prefix tokens (random: 0, prefix-repetition: {DEFAULT_PREFIX_LEN})",
+    )
+    p.add_argument(
+        "--num-prefix-groups", type=int, default=4, help="prefix-repetition: distinct prefixes"
+    )
     bound = p.add_mutually_exclusive_group()
     bound.add_argument("--num-prompts", type=int, help="requests per run (default 100)")
     bound.add_argument("--duration", type=float, help="send requests for this many seconds instead")
-    p.add_argument("--request-rate", type=_rate, nargs="+", default=[math.inf],
-                   help="requests/s (inf = all at once); several values = a sweep")
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s (inf = all at once); several values = a sweep",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, nargs="+",
-                   help="cap on requests in flight; several values = a sweep")
-    p.add_argument("--disconnect-fraction", type=float, default=0.0,
-                   help="share of clients that hang up mid-stream")
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        help="cap on requests in flight; several values = a sweep",
+    )
+    p.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.0,
+        help="share of clients that hang up mid-stream",
+    )
+    p.add_argument(
+        "--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--out", help="output folder (default loadtest_out/<timestamp>)")
-    p.add_argument("--tokenizer", help="local tokenizer for prompts (default: the server's /tokenize)")
+    p.add_argument(
+        "--tokenizer", help="local tokenizer for prompts (default: the server's /tokenize)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--prompt-format", choices=["auto", "tokens", "text"], default="auto",
-                   help="auto: token ids for completions, text for chat and ShareGPT")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="force output_len tokens (ignore_eos + min_tokens)")
+    p.add_argument(
+        "--prompt-format",
+        choices=["auto", "tokens", "text"],
+        default="auto",
+        help="auto: token ids for completions, text for chat and ShareGPT",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="force output_len tokens (ignore_eos + min_tokens)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--metrics-interval", type=float, default=0.5, help="/metrics scrape period (s)")
-    p.add_argument("--drain-timeout", type=float, default=5.0,
-                   help="seconds to wait for KV use to return to 0 after a run")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for KV use to return to 0 after a run",
+    )
     return parser
 
 
@@ -101,7 +165,10 @@ def _pool_size(args: argparse.Namespace) -> int:
     if args.duration is None:
         return args.num_prompts or 100
     finite = [r for r in args.request_rate if not math.isinf(r)]
-    counts = [len(arrival_offsets_for_duration(args.duration, r, args.burstiness, args.seed)) for r in finite]
+    counts = [
+        len(arrival_offsets_for_duration(args.duration, r, args.burstiness, args.seed))
+        for r in finite
+    ]
     return max(counts + [1 if finite else DURATION_POOL_SIZE])
 
 
@@ -120,21 +187,46 @@ def build_requests(args: argparse.Namespace, source: TokenSource, seed: int) -> 
         return sharegpt_requests(path, source, n, seed, args.output_len)
     if args.endpoint == "chat" and args.prompt_format == "tokens":
         raise ValueError("the chat endpoint takes text; use --prompt-format auto or text")
-    as_text = args.prompt_format == "text" or (args.prompt_format == "auto" and args.endpoint == "chat")
+    as_text = args.prompt_format == "text" or (
+        args.prompt_format == "auto" and args.endpoint == "chat"
+    )
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
     if name == "random":
-        return random_requests(source, n, args.input_len, output_len, args.range_ratio,
-                               args.prefix_len or 0, seed, as_text)
+        return random_requests(
+            source,
+            n,
+            args.input_len,
+            output_len,
+            args.range_ratio,
+            args.prefix_len or 0,
+            seed,
+            as_text,
+        )
     if name == "translation":
         if args.output_len is not None:
-            raise ValueError("--dataset translation sets each output length from its source: "
-                             "use --target-ratio instead of --output-len")
-        return translation_requests(source, n, args.input_len, args.target_ratio, args.range_ratio, seed, as_text)
+            raise ValueError(
+                "--dataset translation sets each output length from its source: "
+                "use --target-ratio instead of --output-len"
+            )
+        return translation_requests(
+            source, n, args.input_len, args.target_ratio, args.range_ratio, seed, as_text
+        )
     if name == "prefix-repetition":
         prefix_len = args.prefix_len or DEFAULT_PREFIX_LEN
-        return prefix_repetition_requests(source, n, prefix_len, args.input_len, output_len,
-                                          args.num_prefix_groups, args.range_ratio, seed, as_text)
-    raise ValueError(f"unknown --dataset {args.dataset!r}: random | sharegpt:PATH | prefix-repetition | translation")
+        return prefix_repetition_requests(
+            source,
+            n,
+            prefix_len,
+            args.input_len,
+            output_len,
+            args.num_prefix_groups,
+            args.range_ratio,
+            seed,
+            as_text,
+        )
+    raise ValueError(
+        f"unknown --dataset {args.dataset!r}: random | sharegpt:PATH | prefix-repetition | translation"
+    )
 
 
 def point_label(rate: float, concurrency: int | None) -> str:
@@ -149,7 +241,9 @@ def save_run(out_dir: Path, cfg: RunConfig, result: RunResult, slos: dict, extra
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(result.records, result.duration_s, slos)
     config = {**cfg.to_dict(), **extra}
-    write_result(out_dir / "result.json", config, summary, result.server, result.records, result.series)
+    write_result(
+        out_dir / "result.json", config, summary, result.server, result.records, result.series
+    )
     plot_run(json.loads((out_dir / "result.json").read_text()), out_dir)
     return summary
 
@@ -162,17 +256,34 @@ async def run_points(args: argparse.Namespace, model: str, source: TokenSource, 
     for index, (rate, concurrency) in enumerate(points):
         seed = args.seed + index
         requests = await asyncio.to_thread(build_requests, args, source, seed)
-        extra = {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
-                 "range_ratio": args.range_ratio, "prefix_len": args.prefix_len, "token_source": source.name,
-                 "target_ratio": args.target_ratio if args.dataset == "translation" else None,
-                 "num_requests_in_pool": len(requests), "base_seed": args.seed}
+        extra = {
+            "dataset": args.dataset,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "prefix_len": args.prefix_len,
+            "token_source": source.name,
+            "target_ratio": args.target_ratio if args.dataset == "translation" else None,
+            "num_requests_in_pool": len(requests),
+            "base_seed": args.seed,
+        }
         cfg = RunConfig(
-            base_url=args.base_url, model=model, endpoint=args.endpoint, request_rate=rate,
-            burstiness=args.burstiness, max_concurrency=concurrency,
-            num_prompts=None if args.duration else len(requests), duration_s=args.duration,
-            disconnect_fraction=args.disconnect_fraction, seed=seed, ignore_eos=args.ignore_eos,
-            temperature=args.temperature, timeout_s=args.timeout, api_key=args.api_key,
-            show_progress=not args.no_progress, metrics_interval_s=args.metrics_interval,
+            base_url=args.base_url,
+            model=model,
+            endpoint=args.endpoint,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=concurrency,
+            num_prompts=None if args.duration else len(requests),
+            duration_s=args.duration,
+            disconnect_fraction=args.disconnect_fraction,
+            seed=seed,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            timeout_s=args.timeout,
+            api_key=args.api_key,
+            show_progress=not args.no_progress,
+            metrics_interval_s=args.metrics_interval,
             drain_timeout_s=args.drain_timeout,
         )
         if not results:
@@ -185,8 +296,15 @@ async def run_points(args: argparse.Namespace, model: str, source: TokenSource, 
         point_dir = out / label if len(points) > 1 else out
         summary = save_run(point_dir, cfg, result, slos, extra)
         print(format_table(summary, result.server, title=f"{model} @ {label}"))
-        results.append({"label": label, "request_rate": rate, "max_concurrency": concurrency,
-                        "summary": summary, "server": result.server})
+        results.append(
+            {
+                "label": label,
+                "request_rate": rate,
+                "max_concurrency": concurrency,
+                "summary": summary,
+                "server": result.server,
+            }
+        )
         status = status or (0 if summary["completed"] else 1)
     if len(points) > 1:
         write_sweep(out, results)
@@ -213,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     args.base_url = _base_url(args.base_url)
     try:
         model = args.model or fetch_model_name(args.base_url, args.api_key)
-        source = resolve_token_source(args.tokenizer, args.base_url, model, auth_headers(args.api_key))
+        source = resolve_token_source(
+            args.tokenizer, args.base_url, model, auth_headers(args.api_key)
+        )
         log.info("token source: %s", source.name)
         out = Path(args.out or f"loadtest_out/{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)

@@ -175,7 +175,9 @@ async def _read_stream(
         obj = json.loads(data)
         if "error" in obj:
             err = obj["error"]
-            record.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
+            record.error = "stream error: " + str(
+                err.get("message", err) if isinstance(err, dict) else err
+            )
             return
         if obj.get("usage"):
             record.prompt_tokens = obj["usage"].get("prompt_tokens")

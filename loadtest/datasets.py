@@ -59,7 +59,9 @@ def _text_of_length(rng: np.random.Generator, source: TokenSource, token_ids: li
         if len(ids) == target:
             break
         # Decoding then encoding merges or splits tokens; trim or pad and retry.
-        ids = ids[:target] if len(ids) > target else ids + _random_ids(rng, source, target - len(ids))
+        ids = (
+            ids[:target] if len(ids) > target else ids + _random_ids(rng, source, target - len(ids))
+        )
         text = source.decode(ids)
     return text
 
@@ -136,7 +138,9 @@ def prefix_repetition_requests(
     a prefix cache sees hits spread over the whole run.
     """
     if prefix_len < 1 or num_groups < 1:
-        raise ValueError(f"need prefix_len >= 1 and num_groups >= 1, got {prefix_len}, {num_groups}")
+        raise ValueError(
+            f"need prefix_len >= 1 and num_groups >= 1, got {prefix_len}, {num_groups}"
+        )
     rng = np.random.default_rng(seed)
     prefixes = [_random_ids(rng, source, prefix_len) for _ in range(num_groups)]
     suffix_lens = sample_lengths(rng, suffix_len, range_ratio, num_requests)

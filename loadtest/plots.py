@@ -79,8 +79,13 @@ def plot_timeline(records: list[dict], series: list[dict], duration_s: float, pa
     gen = [(s["t_s"], s["generation_tokens"]) for s in series if "generation_tokens" in s]
     if len(gen) > 1:
         t, tokens = np.asarray(gen).T
-        ax_tp.plot(t[1:], np.diff(tokens) / np.maximum(np.diff(t), 1e-9), "o-", ms=3,
-                   label="generated (server /metrics)")
+        ax_tp.plot(
+            t[1:],
+            np.diff(tokens) / np.maximum(np.diff(t), 1e-9),
+            "o-",
+            ms=3,
+            label="generated (server /metrics)",
+        )
     ax_tp.set_ylabel("output tokens/s")
     ax_tp.legend()
     ax_tp.grid(alpha=0.3)
@@ -142,7 +147,9 @@ def plot_sweep(points: list[dict], path: Path) -> Path:
         for xi, p in zip(x, points):
             v = p["summary"][key]["p50_ms"]
             if v is not None:
-                ax.annotate(p["label"], (xi, v), textcoords="offset points", xytext=(4, 4), fontsize=8)
+                ax.annotate(
+                    p["label"], (xi, v), textcoords="offset points", xytext=(4, 4), fontsize=8
+                )
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"{name} (ms)")
         if any((p["summary"][key]["p50_ms"] or 0) > 0 for p in points):

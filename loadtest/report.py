@@ -39,7 +39,10 @@ def latency_stats(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    return {"mean_ms": float(ms.mean()), **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+    return {
+        "mean_ms": float(ms.mean()),
+        **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES},
+    }
 
 
 def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
@@ -51,7 +54,9 @@ def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
         "tpot": record.tpot_s if record.tpot_s is not None else 0.0,
         "e2el": record.e2e_s,
     }
-    return all((value := measured[k]) is not None and value * 1000.0 <= limit for k, limit in slos.items())
+    return all(
+        (value := measured[k]) is not None and value * 1000.0 <= limit for k, limit in slos.items()
+    )
 
 
 def peak_concurrency(records: list[RequestRecord]) -> int:
@@ -73,7 +78,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
     ok = [r for r in records if r.status == OK]
     failed = [r for r in records if r.status == FAILED]
     output_tokens = sum(r.output_tokens for r in ok)
-    prompt_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok)
+    prompt_tokens = sum(
+        r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok
+    )
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)  # noqa: E731
     good = sum(meets_slos(r, slos) for r in ok) if slos else None
     return {
@@ -107,7 +114,9 @@ def fmt_number(value: float | int | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def format_table(summary: dict, server: dict | None = None, title: str = "Serving Benchmark Result") -> str:
+def format_table(
+    summary: dict, server: dict | None = None, title: str = "Serving Benchmark Result"
+) -> str:
     """A fixed-width text report for the terminal."""
     width = 56
     rows: list[str] = [f" {title} ".center(width, "=")]
@@ -127,8 +136,12 @@ def format_table(summary: dict, server: dict | None = None, title: str = "Servin
     if summary["goodput"] is not None:
         slos = ", ".join(f"{k}<={v:g}ms" for k, v in summary["goodput_slos_ms"].items())
         line(f"Goodput (req/s, {slos}):"[:40], fmt_number(summary["goodput"]))
-    for key, name in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                      ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for key, name in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         rows.append(f" {name} ".center(width, "-"))
         stats = summary[key]
         line(f"Mean {key.upper()} (ms):", fmt_number(stats["mean_ms"]))
@@ -137,12 +150,18 @@ def format_table(summary: dict, server: dict | None = None, title: str = "Servin
     if server and server.get("available"):
         rows.append(" Server metrics (/metrics) ".center(width, "-"))
         kv_peak = server["peak_kv_cache_usage"]
-        line("Peak KV cache usage (%):", fmt_number(kv_peak * 100 if kv_peak is not None else None, 1))
+        line(
+            "Peak KV cache usage (%):",
+            fmt_number(kv_peak * 100 if kv_peak is not None else None, 1),
+        )
         rate = server["prefix_cache_hit_rate"]
         line("Prefix cache hit rate (%):", fmt_number(rate * 100 if rate is not None else None, 1))
         line("Preemptions during run:", fmt_number(server["num_preemptions"], 0))
-        line("Peak running / waiting:", f"{fmt_number(server['peak_num_running'], 0)} / "
-             f"{fmt_number(server['peak_num_waiting'], 0)}")
+        line(
+            "Peak running / waiting:",
+            f"{fmt_number(server['peak_num_running'], 0)} / "
+            f"{fmt_number(server['peak_num_waiting'], 0)}",
+        )
         line("KV cache back to 0 after run:", fmt_number(server["kv_cache_back_to_zero"]))
     rows.append("=" * width)
     return "\n".join(rows)
@@ -164,7 +183,11 @@ def dump_json(path: Path, obj: object) -> None:
 
 
 def write_result(
-    path: Path, config: dict, summary: dict, server: dict, records: list[RequestRecord],
+    path: Path,
+    config: dict,
+    summary: dict,
+    server: dict,
+    records: list[RequestRecord],
     series: list[dict],
 ) -> None:
     """result.json: everything needed to redo the analysis without rerunning."""
@@ -180,8 +203,10 @@ def write_result(
 
 def markdown_table(points: list[dict], first_column: str = "load") -> str:
     """One row per sweep point; each point is {'label', 'summary', 'server'}."""
-    header = (f"| {first_column} | ok / failed / disc. | req/s | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-              "| TPOT p50 (ms) | TPOT p99 (ms) | E2E p50 (ms) | peak KV % | prefix hit % |")
+    header = (
+        f"| {first_column} | ok / failed / disc. | req/s | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| TPOT p50 (ms) | TPOT p99 (ms) | E2E p50 (ms) | peak KV % | prefix hit % |"
+    )
     rows = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for p in points:
         s, server = p["summary"], p.get("server") or {}

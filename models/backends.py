@@ -12,6 +12,15 @@ DEFAULT_GROUP_SIZE = 32
 def check_quantization(method: str | None, group_size: int) -> None:
     """ValueError naming a quantization method or group size kvserve does not support."""
     if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {method!r} is not supported (supported: {', '.join(QUANTIZATION_METHODS)})")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 16:
-        raise ValueError(f"quantization_group_size must be a positive multiple of 16, got {group_size!r}")
+        raise ValueError(
+            f"quantization {method!r} is not supported (supported: {', '.join(QUANTIZATION_METHODS)})"
+        )
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size <= 0
+        or group_size % 16
+    ):
+        raise ValueError(
+            f"quantization_group_size must be a positive multiple of 16, got {group_size!r}"
+        )

@@ -25,8 +25,16 @@ from torch import Tensor, nn
 
 from kvserve.models.attention.metadata import current_context
 from kvserve.models.layers import Linear, VocabEmbedding, get_activation
-from kvserve.models.seq2seq import (StepPlan, attend_segments, kv_holder, paged_attention, segments, step_plan,
-                                    uses_kernels, write_kv)
+from kvserve.models.seq2seq import (
+    StepPlan,
+    attend_segments,
+    kv_holder,
+    paged_attention,
+    segments,
+    step_plan,
+    uses_kernels,
+    write_kv,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -51,7 +59,7 @@ class Seq2SeqAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.q_proj = Linear(dim, dim, bias=True)
         self.k_proj = Linear(dim, dim, bias=True)
         self.v_proj = Linear(dim, dim, bias=True)
@@ -64,9 +72,13 @@ class Seq2SeqAttention(nn.Module):
         q, k, v = (self.heads(t) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
         return self.out_proj(attend_segments(q, k, v, segs, [None] * len(segs), None))
 
-    def forward(self, x: Tensor, kv_source: Tensor, causal: bool) -> Tensor:  # [L, d], [M, d] -> [L, d]
-        q, k, v = (self.heads(t).transpose(0, 1)
-                   for t in (self.q_proj(x), self.k_proj(kv_source), self.v_proj(kv_source)))
+    def forward(
+        self, x: Tensor, kv_source: Tensor, causal: bool
+    ) -> Tensor:  # [L, d], [M, d] -> [L, d]
+        q, k, v = (
+            self.heads(t).transpose(0, 1)
+            for t in (self.q_proj(x), self.k_proj(kv_source), self.v_proj(kv_source))
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.out_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
@@ -96,9 +108,14 @@ class EncoderLayer(_Residual):
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = get_activation(config.activation_function)
 
-    def forward(self, h: Tensor, segs: list[slice] | None = None) -> Tensor:  # segs: a flat batch's requests
-        attention = (lambda x: self.self_attn(x, x, causal=False)) if segs is None else \
-            (lambda x: self.self_attn.flat(x, segs))
+    def forward(
+        self, h: Tensor, segs: list[slice] | None = None
+    ) -> Tensor:  # segs: a flat batch's requests
+        attention = (
+            (lambda x: self.self_attn(x, x, causal=False))
+            if segs is None
+            else (lambda x: self.self_attn.flat(x, segs))
+        )
         h = self.sub(h, self.self_attn_layer_norm, attention)
         return self.sub(h, self.final_layer_norm, self.ffn)
 
@@ -120,7 +137,11 @@ class DecoderLayer(_Residual):
 
     def forward(self, h: Tensor, encoder_out: Tensor) -> Tensor:
         h = self.sub(h, self.self_attn_layer_norm, lambda x: self.self_attn(x, x, causal=True))
-        h = self.sub(h, self.encoder_attn_layer_norm, lambda x: self.encoder_attn(x, encoder_out, causal=False))
+        h = self.sub(
+            h,
+            self.encoder_attn_layer_norm,
+            lambda x: self.encoder_attn(x, encoder_out, causal=False),
+        )
         return self.sub(h, self.final_layer_norm, self.ffn)
 
     def paged(self, h: Tensor, plan: StepPlan, masks: list[Tensor], slots: Tensor) -> Tensor:
@@ -129,10 +150,14 @@ class DecoderLayer(_Residual):
 
         def self_attention(x: Tensor) -> Tensor:
             write_kv(self.cache, sa.heads(sa.k_proj(x)), sa.heads(sa.v_proj(x)), slots)
-            return sa.out_proj(paged_attention(self.cache, sa.heads(sa.q_proj(x)), plan, sa.scale, False, masks))
+            return sa.out_proj(
+                paged_attention(self.cache, sa.heads(sa.q_proj(x)), plan, sa.scale, False, masks)
+            )
 
         def cross_attention(x: Tensor) -> Tensor:
-            return ca.out_proj(paged_attention(self.cache, ca.heads(ca.q_proj(x)), plan, ca.scale, True, masks))
+            return ca.out_proj(
+                paged_attention(self.cache, ca.heads(ca.q_proj(x)), plan, ca.scale, True, masks)
+            )
 
         h = self.sub(h, self.self_attn_layer_norm, self_attention)
         h = self.sub(h, self.encoder_attn_layer_norm, cross_attention)
@@ -142,16 +167,26 @@ class DecoderLayer(_Residual):
 class Stack(nn.Module):
     """An encoder or a decoder: embeddings (tokens, positions, optional layer norm) and layers."""
 
-    def __init__(self, config: PretrainedConfig, shared: VocabEmbedding, layer_cls: type[nn.Module], num_layers: int,
-                 sinusoidal: bool, pre_norm: bool = False) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        shared: VocabEmbedding,
+        layer_cls: type[nn.Module],
+        num_layers: int,
+        sinusoidal: bool,
+        pre_norm: bool = False,
+    ) -> None:
         super().__init__()
         d = config.d_model
         self.embed_tokens = shared
         self.embed_scale = math.sqrt(d) if getattr(config, "scale_embedding", False) else 1.0
         self.sinusoidal = sinusoidal
         if sinusoidal:  # fixed, not loaded (see `map_weight_name`)
-            self.register_buffer("positions", sinusoidal_positions(config.max_position_embeddings, d),
-                                 persistent=False)
+            self.register_buffer(
+                "positions",
+                sinusoidal_positions(config.max_position_embeddings, d),
+                persistent=False,
+            )
         else:  # BART's learned table is offset by 2 rows
             self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d)
         self.dim, self.num_positions = d, config.max_position_embeddings
@@ -191,13 +226,28 @@ class BartForConditionalGeneration(nn.Module):
         self.model = nn.Module()
         self.model.shared = VocabEmbedding(config.vocab_size, config.d_model)
         decoder_embed = self.model.shared
-        if not getattr(config, "share_encoder_decoder_embeddings", True):  # Marian's separate vocabularies
-            decoder_embed = VocabEmbedding(getattr(config, "decoder_vocab_size", None) or config.vocab_size,
-                                           config.d_model)
-        self.model.encoder = Stack(config, self.model.shared, EncoderLayer, config.encoder_layers,
-                                   self.sinusoidal_positions, self.pre_norm)
-        self.model.decoder = Stack(config, decoder_embed, DecoderLayer, config.decoder_layers,
-                                   self.sinusoidal_positions, self.pre_norm)
+        if not getattr(
+            config, "share_encoder_decoder_embeddings", True
+        ):  # Marian's separate vocabularies
+            decoder_embed = VocabEmbedding(
+                getattr(config, "decoder_vocab_size", None) or config.vocab_size, config.d_model
+            )
+        self.model.encoder = Stack(
+            config,
+            self.model.shared,
+            EncoderLayer,
+            config.encoder_layers,
+            self.sinusoidal_positions,
+            self.pre_norm,
+        )
+        self.model.decoder = Stack(
+            config,
+            decoder_embed,
+            DecoderLayer,
+            config.decoder_layers,
+            self.sinusoidal_positions,
+            self.pre_norm,
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.d_model, decoder_embed.weight.shape[0])
@@ -215,19 +265,25 @@ class BartForConditionalGeneration(nn.Module):
             h = layer(h, encoder_out)
         return self.model.decoder.final_norm(h)
 
-    def encode_into_cache(self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor) -> None:
+    def encode_into_cache(
+        self, input_ids: Tensor, cu_seqlens: list[int], cross_slots: Tensor
+    ) -> None:
         """Encode a flat batch of sources (request i: rows cu[i]:cu[i+1]) and write each decoder
         layer's cross-attention K/V of them into the cache at `cross_slots` [S]."""
         # one flat batch: the matrices over every source's rows at once, attention within each
         segs = list(segments(cu_seqlens))
-        positions = torch.cat([torch.arange(rows.stop - rows.start, device=input_ids.device) for rows in segs])
+        positions = torch.cat(
+            [torch.arange(rows.stop - rows.start, device=input_ids.device) for rows in segs]
+        )
         encoded = self.model.encoder.embed(input_ids, positions)
         for layer in self.model.encoder.layers:
             encoded = layer(encoded, segs)
         encoded = self.model.encoder.final_norm(encoded)
         for layer in self.model.decoder.layers:
             ca = layer.encoder_attn
-            write_kv(layer.cache, ca.heads(ca.k_proj(encoded)), ca.heads(ca.v_proj(encoded)), cross_slots)
+            write_kv(
+                layer.cache, ca.heads(ca.k_proj(encoded)), ca.heads(ca.v_proj(encoded)), cross_slots
+            )
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:  # [T], [T] -> [T, d]
         """The decoder over the step's flat batch and the paged cache (inside `forward_context`)."""
@@ -240,7 +296,11 @@ class BartForConditionalGeneration(nn.Module):
         return self.model.decoder.final_norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, d] -> [N, vocab]
-        logits = self.model.decoder.embed_tokens.lm_head(hidden) if self.tie_word_embeddings else self.lm_head(hidden)
+        logits = (
+            self.model.decoder.embed_tokens.lm_head(hidden)
+            if self.tie_word_embeddings
+            else self.lm_head(hidden)
+        )
         return logits + self.final_logits_bias[0].to(logits.dtype)
 
     def reset_buffers(self) -> None:

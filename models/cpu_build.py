@@ -34,13 +34,18 @@ SET_OPT = "-O3"
 def cache_root() -> Path:
     root = os.environ.get("KVSERVE_CPU_OPS_DIR")
     if not root:
-        root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve") / "cpu_ops"
+        root = (
+            Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+            / "cpu_ops"
+        )
     return Path(root)
 
 
 def digest(paths: list[Path], extra: str) -> str:
     """What names a library's folder: its sources' names and bytes, and its flags."""
-    data = b"".join(path.name.encode() + path.read_bytes() for path in sorted(paths)) + extra.encode()
+    data = (
+        b"".join(path.name.encode() + path.read_bytes() for path in sorted(paths)) + extra.encode()
+    )
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -65,7 +70,11 @@ def set_sources(isa: str) -> list[Path]:
 def set_library(isa: str) -> Path:
     """Where kernel set `isa` for these sources and flags lives."""
     sources = set_sources(isa) + sorted((CSRC / isa).glob("*.h")) + _headers()
-    return cache_root() / f"{isa}-{digest(sources, ' '.join(cpu_isa.COMPILE_FLAGS[isa]))}" / f"kvserve_kernels_{isa}.so"
+    return (
+        cache_root()
+        / f"{isa}-{digest(sources, ' '.join(cpu_isa.COMPILE_FLAGS[isa]))}"
+        / f"kvserve_kernels_{isa}.so"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +89,20 @@ class Target:
 
 
 def host_target() -> Target:
-    libdl = ["-ldl"] if platform.system() == "Linux" else []  # dlopen (in libc itself from glibc 2.34)
+    libdl = (
+        ["-ldl"] if platform.system() == "Linux" else []
+    )  # dlopen (in libc itself from glibc 2.34)
     return Target("host", host_library(), host_sources(), HOST_FLAGS, libdl)
 
 
 def set_target(isa: str) -> Target:
-    return Target(isa, set_library(isa), set_sources(isa), [SET_OPT, *COMMON_FLAGS, *cpu_isa.COMPILE_FLAGS[isa]], [])
+    return Target(
+        isa,
+        set_library(isa),
+        set_sources(isa),
+        [SET_OPT, *COMMON_FLAGS, *cpu_isa.COMPILE_FLAGS[isa]],
+        [],
+    )
 
 
 def build(targets: list[Target], compiler: str | None = None) -> list[Path | Exception]:
@@ -103,6 +120,7 @@ def build(targets: list[Target], compiler: str | None = None) -> list[Path | Exc
 def _build_lock():
     try:
         import fcntl
+
         cache_root().mkdir(parents=True, exist_ok=True)
         lock = open(cache_root() / ".build.lock", "w")  # held until the build ends
     except (ImportError, OSError):  # no fcntl (Windows) or an unwritable cache: build unlocked
@@ -114,7 +132,9 @@ def _build_lock():
 
 
 def _build(targets: list[Target], compiler: str) -> list[Path | Exception]:
-    results: list[Path | Exception | None] = [t.library if t.library.exists() else None for t in targets]
+    results: list[Path | Exception | None] = [
+        t.library if t.library.exists() else None for t in targets
+    ]
     pending = []
     try:
         for i, target in enumerate(targets):
@@ -142,22 +162,47 @@ def _build(targets: list[Target], compiler: str) -> list[Path | Exception]:
 
 
 def _compile(compiler: str, target: Target, tmp: Path) -> list[tuple[Path, subprocess.Popen]]:
-    return [(tmp / f"{source.stem}.o",
-             subprocess.Popen([compiler, *target.flags, "-c", str(source), "-o", str(tmp / f"{source.stem}.o")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            for source in target.sources]
+    return [
+        (
+            tmp / f"{source.stem}.o",
+            subprocess.Popen(
+                [compiler, *target.flags, "-c", str(source), "-o", str(tmp / f"{source.stem}.o")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
+        for source in target.sources
+    ]
 
 
-def _link(compiler: str, target: Target, tmp: Path, procs: list[tuple[Path, subprocess.Popen]]) -> Path:
+def _link(
+    compiler: str, target: Target, tmp: Path, procs: list[tuple[Path, subprocess.Popen]]
+) -> Path:
     errors = [out for _, proc in procs for out in [proc.communicate()[0]] if proc.returncode]
     if errors:
         raise RuntimeError(f"building the {target.name} CPU library failed:\n{errors[0][-3000:]}")
     staged = tmp / target.library.name
-    no_undefined = ["-Wl,-z,defs"] if platform.system() == "Linux" else []  # a missing symbol fails here
-    link = subprocess.run([compiler, "-shared", *no_undefined, *[str(o) for o, _ in procs], *target.link_flags,
-                           "-o", str(staged)], capture_output=True, text=True)
+    no_undefined = (
+        ["-Wl,-z,defs"] if platform.system() == "Linux" else []
+    )  # a missing symbol fails here
+    link = subprocess.run(
+        [
+            compiler,
+            "-shared",
+            *no_undefined,
+            *[str(o) for o, _ in procs],
+            *target.link_flags,
+            "-o",
+            str(staged),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if link.returncode:
-        raise RuntimeError(f"linking the {target.name} CPU library failed:\n{link.stdout[-1500:]}{link.stderr[-1500:]}")
+        raise RuntimeError(
+            f"linking the {target.name} CPU library failed:\n{link.stdout[-1500:]}{link.stderr[-1500:]}"
+        )
     os.replace(staged, target.library)  # atomic: a concurrent build loses nothing
     return target.library
 
@@ -174,7 +219,11 @@ def build_all() -> list[str]:
     """Build the host library and every kernel set of this machine's architecture, whatever this
     CPU runs (an image runs on other CPUs than its builder's) -> the sets built."""
     arch = cpu_isa.machine_arch()
-    sets = [isa for isa in cpu_isa.ISAS if (isa == "neon") == (arch == "arm64")] if arch in ("x86_64", "arm64") else []
+    sets = (
+        [isa for isa in cpu_isa.ISAS if (isa == "neon") == (arch == "arm64")]
+        if arch in ("x86_64", "arm64")
+        else []
+    )
     for result in build([host_target(), *[set_target(isa) for isa in sets]]):
         if isinstance(result, Exception):
             raise result

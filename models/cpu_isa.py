@@ -17,20 +17,39 @@ ISAS = ("avx512", "avx2", "neon")
 # What each set is compiled with (models/cpu_ops.py) and what the CPU must have to run it
 # (Linux's /proc/cpuinfo names).
 COMPILE_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-               "-mf16c", "-mamx-tile", "-mamx-bf16"],
+    "avx512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mavx512vnni",
+        "-mfma",
+        "-mf16c",
+        "-mamx-tile",
+        "-mamx-bf16",
+    ],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
 }
 REQUIRED_FLAGS = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma", "f16c"),
+    "avx512": (
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512dq",
+        "avx512_bf16",
+        "avx512_vnni",
+        "fma",
+        "f16c",
+    ),
     "avx2": ("avx2", "fma", "f16c"),
     "neon": ("asimd", "asimddp"),
 }
 
 
 def machine_arch() -> str:
-    """"x86_64", "arm64" or what `platform.machine()` says."""
+    """ "x86_64", "arm64" or what `platform.machine()` says."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         return "x86_64"
@@ -52,7 +71,9 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def missing_flags(isa: str, flags: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
+def missing_flags(
+    isa: str, flags: frozenset[str] | None = None, arch: str | None = None
+) -> list[str]:
     """The CPU features `isa` needs that this machine lacks (empty: it runs here)."""
     arch = arch or machine_arch()
     if (isa == "neon") != (arch == "arm64") or arch not in ("x86_64", "arm64"):
@@ -78,7 +99,9 @@ def chosen() -> str:
     if forced == "none":
         return "none"
     if forced not in ISAS:
-        raise ValueError(f"KVSERVE_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}, none or auto")
+        raise ValueError(
+            f"KVSERVE_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}, none or auto"
+        )
     missing = missing_flags(forced)
     if missing:
         raise ValueError(f"KVSERVE_CPU_ISA={forced!r}: this CPU lacks {', '.join(missing)}")

@@ -25,8 +25,14 @@ class CpuFusedOps(FusedOps):
             return cpu_ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        if cpu_ops.use_fused_bf16_rows(x) and residual.is_contiguous() and residual.dtype == x.dtype:
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        if (
+            cpu_ops.use_fused_bf16_rows(x)
+            and residual.is_contiguous()
+            and residual.dtype == x.dtype
+        ):
             return cpu_ops.add_rms_norm_(residual, x, weight, eps), residual  # sum into residual
         return super().add_rms_norm(x, residual, weight, eps)
 
@@ -36,9 +42,16 @@ class CpuFusedOps(FusedOps):
         return super().silu_and_mul(x)
 
     def rms_norm_heads_(self, heads: Tensor, weight: Tensor, eps: float) -> None:
-        if (heads.dtype == torch.bfloat16 and heads.is_cpu and heads.stride(2) == 1
-                and heads.stride(1) == heads.shape[2] and cpu_ops.has_fast_bf16()):
-            cpu_ops.rms_norm_heads_(heads, weight, eps)  # the set's row kernel, in place (as the decoder stack does)
+        if (
+            heads.dtype == torch.bfloat16
+            and heads.is_cpu
+            and heads.stride(2) == 1
+            and heads.stride(1) == heads.shape[2]
+            and cpu_ops.has_fast_bf16()
+        ):
+            cpu_ops.rms_norm_heads_(
+                heads, weight, eps
+            )  # the set's row kernel, in place (as the decoder stack does)
         else:
             super().rms_norm_heads_(heads, weight, eps)
 
@@ -73,20 +86,34 @@ def pack_for_cpu(model: nn.Module) -> int:
     unexpected keeps F.linear. The plain weight's storage is released. Returns the
     number of layers packed.
     """
-    linears = [m for m in model.modules() if isinstance(m, Linear)
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.bfloat16
+        and m.weight.numel()
+    ]
     if cpu_ops.has_fast_bf16() and all(m.in_features % 2 == 0 for m in linears):
         return _pack_for_kernels(model, linears)
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if reorder is None or not torch.backends.mkldnn.is_available():
         return 0
     try:
-        packed = [[reorder(w, None) for w in m.weight.detach()] if m.weight.dim() == 3
-                  else reorder(m.weight.detach(), None) for m in linears]
+        packed = [
+            [reorder(w, None) for w in m.weight.detach()]
+            if m.weight.dim() == 3
+            else reorder(m.weight.detach(), None)
+            for m in linears
+        ]
     except RuntimeError:  # pragma: no cover - depends on the torch build
         return 0
     for m, weight in zip(linears, packed):
-        m.packed = [OneDnnLinear(w, None) for w in weight] if isinstance(weight, list) else OneDnnLinear(weight, m.bias)
+        m.packed = (
+            [OneDnnLinear(w, None) for w in weight]
+            if isinstance(weight, list)
+            else OneDnnLinear(weight, m.bias)
+        )
         m.weight.data = m.weight.data.new_empty(0)
     return len(linears)
 
@@ -95,18 +122,35 @@ def _pack_for_kernels(model: nn.Module, linears: list[Linear]) -> int:
     lm_head = None
     if getattr(model, "tie_word_embeddings", False):
         vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
-        lm_head = next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
-                        and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size  # a rank's shard too
-                        and emb.weight.dtype == torch.bfloat16 and emb.packed_lm_head is None), None)
+        lm_head = next(
+            (
+                emb
+                for emb in model.modules()
+                if isinstance(emb, VocabEmbedding)
+                and getattr(emb, "vocab_size", emb.weight.shape[0])
+                == vocab_size  # a rank's shard too
+                and emb.weight.dtype == torch.bfloat16
+                and emb.packed_lm_head is None
+            ),
+            None,
+        )
     # stacked experts ([E, out, in], models/moe.py): one matrix, and one kernel, per expert
-    matrices = [w for m in linears for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])]
+    matrices = [
+        w
+        for m in linears
+        for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])
+    ]
     weights = matrices + ([lm_head.weight] if lm_head is not None else [])
     # one huge-page arena (every decode step streams all of it), filled one matrix at a time
-    slots = iter(hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16))
+    slots = iter(
+        hugepages.arena([cpu_ops.packed_linear_shape(w.shape) for w in weights], torch.bfloat16)
+    )
     for m in linears:
         bias = None if m.bias is None else m.bias.detach().float()
-        kernels = [KernelLinear(cpu_ops.pack_linear_weight(w, out=next(slots)), bias, m.out_features)
-                   for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])]
+        kernels = [
+            KernelLinear(cpu_ops.pack_linear_weight(w, out=next(slots)), bias, m.out_features)
+            for w in (m.weight.detach() if m.weight.dim() == 3 else [m.weight.detach()])
+        ]
         m.packed = kernels if m.weight.dim() == 3 else kernels[0]
         m.weight.data = m.weight.data.new_empty(0)
     if lm_head is not None:

@@ -45,7 +45,10 @@ _ATTENTION_FORWARDS = (LlamaAttention.forward, Qwen3Attention.forward)
 
 def why_not(model: nn.Module) -> str | None:
     """None when the C++ decoder stack can run `model`'s layers, else what stops it."""
-    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+    if (
+        not isinstance(model, LlamaForCausalLM)
+        or type(model).forward is not LlamaForCausalLM.forward
+    ):
         return f"{type(model).__name__} is not a Llama-family model"
     if not cpu_ops.has_fast_bf16():
         return "no CPU kernel set is loaded (models/cpu_isa.py)"
@@ -69,12 +72,20 @@ def _layer_why_not(layer: nn.Module) -> str | None:
         return f"{type(attn).__name__} has its own forward"
     if layer.mlp.act is not None:
         return "the MLP's activation is not silu"
-    norms = [getattr(attn, name) for name in ("q_norm", "k_norm") if getattr(attn, name, None) is not None]
-    if not all(isinstance(m.ops, CpuFusedOps) for m in (layer.input_layernorm, layer.post_attention_layernorm,
-                                                        layer.mlp, *norms)):
+    norms = [
+        getattr(attn, name)
+        for name in ("q_norm", "k_norm")
+        if getattr(attn, name, None) is not None
+    ]
+    if not all(
+        isinstance(m.ops, CpuFusedOps)
+        for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp, *norms)
+    ):
         return "the fused ops are not the CPU's"
     backend = attn.attn.backend
-    if not (getattr(backend, "paged_kernels", False) and backend.fused_write and backend.fused_rotary):
+    if not (
+        getattr(backend, "paged_kernels", False) and backend.fused_write and backend.fused_rotary
+    ):
         return "the attention backend is not the CPU kernels'"
     if attn.attn.rotary is None:
         return "no rotary embedding"
@@ -116,34 +127,65 @@ class CpuDecoderStack:
         lora = [m for m in model.modules() if isinstance(m, CpuLoRALinear)]
         self.lora_batch: LoRABatch | None = lora[0].batch if lora else None
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:  # -> [T, hidden]
-        if any(a.kv_cache is not c for a, c in zip(self.attention, self._caches)) or not self._caches:
+    def __call__(
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata
+    ) -> Tensor:  # -> [T, hidden]
+        if (
+            any(a.kv_cache is not c for a, c in zip(self.attention, self._caches))
+            or not self._caches
+        ):
             self._stack = self._build()
         inner = self.inner
         x = inner.embed_tokens(input_ids)  # [T, hidden]: the residual stream, overwritten in place
         cos_sin = inner.rotary_emb.cos_sin_cache.index_select(0, positions.long())  # [T, 2, D]
         lora = None if self.lora_batch is None else self.lora_batch.meta
-        rows = None if lora is None else (lora.token_order, lora.seg_starts, lora.seg_lens, lora.seg_slots)
-        return self._stack.forward(x, inner.norm.weight, cos_sin, meta.slot_mapping, meta.block_table, meta.seq_lens,
-                                   meta.query_lens_cpu, meta.seq_lens_cpu, rows)
+        rows = (
+            None
+            if lora is None
+            else (lora.token_order, lora.seg_starts, lora.seg_lens, lora.seg_slots)
+        )
+        return self._stack.forward(
+            x,
+            inner.norm.weight,
+            cos_sin,
+            meta.slot_mapping,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_lens_cpu,
+            meta.seq_lens_cpu,
+            rows,
+        )
 
     def _build(self) -> cpu_ops.DecoderStack:
         self._caches = [a.kv_cache for a in self.attention]
         if any(c is None for c in self._caches):
-            raise RuntimeError("the CPU decoder stack needs the layers' KV caches (assign Attention.kv_cache first)")
+            raise RuntimeError(
+                "the CPU decoder stack needs the layers' KV caches (assign Attention.kv_cache first)"
+            )
         stack = cpu_ops.DecoderStack(self.inner.norm.eps)
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 stack.add_linear(*_kernel_of(linear))
                 if isinstance(linear, CpuLoRALinear):
-                    stack.add_lora(linear.packed_a, linear.packed_b, linear.shard_n, linear.rank_pad)
+                    stack.add_lora(
+                        linear.packed_a, linear.packed_b, linear.shard_n, linear.rank_pad
+                    )
             a = attn.attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                            *a.kv, a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window or 0, a.scale,
-                            layer.input_layernorm.eps)
+            stack.add_layer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                *a.kv,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                a.sliding_window or 0,
+                a.scale,
+                layer.input_layernorm.eps,
+            )
         return stack
 
 

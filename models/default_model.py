@@ -54,15 +54,36 @@ DEFAULT_MODEL_NAME = "default-model-v1"  # bump when the recipe changes: caches 
 CORPUS_PATH = Path(__file__).with_name("default_corpus.txt")
 VOCAB_SIZE = 2048
 MODEL_CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama",
-    **decoder_shape(256, 768, 4, 4, 2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                    rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-                    mlp_bias=False, initializer_range=0.02, dtype="float32"),
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    **decoder_shape(
+        256,
+        768,
+        4,
+        4,
+        2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        dtype="float32",
+    ),
 )
 WEIGHT_SEED = 1234
 BIGRAM_SMOOTHING = 0.5  # pseudo-count mass per row spread over the unigram distribution
 LAYER_OUT_SCALE = 0.05  # each layer's output rms relative to the residual stream's
-CHAT_PROMPTS = ["Tell me a story.", "Say something.", "What do you know?", "Hello!", "Write a few lines."]
+CHAT_PROMPTS = [
+    "Tell me a story.",
+    "Say something.",
+    "What do you know?",
+    "Hello!",
+    "Write a few lines.",
+]
 
 
 def default_cache_root() -> Path:
@@ -140,6 +161,7 @@ def _training_stream(tokenizer, text: str) -> torch.Tensor:
     """The text the bigram statistics are counted on: documents separated by <|endoftext|>,
     then the same paragraphs as ChatML replies."""
     import torch  # only building needs it: finding a built model must stay light
+
     eos = tokenizer.token_to_id("<|endoftext|>")
     pieces = []
     paragraphs = [p for p in _paragraphs(text) if len(p) > 80]
@@ -159,8 +181,11 @@ def _training_stream(tokenizer, text: str) -> torch.Tensor:
 def _bigram_logprobs(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Smoothed next-token log-probabilities [V, V], each row centered (softmax-invariant)."""
     import torch  # only building needs it: finding a built model must stay light
+
     counts = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
-    counts.index_put_((stream[:-1], stream[1:]), torch.ones(len(stream) - 1, dtype=torch.float64), accumulate=True)
+    counts.index_put_(
+        (stream[:-1], stream[1:]), torch.ones(len(stream) - 1, dtype=torch.float64), accumulate=True
+    )
     unigram = torch.bincount(stream, minlength=vocab_size).double() + 1.0
     probs = counts + BIGRAM_SMOOTHING * unigram / unigram.sum()  # unseen pairs fall back to unigram
     logp = (probs / probs.sum(1, keepdim=True)).log()
@@ -170,6 +195,7 @@ def _bigram_logprobs(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
     """HF-named fp32 weights: a bigram model in the embeddings/LM head, near-identity layers."""
     import torch  # only building needs it: finding a built model must stay light
+
     vocab, hidden = config["vocab_size"], config["hidden_size"]
     logp = _bigram_logprobs(stream, vocab)  # [V, V]
     rank = hidden - 1
@@ -190,15 +216,23 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
     # scales all rows alike; the head is scaled to undo it: logits == E @ W.T exactly.
     norms = emb.norm(dim=1, keepdim=True)
     radius = float(norms.max()) * 1.05
-    emb = torch.cat([emb, (radius**2 - norms**2).sqrt()], dim=1)  # [V, hidden], rows of norm `radius`
-    head = torch.cat([head, torch.zeros(vocab, 1, dtype=head.dtype)], dim=1) * (radius / hidden**0.5)
+    emb = torch.cat(
+        [emb, (radius**2 - norms**2).sqrt()], dim=1
+    )  # [V, hidden], rows of norm `radius`
+    head = torch.cat([head, torch.zeros(vocab, 1, dtype=head.dtype)], dim=1) * (
+        radius / hidden**0.5
+    )
     gen = torch.Generator().manual_seed(WEIGHT_SEED)
 
     def rand(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
     out_scale = LAYER_OUT_SCALE * (radius / hidden**0.5)  # target rms of a layer's output
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    heads, kv_heads, head_dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
     inter = config["intermediate_size"]
     state = {
         "model.embed_tokens.weight": emb.float(),
@@ -215,7 +249,9 @@ def _fit_weights(config: dict, stream: torch.Tensor) -> dict[str, torch.Tensor]:
             p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden, std=hidden**-0.5),
             # Small outputs: the layers nudge the residual stream (so attention affects the
             # logits a little) without drowning the bigram signal.
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim, std=out_scale / (heads * head_dim) ** 0.5),
+            p + "self_attn.o_proj.weight": rand(
+                hidden, heads * head_dim, std=out_scale / (heads * head_dim) ** 0.5
+            ),
             p + "mlp.gate_proj.weight": rand(inter, hidden, std=hidden**-0.5),
             p + "mlp.up_proj.weight": rand(inter, hidden, std=hidden**-0.5),
             p + "mlp.down_proj.weight": rand(hidden, inter, std=out_scale / inter**0.5),

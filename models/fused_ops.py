@@ -24,7 +24,9 @@ class FusedOps:
             return F.rms_norm(x, weight.shape, weight, eps)
         return weight * F.rms_norm(x, weight.shape, None, eps)
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
         """(rms_norm(residual + x), residual + x), the sum rounded to the model dtype."""
         residual = residual + x
         return self.rms_norm(residual, weight, eps), residual

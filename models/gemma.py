@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.models.attention import Attention
-from kvserve.models.layers import LazyTensor, RotaryEmbedding, as_lazy, check_shape, get_activation, rope_parameters
+from kvserve.models.layers import (
+    LazyTensor,
+    RotaryEmbedding,
+    as_lazy,
+    check_shape,
+    get_activation,
+    rope_parameters,
+)
 from kvserve.models.llama import head_dim_of
 from kvserve.models.parallel import (
     MergedColumnParallelLinear,
@@ -55,7 +62,9 @@ class GemmaRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.weight.stage_dtype = torch.float32  # the loader allocates it in fp32 whatever the model dtype
+        self.weight.stage_dtype = (
+            torch.float32
+        )  # the loader allocates it in fp32 whatever the model dtype
         self.weight.weight_loader = self.weight_loader
         self.eps = eps
 
@@ -94,23 +103,36 @@ def layer_types_of(config: PretrainedConfig) -> list[str]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         if len(layer_types) != config.num_hidden_layers:
-            raise ValueError(f"config.layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers")
+            raise ValueError(
+                f"config.layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers"
+            )
         return list(layer_types)
     default = 2 if getattr(config, "model_type", "") == "gemma2" else 6
     pattern = getattr(config, "sliding_window_pattern", None) or default
-    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
+    return [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(config.num_hidden_layers)
+    ]
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, is_sliding: bool, rotary_emb: RotaryEmbedding,
-                 has_qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        is_sliding: bool,
+        rotary_emb: RotaryEmbedding,
+        has_qk_norm: bool,
+    ) -> None:
         super().__init__()
         hidden, num_heads = config.hidden_size, config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.num_heads, self.num_kv_heads = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+        )  # this rank's
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias)
         self.attn = Attention(
             self.num_heads,
@@ -122,7 +144,9 @@ class GemmaAttention(nn.Module):
             logit_softcap=getattr(config, "attn_logit_softcapping", None),
         )
         if has_qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)  # shared by all query heads
+            self.q_norm = GemmaRMSNorm(
+                self.head_dim, eps=config.rms_norm_eps
+            )  # shared by all query heads
             self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.has_qk_norm = has_qk_norm
 
@@ -143,7 +167,9 @@ class GemmaMLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], [0, 1], False)
         self.down_proj = RowParallelLinear(inter, hidden, bias=False)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        act = getattr(config, "hidden_activation", None) or getattr(
+            config, "hidden_act", "gelu_pytorch_tanh"
+        )
         self.act = get_activation(act)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
@@ -152,8 +178,13 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, is_sliding: bool, rotary_emb: RotaryEmbedding,
-                 has_qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        is_sliding: bool,
+        rotary_emb: RotaryEmbedding,
+        has_qk_norm: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = GemmaAttention(config, is_sliding, rotary_emb, has_qk_norm)
         self.mlp = GemmaMLP(config)
@@ -171,22 +202,36 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, has_qk_norm: bool) -> None:
         super().__init__()
-        if getattr(config, "use_bidirectional_attention", False):  # e.g. EmbeddingGemma: not a causal LM
-            raise ValueError("use_bidirectional_attention=True (an encoder, not a causal decoder) is not supported")
+        if getattr(
+            config, "use_bidirectional_attention", False
+        ):  # e.g. EmbeddingGemma: not a causal LM
+            raise ValueError(
+                "use_bidirectional_attention=True (an encoder, not a causal decoder) is not supported"
+            )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # sqrt(hidden) as HF multiplies by it: a tensor of the embedding dtype (bf16 rounds it)
-        self.embed_scales = {dtype: float(torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu"))
-                             for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+        self.embed_scales = {
+            dtype: float(torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu"))
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        }
         head_dim = head_dim_of(config)
         layer_types = layer_types_of(config)
         # one rotary table per layer type (Gemma 2's are equal; a shared module computes once per step)
-        rotary = {t: RotaryEmbedding(head_dim, config.max_position_embeddings, _rope_for_layer_type(config, t))
-                  for t in dict.fromkeys(layer_types)}
-        if len(rotary) > 1 and rotary["sliding_attention"].params == rotary["full_attention"].params:
+        rotary = {
+            t: RotaryEmbedding(
+                head_dim, config.max_position_embeddings, _rope_for_layer_type(config, t)
+            )
+            for t in dict.fromkeys(layer_types)
+        }
+        if (
+            len(rotary) > 1
+            and rotary["sliding_attention"].params == rotary["full_attention"].params
+        ):
             rotary["sliding_attention"] = rotary["full_attention"]
         self.rotary_embs = nn.ModuleList(dict.fromkeys(rotary.values()))
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, t == "sliding_attention", rotary[t], has_qk_norm) for t in layer_types
+            GemmaDecoderLayer(config, t == "sliding_attention", rotary[t], has_qk_norm)
+            for t in layer_types
         )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -224,7 +269,11 @@ class Gemma2ForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] (on rank 0)
-        logits = self.model.embed_tokens.lm_head(hidden) if self.tie_word_embeddings else self.lm_head(hidden)
+        logits = (
+            self.model.embed_tokens.lm_head(hidden)
+            if self.tie_word_embeddings
+            else self.lm_head(hidden)
+        )
         if self.final_logit_softcap is not None:
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -243,7 +292,12 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     has_qk_norm = True
 
 
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
@@ -256,15 +310,20 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def __init__(self, config: PretrainedConfig) -> None:
         text_config = getattr(config, "text_config", None) or config
         super().__init__(text_config)
-        logger.info("Gemma3ForConditionalGeneration: serving the text decoder only; the vision tower "
-                    "and its projector are not loaded (image inputs are not supported)")
+        logger.info(
+            "Gemma3ForConditionalGeneration: serving the text decoder only; the vision tower "
+            "and its projector are not loaded (image inputs are not supported)"
+        )
 
     def map_weight_name(self, name: str) -> str | None:
         if name.startswith(_VISION_PREFIXES):
             return None
-        for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                           ("language_model.lm_head.", "lm_head.")):
+        for prefix, to in (
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ):
             if name.startswith(prefix):
-                name = to + name[len(prefix):]
+                name = to + name[len(prefix) :]
                 break
         return super().map_weight_name(name)

@@ -33,36 +33,85 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.models.gguf_metadata import ROPE_TENSORS, field, gguf_architecture, import_gguf, open_gguf
+from kvserve.models.gguf_metadata import (
+    ROPE_TENSORS,
+    field,
+    gguf_architecture,
+    import_gguf,
+    open_gguf,
+)
 
 logger = logging.getLogger(__name__)
 
 # Tensor types read (each dequantized exactly as the gguf package's reference does): the float
 # types, the legacy blocks, and the K-quants of llama.cpp's Q4_K_M / Q5_K_M / Q6_K files (with the
 # legacy types it falls back to for rows that are not a multiple of 256).
-TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES: tuple[str, ...] = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
-_DECODER_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_DECODER_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _DECODER_BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router [E, hidden]
 }
 # Gemma 2/3: "ffn_norm" is the norm before the MLP, and each sub-block has a norm after it too
-_GEMMA_BLOCK = {**_DECODER_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
-                "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_BLOCK = {
+    **_DECODER_BLOCK,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # Phi-3 keeps HF's fused tensors: `attn_qkv` is qkv_proj, `ffn_up` holds gate_up_proj (gate rows first).
 _PHI3_BLOCK = {**_DECODER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # A mixture of experts' matrices, stacked [E, out, in]: read one expert at a time (`_EXPERTS_PART`).
-_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_STACKS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
 _EXPERTS_PART = "mlp.experts.{}"
-_GPT2_GLOBAL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
-                "output_norm": "transformer.ln_f", "output": "lm_head"}
-_GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
-               "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_GPT2_GLOBAL = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+_GPT2_BLOCK = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+
+
 def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor a file of `arch` may hold."""
     is_gpt2 = arch == "gpt2"
@@ -76,18 +125,30 @@ def gguf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     for suffix in ("weight", "bias"):
         names |= {f"{g}.{suffix}": f"{hf}.{suffix}" for g, hf in glob.items()}
         for i in range(num_layers):
-            names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{hf}.{suffix}" for g, hf in block.items()}
+            names |= {
+                f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{hf}.{suffix}" for g, hf in block.items()
+            }
             if not is_gpt2:  # "{}": the expert's index
-                names |= {f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{_EXPERTS_PART}.{hf}.{suffix}"
-                          for g, hf in _EXPERT_STACKS.items()}
+                names |= {
+                    f"blk.{i}.{g}.{suffix}": f"{prefix}.{i}.{_EXPERTS_PART}.{hf}.{suffix}"
+                    for g, hf in _EXPERT_STACKS.items()
+                }
     return names
 
 
 # What each tensor type is kept as when the file is served as it comes (`gguf_quantization`): the
 # format with at least its bits. Only Q8_0 -> int8 and Q4_0 -> int4 give back the file's blocks
 # exactly; the others are re-quantized from their exact values (docs/quantization.md).
-_KEPT_AS = {"Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
-            "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+_KEPT_AS = {
+    "Q8_0": "int8",
+    "Q6_K": "int8",
+    "Q5_K": "int8",
+    "Q5_0": "int8",
+    "Q5_1": "int8",
+    "Q4_0": "int4",
+    "Q4_1": "int4",
+    "Q4_K": "int4",
+}
 
 
 def gguf_quantization(path: str | os.PathLike) -> str:
@@ -111,8 +172,13 @@ def gguf_eight_bit_weights(path: str | os.PathLike) -> set[str]:
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
-    return {names[t.name] for t in reader.tensors if t.name in names and len(t.shape) == 2
-            and _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none") != "int4"}
+    return {
+        names[t.name]
+        for t in reader.tensors
+        if t.name in names
+        and len(t.shape) == 2
+        and _KEPT_AS.get(gguf.GGMLQuantizationType(t.tensor_type).name, "none") != "int4"
+    }
 
 
 def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
@@ -135,8 +201,12 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
         elif arch == "gpt2" and w.ndim == 2 and t.name.startswith("blk."):
             w = w.t()  # back to Conv1D's [in, out]
         elif arch in GEMMA_ARCHITECTURES and t.name.endswith("norm.weight"):
-            w = w - 1.0  # the file holds Gemma's 1 + w; exact in fp32, and models/gemma.py adds the 1 back exactly
-        if "{}" in hf_name:  # stacked experts [E, out, in]: under the per-expert names checkpoints use
+            w = (
+                w - 1.0
+            )  # the file holds Gemma's 1 + w; exact in fp32, and models/gemma.py adds the 1 back exactly
+        if (
+            "{}" in hf_name
+        ):  # stacked experts [E, out, in]: under the per-expert names checkpoints use
             for e in range(w.shape[0]):
                 yield hf_name.format(e), w[e]
             continue
@@ -149,8 +219,10 @@ def dequantize(t) -> Tensor:
 
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     if qtype.name not in TENSOR_TYPES:
-        raise ValueError(f"GGUF tensor {t.name!r} has type {qtype.name}, which kvserve does not read; "
-                         f"supported tensor types: {', '.join(TENSOR_TYPES)}")
+        raise ValueError(
+            f"GGUF tensor {t.name!r} has type {qtype.name}, which kvserve does not read; "
+            f"supported tensor types: {', '.join(TENSOR_TYPES)}"
+        )
     shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
     if qtype == gguf.GGMLQuantizationType.F32:
         values = np.array(t.data)  # a copy: the reader's array is a read-only memory map
@@ -162,4 +234,8 @@ def dequantize(t) -> Tensor:
 def _unpermute(w: Tensor, num_heads: int) -> Tensor:
     """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves."""
     # [out, in] -> [heads, out / heads / 2, 2, in] -> swap -> [heads, 2, out / heads / 2, in]
-    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )

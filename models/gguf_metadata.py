@@ -63,8 +63,10 @@ def find_gguf(model_dir: str | os.PathLike) -> Path | None:
     if not files or any(root.glob("*.safetensors")):
         return None
     if len(files) > 1:
-        raise ValueError(f"{root} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                         "pass the path of the one to serve")
+        raise ValueError(
+            f"{root} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+            "pass the path of the one to serve"
+        )
     return files[0]
 
 
@@ -81,8 +83,9 @@ def _open_gguf(path: str, mtime_ns: int):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises whatever numpy or struct hit first
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from None
 
 
 def close_gguf_files() -> None:
@@ -94,7 +97,9 @@ def import_gguf():
     try:
         import gguf
     except ImportError:
-        raise ValueError("reading a GGUF file needs the gguf package: pip install 'kvserve[gguf]'") from None
+        raise ValueError(
+            "reading a GGUF file needs the gguf package: pip install 'kvserve[gguf]'"
+        ) from None
     return gguf
 
 
@@ -112,8 +117,10 @@ def gguf_architecture(reader) -> str:
     """The file's `general.architecture`; ValueError naming it when kvserve does not serve it."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
-                         f"{', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
     return arch
 
 
@@ -123,9 +130,15 @@ def gguf_metadata_dir(path: str | os.PathLike) -> Path:
     scaling factors that are not applied) are logged on every load."""
     path = Path(path).resolve()
     stat = path.stat()
-    key = (f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
-           f"\0{_CONVERSION}")
-    target = default_cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    key = (
+        f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
+        f"\0{_CONVERSION}"
+    )
+    target = (
+        default_cache_root()
+        / "gguf"
+        / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    )
     if not (target / _DONE).is_file():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -159,32 +172,51 @@ def _gemma_config(config, reader, arch: str) -> None:
     linear `rope.scaling` for global ones)."""
     num_layers = int(config.num_hidden_layers)
     wide = num_layers == _GEMMA_27B_LAYERS[arch]
-    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    config.query_pre_attn_scalar = (
+        config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    )
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = reader.get_field(f"{arch}.{key}")
         if value is not None:  # else transformers' default, which is llama.cpp's too
             setattr(config, key, float(value.contents()))
     # sliding_window_pattern: n (every n-th layer global), or one bool per layer (True = sliding)
-    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
-               else [(i + 1) % int(pattern) != 0 for i in range(num_layers)])
+    pattern = field(
+        reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6
+    )
+    sliding = (
+        [bool(x) for x in pattern]
+        if isinstance(pattern, list)
+        else [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    )
     config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     if arch == "gemma3":
-        full = {"rope_type": "default", "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 1_000_000.0))}
+        full = {
+            "rope_type": "default",
+            "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 1_000_000.0)),
+        }
         if field(reader, f"{arch}.rope.scaling.type", "none") == "linear":
-            full.update(rope_type="linear", factor=float(field(reader, f"{arch}.rope.scaling.factor")))
-        local = {"rope_type": "default", "rope_theta": float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))}
+            full.update(
+                rope_type="linear", factor=float(field(reader, f"{arch}.rope.scaling.factor"))
+            )
+        local = {
+            "rope_type": "default",
+            "rope_theta": float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        }
         config.rope_parameters = {"sliding_attention": local, "full_attention": full}
 
 
-def llama3_factors(dim: int, theta: float, factor: float, low: float, high: float, old_len: float) -> np.ndarray:
+def llama3_factors(
+    dim: int, theta: float, factor: float, low: float, high: float, old_len: float
+) -> np.ndarray:
     """The per-frequency divisors llama.cpp's converter writes as `rope_freqs.weight` for Llama 3's
     rope scaling (its formula, in fp32 like it)."""
     freqs = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     wavelen = np.float32(2 * math.pi) / freqs
     smooth = (old_len / wavelen - low) / (high - low)
     mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid)).astype(np.float32)
+    return np.where(
+        wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid)
+    ).astype(np.float32)
 
 
 def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict | None:
@@ -198,7 +230,7 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
     if factors.shape != (dim // 2,) or not (factors >= 1).all():
         return None
     factor = float(factors.max())
-    candidates = [(factor, 1.0, 4.0, float(2 ** k)) for k in range(8, 18)]
+    candidates = [(factor, 1.0, 4.0, float(2**k)) for k in range(8, 18)]
     freqs = 1.0 / (np.float64(theta) ** (np.arange(0, dim, 2) / dim))
     mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
     if factor > 1 and mid.sum() >= 2:
@@ -207,11 +239,21 @@ def llama3_rope_parameters(factors: np.ndarray, theta: float, dim: int) -> dict 
         a, b = np.polyfit(x, s, 1)  # s = a x + b = (L x - low) / (high - low)
         if b < 0:
             high = 1 - 1 / b
-            candidates.insert(0, (factor, 1.0, round(float(high), 4), round(float(a * (high - 1)), 2)))
+            candidates.insert(
+                0, (factor, 1.0, round(float(high), 4), round(float(a * (high - 1)), 2))
+            )
     for factor_, low, high, old_len in candidates:
-        if np.allclose(llama3_factors(dim, theta, factor_, low, high, old_len), factors, rtol=1e-5, atol=0):
-            return {"rope_type": "llama3", "rope_theta": theta, "factor": factor_, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": int(old_len)}
+        if np.allclose(
+            llama3_factors(dim, theta, factor_, low, high, old_len), factors, rtol=1e-5, atol=0
+        ):
+            return {
+                "rope_type": "llama3",
+                "rope_theta": theta,
+                "factor": factor_,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(old_len),
+            }
     return None
 
 
@@ -231,13 +273,18 @@ def _phi3_config(config, reader) -> None:
     tensors = {t.name: t for t in reader.tensors}
     if ROPE_FACTORS_LONG in tensors and ROPE_FACTORS_SHORT in tensors:
         original = int(field(reader, "phi3.rope.scaling.original_context_length"))
-        params.update(rope_type="longrope", original_max_position_embeddings=original,
-                      long_factor=np.array(tensors[ROPE_FACTORS_LONG].data, dtype=np.float32).tolist(),
-                      short_factor=np.array(tensors[ROPE_FACTORS_SHORT].data, dtype=np.float32).tolist())
+        params.update(
+            rope_type="longrope",
+            original_max_position_embeddings=original,
+            long_factor=np.array(tensors[ROPE_FACTORS_LONG].data, dtype=np.float32).tolist(),
+            short_factor=np.array(tensors[ROPE_FACTORS_SHORT].data, dtype=np.float32).tolist(),
+        )
         scale = config.max_position_embeddings / original
         default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
         attn_factor = field(reader, "phi3.rope.scaling.attn_factor", default)
-        if np.float32(attn_factor) != np.float32(default):  # the file's own, not the default in float32
+        if np.float32(attn_factor) != np.float32(
+            default
+        ):  # the file's own, not the default in float32
             params["attention_factor"] = float(attn_factor)
         config.original_max_position_embeddings = original
     if hasattr(config, "rope_parameters"):  # transformers >= 5
@@ -250,21 +297,57 @@ def _phi3_config(config, reader) -> None:
 
 # Byte-level BPE pre-tokenizer types whose words found whole in the vocabulary skip the merges
 # (llama.cpp treats these so, as the tokenizers they were converted from do: Llama 3's and others').
-IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                               "tekken", "minicpm5", "youtu", "glm4", "glm5", "lfm2", "jina-v5-nano"})
+IGNORE_MERGES_PRE = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "tekken",
+        "minicpm5",
+        "youtu",
+        "glm4",
+        "glm5",
+        "lfm2",
+        "jina-v5-nano",
+    }
+)
 # Byte-level BPE pre-tokenizer types that start a prompt with BOS when the file does not say
 # (`tokenizer.ggml.add_bos_token`): what llama.cpp does for them (older Llama 3 files lack the key).
-ADD_BOS_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                         "jina-v5-nano", "tekken", "chameleon"})
+ADD_BOS_PRE = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+        "tekken",
+        "chameleon",
+    }
+)
 
 
 def _bos_template(bos: str, bos_id: int) -> dict:
     """tokenizer.json's post-processor that puts BOS before each sequence (Llama 3's own)."""
     token = {"SpecialToken": {"id": bos, "type_id": 0}}
-    return {"type": "TemplateProcessing", "single": [token, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [token, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [token, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            token,
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
 
 
 def _tokenizer_as_the_file_says(out: Path, reader) -> None:
@@ -288,17 +371,28 @@ def _tokenizer_as_the_file_says(out: Path, reader) -> None:
     if model == "gpt2" and pre in IGNORE_MERGES_PRE:
         tokenizer["model"]["ignore_merges"] = True
     bos_id = field(reader, "tokenizer.ggml.bos_token_id", -1)
-    if (model == "gpt2" and pre in ADD_BOS_PRE and reader.get_field("tokenizer.ggml.add_bos_token") is None
-            and bos_id >= 0):
-        tokenizer["post_processor"] = _bos_template(field(reader, "tokenizer.ggml.tokens")[bos_id], bos_id)
+    if (
+        model == "gpt2"
+        and pre in ADD_BOS_PRE
+        and reader.get_field("tokenizer.ggml.add_bos_token") is None
+        and bos_id >= 0
+    ):
+        tokenizer["post_processor"] = _bos_template(
+            field(reader, "tokenizer.ggml.tokens")[bos_id], bos_id
+        )
     if model == "llama":
         prefix = field(reader, "tokenizer.ggml.add_space_prefix", True)
         spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-        tokenizer["normalizer"] = {"type": "Sequence", "normalizers": (
-            [{"type": "Prepend", "prepend": "\u2581"}] if prefix else []) + [spaces]}
+        tokenizer["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": ([{"type": "Prepend", "prepend": "\u2581"}] if prefix else [])
+            + [spaces],
+        }
         tokenizer["pre_tokenizer"] = None
         decoder = tokenizer.get("decoder") or {}
-        if not prefix and decoder.get("type") == "Sequence":  # no prefix to strip when decoding either
+        if (
+            not prefix and decoder.get("type") == "Sequence"
+        ):  # no prefix to strip when decoding either
             decoder["decoders"] = [d for d in decoder["decoders"] if d.get("type") != "Strip"]
     tokenizer_path.write_text(json.dumps(tokenizer, ensure_ascii=False))
     config_path = out / "tokenizer_config.json"
@@ -327,12 +421,17 @@ def _convert(path: Path, out: Path) -> None:
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if rope_freqs is not None:
         theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
-        dim = int(field(reader, f"{arch}.rope.dimension_count", 0)) or int(config.hidden_size
-                                                                          // config.num_attention_heads)
-        params = llama3_rope_parameters(np.array(rope_freqs.data, dtype=np.float32).reshape(-1), theta, dim)
+        dim = int(field(reader, f"{arch}.rope.dimension_count", 0)) or int(
+            config.hidden_size // config.num_attention_heads
+        )
+        params = llama3_rope_parameters(
+            np.array(rope_freqs.data, dtype=np.float32).reshape(-1), theta, dim
+        )
         if params is None:
-            warnings.append(f"has rope scaling factors ({ROPE_FREQS}) that are not Llama 3's rule, which kvserve "
-                            "does not apply: rotary embedding as without rope scaling")
+            warnings.append(
+                f"has rope scaling factors ({ROPE_FREQS}) that are not Llama 3's rule, which kvserve "
+                "does not apply: rotary embedding as without rope scaling"
+            )
         elif hasattr(config, "rope_parameters"):  # transformers >= 5
             config.rope_parameters = params
         else:
@@ -342,7 +441,9 @@ def _convert(path: Path, out: Path) -> None:
     if arch == "phi3":
         _phi3_config(config, reader)
     config.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(
+        out
+    )
     _tokenizer_as_the_file_says(out, reader)
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")
 
@@ -356,7 +457,9 @@ def _with_experts(config, reader, arch: str):
     if arch == "qwen3moe":
         config.moe_intermediate_size = int(field(reader, f"{arch}.expert_feed_forward_length"))
     if arch == "llama" and num_experts:
-        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        fields = {
+            k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")
+        }
         config = transformers.MixtralConfig(**fields)
         config.num_local_experts = num_experts
         config.num_experts_per_tok = int(field(reader, f"{arch}.expert_used_count"))

@@ -18,43 +18,88 @@ from pathlib import Path
 from typing import Any
 
 _DECODER = dict(
-    hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, num_key_value_heads=None, pad_token_id=None,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    num_key_value_heads=None,
+    pad_token_id=None,
     rope_theta=10000.0,
 )
 _QWEN = dict(
-    _DECODER, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, use_sliding_window=False,
+    _DECODER,
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    use_sliding_window=False,
     sliding_window=4096,
-    max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None,
+    max_window_layers=28,
+    layer_types=None,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 # transformers' defaults for the attributes kvserve reads, per `model_type`.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
-        _DECODER, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, mlp_bias=False,
-        head_dim=None, bos_token_id=1, eos_token_id=2,
+        _DECODER,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        attention_bias=False,
+        mlp_bias=False,
+        head_dim=None,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "mistral": dict(
-        _DECODER, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32,
+        _DECODER,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=None,
+        max_position_embeddings=4096 * 32,
         sliding_window=4096,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "qwen2": _QWEN,
     "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
     "gpt2": dict(
-        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-        activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
-        scale_attn_by_inverse_layer_idx=False, tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256,
+        vocab_size=50257,
+        n_positions=1024,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        n_inner=None,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        tie_word_embeddings=True,
+        bos_token_id=50256,
+        eos_token_id=50256,
         pad_token_id=None,
     ),
 }
 
 # GPT-2's HF names for the common attributes (transformers' `attribute_map`).
 _ALIASES = {
-    "gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
-             "max_position_embeddings": "n_positions"},
+    "gpt2": {
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+        "max_position_embeddings": "n_positions",
+    },
 }
 
 
@@ -115,7 +160,11 @@ def text_part(config: Any) -> Any:
     if not architectures or architectures[0] not in TEXT_ONLY_ARCHITECTURES or text_config is None:
         return config
     text_config.architectures = list(architectures)
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # the outer config's, when it has them
+    for key in (
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+    ):  # the outer config's, when it has them
         if getattr(config, key, None) is not None:
             setattr(text_config, key, getattr(config, key))
     return text_config
@@ -147,13 +196,21 @@ def _rope(raw: dict[str, Any]) -> dict[str, Any] | None:
     """transformers 5's `rope_parameters` for `raw`, or None for a rope set-up we leave to it."""
     params, scaling = raw.get("rope_parameters"), raw.get("rope_scaling")
     if params is not None:  # written by transformers 5
-        ok = isinstance(params, dict) and scaling is None and params.get("rope_type", "default") in _ROPE_TYPES
+        ok = (
+            isinstance(params, dict)
+            and scaling is None
+            and params.get("rope_type", "default") in _ROPE_TYPES
+        )
         return dict(params) if ok and "rope_theta" in params else None
     theta = raw.get("rope_theta", 10000.0)
     if scaling is None:
         return {"rope_theta": theta, "rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    return {**scaling, "rope_theta": theta, "rope_type": rope_type} if rope_type in _ROPE_TYPES else None
+    return (
+        {**scaling, "rope_theta": theta, "rope_type": rope_type}
+        if rope_type in _ROPE_TYPES
+        else None
+    )
 
 
 def _derive_decoder_values(model_type: str, values: dict[str, Any]) -> None:
@@ -167,7 +224,8 @@ def _derive_decoder_values(model_type: str, values: dict[str, Any]) -> None:
             values["sliding_window"] = None
         if values["layer_types"] is None:
             values["layer_types"] = [
-                "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                "sliding_attention"
+                if values["sliding_window"] is not None and i >= values["max_window_layers"]
                 else "full_attention"
                 for i in range(values["num_hidden_layers"])
             ]

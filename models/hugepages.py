@@ -52,7 +52,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to align the start
     offset = -raw.data_ptr() % HUGE_PAGE
-    madvise(raw.data_ptr() + offset, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # advisory only
+    madvise(
+        raw.data_ptr() + offset, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE
+    )  # advisory only
     return raw[offset : offset + nbytes].view(dtype).view(shape)  # the view keeps `raw` alive
 
 
@@ -67,8 +69,10 @@ def arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
         nbytes = itemsize * math.prod(shape)
         starts.append(starts[-1] + -(-nbytes // 64) * 64)
     buffer = empty((starts[-1],), torch.uint8)
-    return [buffer[start : start + itemsize * math.prod(shape)].view(dtype).view(shape)
-            for shape, start in zip(shapes, starts)]
+    return [
+        buffer[start : start + itemsize * math.prod(shape)].view(dtype).view(shape)
+        for shape, start in zip(shapes, starts)
+    ]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -80,10 +84,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to `region`
-    offset = -raw.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page: the mapping is page-aligned
+    offset = (
+        -raw.data_ptr() % HUGE_PAGE
+    )  # a multiple of the 4 KiB page: the mapping is page-aligned
     if nbytes >= HUGE_PAGE:
         try:
-            region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)  # advisory only
+            region.madvise(
+                mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE
+            )  # advisory only
         except (AttributeError, OSError):  # pragma: no cover - kernel without THP
             pass
     return raw[offset : offset + nbytes].view(dtype).view(shape)

@@ -33,8 +33,14 @@ class LazyTensor:
 
     __slots__ = ("_file", "_name", "_tensor", "_ranges", "_transposed")
 
-    def __init__(self, tensor: Tensor | None = None, file=None, name: str | None = None,
-                 ranges: tuple[tuple[int, int], ...] | None = None, transposed: bool = False) -> None:
+    def __init__(
+        self,
+        tensor: Tensor | None = None,
+        file=None,
+        name: str | None = None,
+        ranges: tuple[tuple[int, int], ...] | None = None,
+        transposed: bool = False,
+    ) -> None:
         self._tensor, self._file, self._name = tensor, file, name
         if ranges is None:
             shape = tensor.shape if tensor is not None else file.get_slice(name).get_shape()
@@ -55,7 +61,9 @@ class LazyTensor:
         src_dim = len(self._ranges) - 1 - dim if self._transposed else dim
         first, stop = self._ranges[src_dim]
         if start < 0 or length < 0 or first + start + length > stop:
-            raise ValueError(f"cannot narrow dim {dim} of a {self.shape} tensor to [{start}, {start + length})")
+            raise ValueError(
+                f"cannot narrow dim {dim} of a {self.shape} tensor to [{start}, {start + length})"
+            )
         ranges = list(self._ranges)
         ranges[src_dim] = (first + start, first + start + length)
         return self._with(tuple(ranges), self._transposed)
@@ -70,7 +78,9 @@ class LazyTensor:
             x = self._tensor[index]
         else:
             part = self._file.get_slice(self._name)
-            is_whole = all(start == 0 and stop == n for (start, stop), n in zip(self._ranges, part.get_shape()))
+            is_whole = all(
+                start == 0 and stop == n for (start, stop), n in zip(self._ranges, part.get_shape())
+            )
             x = self._file.get_tensor(self._name) if is_whole else part[index]
         return x.t() if self._transposed else x
 
@@ -178,16 +188,22 @@ class RotaryEmbedding(nn.Module):
     exactly. q.k is the same sum in another order; v and the attention output are not permuted.
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         if self.rotary_dim % 2 or self.rotary_dim > head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}")
+            raise ValueError(
+                f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}"
+            )
         self.max_position = max_position
         self.params = params
         self.inv_freq_and_scaling()  # validate the rope type at construction
-        self.register_buffer("cos_sin_cache", torch.empty(max_position, 2, head_dim), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_position, 2, head_dim), persistent=False
+        )
         self.reset_buffers()
 
     def inv_freq_and_scaling(self) -> tuple[Tensor, float]:
@@ -202,7 +218,9 @@ class RotaryEmbedding(nn.Module):
             return
         inv_freq, scaling = self.inv_freq_and_scaling()
         positions = torch.arange(self.max_position, device=cache.device, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq.to(cache.device)[None, :]  # [max_position, rotary_dim // 2]
+        freqs = (
+            positions[:, None] * inv_freq.to(cache.device)[None, :]
+        )  # [max_position, rotary_dim // 2]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         num_pass = (self.head_dim - self.rotary_dim) // 2  # per half: features that are not rotated
         if num_pass:

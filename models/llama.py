@@ -55,7 +55,9 @@ class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -65,7 +67,10 @@ class LlamaAttention(nn.Module):
         qkv_bias = default_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = default_bias if self.o_bias is None else self.o_bias
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.num_heads, self.num_kv_heads = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+        )  # this rank's
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias)
         self.attn = Attention(
             self.num_heads,
@@ -101,8 +106,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, attention_cls: type[nn.Module],
-                 rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        attention_cls: type[nn.Module],
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(config)
@@ -122,15 +132,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_cls: type[nn.Module],
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        attention_cls: type[nn.Module],
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         if rotary_emb is None:
-            rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+            rotary_emb = RotaryEmbedding(
+                head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
+            )
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -138,7 +155,9 @@ class LlamaModel(nn.Module):
         # (positions reach the rotary embedding through the attention metadata)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x, residual = layer.forward(x, residual)  # skips nn.Module's hook dispatch, a real share of a batch-1 step
+            x, residual = layer.forward(
+                x, residual
+            )  # skips nn.Module's hook dispatch, a real share of a batch-1 step
         return self.norm.add_and_norm(x, residual)[0]
 
 

@@ -22,12 +22,18 @@ from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 from kvserve.models.gguf_loader import gguf_eight_bit_weights, gguf_quantization, iter_gguf_tensors
-from kvserve.models.heap import release_free_memory
 from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
+from kvserve.models.heap import release_free_memory
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
-from kvserve.models.quantization import (DEFAULT_GROUP_SIZE, QuantizationReport, Quantizer, check_quantizable,
-                                         mark_for_staging, weight_bytes)
+from kvserve.models.quantization import (
+    DEFAULT_GROUP_SIZE,
+    QuantizationReport,
+    Quantizer,
+    check_quantizable,
+    mark_for_staging,
+    weight_bytes,
+)
 from kvserve.models.registry import get_model_class
 from kvserve.models.timing import phase
 
@@ -86,8 +92,9 @@ def packed_name(model: nn.Module, name: str) -> str:
     return name
 
 
-def load_weights(model: nn.Module, model_dir: str | os.PathLike,
-                 on_loaded: Callable[[str], None] | None = None) -> set[str]:
+def load_weights(
+    model: nn.Module, model_dir: str | os.PathLike, on_loaded: Callable[[str], None] | None = None
+) -> set[str]:
     """Copy every checkpoint tensor through its parameter's `weight_loader`; return the loaded names.
 
     Names go through `model.map_weight_name` (None = skip, e.g. rotary buffers; a (name, shard id)
@@ -108,7 +115,9 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
         if name is None:
             continue
         shard_id = None
-        if isinstance(name, tuple):  # the model names the shard itself (one expert of stacked experts)
+        if isinstance(
+            name, tuple
+        ):  # the model names the shard itself (one expert of stacked experts)
             name, shard_id = name
         else:
             for src, (dst, sid) in mapping.items():
@@ -130,12 +139,16 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
             else:
                 weight_loader(param, tensor, shard_id)
         except ValueError as e:
-            raise ValueError(f"cannot load checkpoint weight {ckpt_name!r} into {name!r}: {e}") from None
+            raise ValueError(
+                f"cannot load checkpoint weight {ckpt_name!r} into {name!r}: {e}"
+            ) from None
         if shard_id is None:
             loaded.add(name)
         else:
             shards_loaded[name].add(shard_id)
-        if on_loaded is not None and (shard_id is None or set(param.shard_ids) <= shards_loaded[name]):
+        if on_loaded is not None and (
+            shard_id is None or set(param.shard_ids) <= shards_loaded[name]
+        ):
             on_loaded(name)
     if unexpected:
         raise ValueError(
@@ -152,11 +165,15 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike,
             loaded.add(name)
     missing = _describe_missing(params, loaded, shards_loaded, mapping)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} is missing {len(missing)} weights: {missing[:10]}")
+        raise ValueError(
+            f"checkpoint in {model_dir} is missing {len(missing)} weights: {missing[:10]}"
+        )
     return loaded
 
 
-def _describe_missing(params: dict, loaded: set[str], shards_loaded: dict, mapping: dict) -> list[str]:
+def _describe_missing(
+    params: dict, loaded: set[str], shards_loaded: dict, mapping: dict
+) -> list[str]:
     """Missing names as the checkpoint would spell them (`k_proj`, not `qkv_proj`)."""
     missing = []
     for name in sorted(set(params) - loaded):
@@ -168,7 +185,9 @@ def _describe_missing(params: dict, loaded: set[str], shards_loaded: dict, mappi
             if sid in shards_loaded.get(name, ()):
                 continue
             src = next((s for s, (d, i) in mapping.items() if i == sid and f".{d}." in name), None)
-            missing.append(name.replace(f".{mapping[src][0]}.", f".{src}.") if src else f"{name}[{sid}]")
+            missing.append(
+                name.replace(f".{mapping[src][0]}.", f".{src}.") if src else f"{name}[{sid}]"
+            )
     return missing
 
 
@@ -182,9 +201,14 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
                 continue
             if id(param) not in done:
                 # weights loaded to be quantized: models/quantization.mark_for_staging
-                param_dtype, param_device = getattr(param, "stage_dtype", dtype), getattr(param, "stage_device", device)
-                new = nn.Parameter(torch.empty(param.shape, dtype=param_dtype, device=param_device),
-                                   requires_grad=False)
+                param_dtype, param_device = (
+                    getattr(param, "stage_dtype", dtype),
+                    getattr(param, "stage_device", device),
+                )
+                new = nn.Parameter(
+                    torch.empty(param.shape, dtype=param_dtype, device=param_device),
+                    requires_grad=False,
+                )
                 new.__dict__.update(param.__dict__)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
@@ -205,9 +229,14 @@ def resolve_quantization(requested: str | None, model_path: str | os.PathLike) -
 
 
 def load_model(
-    model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
-    attention_backend: str = "auto", parallel: ParallelState | None = None,
-    quantization: str | None = None, quantization_group_size: int = DEFAULT_GROUP_SIZE,
+    model_dir: str,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention_backend: str = "auto",
+    parallel: ParallelState | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
     max_model_len: int | None = None,
 ) -> nn.Module:
     """The model for `hf_config` in eval mode on `device`, weights loaded from `model_dir`, with
@@ -238,7 +267,9 @@ def load_model(
         if device.type == "cpu":
             cpu_ops.load()  # the quantized layout is the kernel's where it runs
         eight_bit = frozenset()
-        if quantization is None and method == "int4" and is_gguf(model_dir):  # as it comes: wider matrices int8
+        if (
+            quantization is None and method == "int4" and is_gguf(model_dir)
+        ):  # as it comes: wider matrices int8
             eight_bit = frozenset(packed_name(model, n) for n in gguf_eight_bit_weights(model_dir))
         quantizer = Quantizer(model, method, quantization_group_size, dtype, device, eight_bit)
     with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
@@ -254,7 +285,9 @@ def load_model(
     report.weight_bytes = weight_bytes(model)
     model.weights_report = report
     attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-    backend = select_backend(attention_backend, device, dtype, {layer.head_dim for layer in attn_layers})
+    backend = select_backend(
+        attention_backend, device, dtype, {layer.head_dim for layer in attn_layers}
+    )
     for layer in attn_layers:
         layer.backend = backend
     bind_ops(model, select_ops(device, dtype, backend.name))
@@ -268,9 +301,13 @@ def get_max_model_len(hf_config: PretrainedConfig) -> int:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
-    if getattr(hf_config, "relative_attention_num_buckets", None):  # T5: relative positions, no table
+    if getattr(
+        hf_config, "relative_attention_num_buckets", None
+    ):  # T5: relative positions, no table
         return RELATIVE_POSITION_MAX_LEN
-    raise ValueError("cannot tell the model's maximum length: config has no max_position_embeddings")
+    raise ValueError(
+        "cannot tell the model's maximum length: config has no max_position_embeddings"
+    )
 
 
 # T5 has no position table to bound its length; it was trained on 512-token inputs and targets
@@ -283,12 +320,17 @@ def get_decoder_start_token_id(model_dir: str, hf_config: PretrainedConfig) -> i
     else its pad id, as transformers falls back); None for a decoder-only model."""
     if not getattr(hf_config, "is_encoder_decoder", False):
         return None
-    for source in (hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}, _generation_config(model_dir)):
+    for source in (
+        hf_config.to_dict() if hasattr(hf_config, "to_dict") else {},
+        _generation_config(model_dir),
+    ):
         if source.get("decoder_start_token_id") is not None:
             return int(source["decoder_start_token_id"])
     pad = getattr(hf_config, "pad_token_id", None)
     if pad is None:
-        raise ValueError("the encoder-decoder config names no decoder_start_token_id and no pad_token_id")
+        raise ValueError(
+            "the encoder-decoder config names no decoder_start_token_id and no pad_token_id"
+        )
     return int(pad)
 
 
@@ -329,12 +371,16 @@ def resolve_model_path(name_or_path: str) -> str:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
-        raise ValueError(f"{name_or_path!r} is not a local directory and huggingface_hub is missing") from e
+        raise ValueError(
+            f"{name_or_path!r} is not a local directory and huggingface_hub is missing"
+        ) from e
     try:
         return snapshot_download(repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS)
     except Exception as online_error:  # offline, unknown repo, gated, ...
         try:
-            return snapshot_download(repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True)
+            return snapshot_download(
+                repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True
+            )
         except Exception:
             pass
         raise ValueError(
@@ -348,7 +394,9 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str)
     """The fused ops that go with the model's attention backend (Triton's also on the CPU, where
     only the interpreter runs them: the tests)."""
     if attention_backend == "triton":
-        from kvserve.models.kernels.triton_ops import TritonFusedOps  # imports triton: only when chosen
+        from kvserve.models.kernels.triton_ops import (
+            TritonFusedOps,  # imports triton: only when chosen
+        )
 
         return TritonFusedOps()
     if device.type == "cpu":

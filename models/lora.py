@@ -35,7 +35,12 @@ from torch import Tensor, nn
 from kvserve.models.layers import Linear, PackedLinear
 from kvserve.models.lora_config import SUPPORTED_TARGETS, read_adapter_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _PREFIX = "base_model.model."
 
 
@@ -74,7 +79,9 @@ class LoRABatch:
 LoRAKernel = Callable[[Tensor, Tensor, Tensor, Tensor, LoRABatchMeta], Tensor]
 
 
-def lora_apply_torch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoRABatchMeta) -> Tensor:
+def lora_apply_torch(
+    y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoRABatchMeta
+) -> Tensor:
     """y [T, out] += per-token adapter outputs; x [T, in]; the reference every kernel is checked against.
     One shrink/expand pair per adapter in the step (at most max_loras), none per token."""
     xs = x.index_select(0, meta.token_order)  # [T', in]
@@ -87,17 +94,31 @@ def lora_apply_torch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta:
 class LoRALinear(nn.Module):
     """A target linear with adapter slots; forward = base + the step's adapters (see the module doc)."""
 
-    def __init__(self, base: Linear, max_loras: int, max_rank: int, batch: LoRABatch, kernel: LoRAKernel,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        base: Linear,
+        max_loras: int,
+        max_rank: int,
+        batch: LoRABatch,
+        kernel: LoRAKernel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.output_sizes = list(base.output_sizes) if isinstance(base, PackedLinear) else [base.out_features]
+        self.output_sizes = (
+            list(base.output_sizes) if isinstance(base, PackedLinear) else [base.out_features]
+        )
         self.shard_ids = list(base.shard_ids) if isinstance(base, PackedLinear) else [None]
         self.max_rank = max_rank
         width = len(self.output_sizes) * max_rank
-        self.register_buffer("lora_a", torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, width, dtype=dtype, device=device))
+        self.register_buffer(
+            "lora_a", torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device)
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(max_loras, self.out_features, width, dtype=dtype, device=device)
+        )
         self.batch, self.kernel = batch, kernel
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
@@ -113,8 +134,10 @@ class LoRALinear(nn.Module):
         offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         for i, (a, b) in (shards or {}).items():
             r, col = a.shape[0], i * self.max_rank
-            self.lora_a[slot, col:col + r].copy_(a)
-            self.lora_b[slot, offsets[i]:offsets[i] + self.output_sizes[i], col:col + r].copy_(b)
+            self.lora_a[slot, col : col + r].copy_(a)
+            self.lora_b[slot, offsets[i] : offsets[i] + self.output_sizes[i], col : col + r].copy_(
+                b
+            )
 
 
 def _target_map(model: nn.Module) -> dict[str, tuple[str, object]]:
@@ -123,32 +146,46 @@ def _target_map(model: nn.Module) -> dict[str, tuple[str, object]]:
     return {t: packed.get(t, (t, None)) for t in SUPPORTED_TARGETS}
 
 
-def wrap_model(model: nn.Module, architecture: str, max_loras: int, max_rank: int, batch: LoRABatch,
-               kernel: LoRAKernel, wrapper_cls: type[LoRALinear] = LoRALinear) -> dict[str, LoRALinear]:
+def wrap_model(
+    model: nn.Module,
+    architecture: str,
+    max_loras: int,
+    max_rank: int,
+    batch: LoRABatch,
+    kernel: LoRAKernel,
+    wrapper_cls: type[LoRALinear] = LoRALinear,
+) -> dict[str, LoRALinear]:
     """Replace every target linear of `model` by a `wrapper_cls` (weights loaded already; the CPU
     kernels' is models/lora_cpu.py's); -> module name -> wrapper."""
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"enable_lora supports {', '.join(SUPPORTED_ARCHITECTURES)}, not {architecture!r}")
+        raise ValueError(
+            f"enable_lora supports {', '.join(SUPPORTED_ARCHITECTURES)}, not {architecture!r}"
+        )
     names = {dst for dst, _ in _target_map(model).values()}
     some = next(p for p in model.parameters())
     wrappers: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in names and isinstance(child, Linear):
-                wrapper = wrapper_cls(child, max_loras, max_rank, batch, kernel, some.dtype, some.device)
+                wrapper = wrapper_cls(
+                    child, max_loras, max_rank, batch, kernel, some.dtype, some.device
+                )
                 setattr(module, child_name, wrapper)
                 wrappers[f"{name}.{child_name}" if name else child_name] = wrapper
     return wrappers
 
 
-def load_adapter(path: str, name: str, model: nn.Module, wrappers: dict[str, LoRALinear], max_rank: int
-                 ) -> LoRAAdapter:
+def load_adapter(
+    path: str, name: str, model: nn.Module, wrappers: dict[str, LoRALinear], max_rank: int
+) -> LoRAAdapter:
     """Read and check a PEFT adapter entirely before anything uses it (a refused one leaves no trace)."""
     root = Path(path)
     rank, scaling = read_adapter_config(root, max_rank)
     weights_file = root / "adapter_model.safetensors"
     if not weights_file.is_file():
-        raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors (pickle .bin files are refused)")
+        raise ValueError(
+            f"LoRA adapter {path!r} has no adapter_model.safetensors (pickle .bin files are refused)"
+        )
     targets = _target_map(model)
     halves: dict[tuple[str, int], dict[str, Tensor]] = {}
     with safe_open(str(weights_file), framework="pt", device="cpu") as f:
@@ -159,18 +196,26 @@ def load_adapter(path: str, name: str, model: nn.Module, wrappers: dict[str, LoR
             wrapper_name = f"{prefix}.{dst}"
             wrapper = wrappers.get(wrapper_name)
             if wrapper is None:
-                raise ValueError(f"LoRA adapter tensor {key!r} targets {module!r}, not in the model")
-            halves.setdefault((wrapper_name, wrapper.shard_ids.index(shard_id)), {})[ab] = f.get_tensor(key)
+                raise ValueError(
+                    f"LoRA adapter tensor {key!r} targets {module!r}, not in the model"
+                )
+            halves.setdefault((wrapper_name, wrapper.shard_ids.index(shard_id)), {})[ab] = (
+                f.get_tensor(key)
+            )
     weights: dict[str, dict[int, tuple[Tensor, Tensor]]] = {}
     for (wrapper_name, shard), pair in halves.items():
         wrapper = wrappers[wrapper_name]
         if set(pair) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter has lora_{'A' if 'B' in pair else 'B'} missing for {wrapper_name!r}")
+            raise ValueError(
+                f"LoRA adapter has lora_{'A' if 'B' in pair else 'B'} missing for {wrapper_name!r}"
+            )
         a, b = pair["A"], pair["B"]
         expect_a, expect_b = (rank, wrapper.in_features), (wrapper.output_sizes[shard], rank)
         if tuple(a.shape) != expect_a or tuple(b.shape) != expect_b:
-            raise ValueError(f"LoRA adapter shapes for {wrapper_name!r} shard {shard}: lora_A {tuple(a.shape)}, "
-                             f"lora_B {tuple(b.shape)}; the base model expects {expect_a} and {expect_b} (r={rank})")
+            raise ValueError(
+                f"LoRA adapter shapes for {wrapper_name!r} shard {shard}: lora_A {tuple(a.shape)}, "
+                f"lora_B {tuple(b.shape)}; the base model expects {expect_a} and {expect_b} (r={rank})"
+            )
         dtype = wrapper.lora_a.dtype
         weights.setdefault(wrapper_name, {})[shard] = (a.to(dtype), (b.float() * scaling).to(dtype))
     if not weights:
@@ -181,14 +226,24 @@ def load_adapter(path: str, name: str, model: nn.Module, wrappers: dict[str, LoR
 def _split_key(key: str) -> tuple[str, str]:
     """`base_model.model.<module>.lora_A.weight` -> (<module>, "A"); ValueError for anything else."""
     parts = key.removeprefix(_PREFIX).split(".")
-    if any(p.startswith("lora_embedding") for p in parts) or "embed_tokens" in parts or "lm_head" in parts:
-        raise ValueError(f"LoRA adapter tensor {key!r} adapts the embeddings or the LM head: not supported")
+    if (
+        any(p.startswith("lora_embedding") for p in parts)
+        or "embed_tokens" in parts
+        or "lm_head" in parts
+    ):
+        raise ValueError(
+            f"LoRA adapter tensor {key!r} adapts the embeddings or the LM head: not supported"
+        )
     if parts[-1] == "weight" and parts[-2] in ("default",):  # an adapter name left in the key
         parts = parts[:-2] + parts[-1:]
     if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
-        raise ValueError(f"LoRA adapter tensor {key!r} is not a lora_A/lora_B weight (bias, DoRA: not supported)")
+        raise ValueError(
+            f"LoRA adapter tensor {key!r} is not a lora_A/lora_B weight (bias, DoRA: not supported)"
+        )
     module = ".".join(parts[:-2])
     if module.rpartition(".")[2] not in SUPPORTED_TARGETS:
-        raise ValueError(f"LoRA adapter tensor {key!r}: target module not supported "
-                         f"(supported: {list(SUPPORTED_TARGETS)})")
+        raise ValueError(
+            f"LoRA adapter tensor {key!r}: target module not supported "
+            f"(supported: {list(SUPPORTED_TARGETS)})"
+        )
     return module, parts[-2][-1]

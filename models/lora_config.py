@@ -20,7 +20,9 @@ def read_adapter_config(path: str | Path, max_rank: int) -> tuple[int, float]:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"LoRA adapter_config.json in {str(path)!r} is not valid JSON: {e}") from None
+        raise ValueError(
+            f"LoRA adapter_config.json in {str(path)!r} is not valid JSON: {e}"
+        ) from None
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter peft_type must be 'LORA', got {config.get('peft_type')!r}")
     rank = config.get("r")
@@ -47,6 +49,8 @@ def read_adapter_config(path: str | Path, max_rank: int) -> tuple[int, float]:
     if isinstance(targets, list):
         bad = [t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
         if bad:
-            raise ValueError(f"LoRA adapter target_modules {bad} not supported (supported: {list(SUPPORTED_TARGETS)})")
+            raise ValueError(
+                f"LoRA adapter target_modules {bad} not supported (supported: {list(SUPPORTED_TARGETS)})"
+            )
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scaling)

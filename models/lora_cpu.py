@@ -46,10 +46,16 @@ class CpuLoRALinear(LoRALinear):
         self.rank_pad = self.max_rank + self.max_rank % 2
         a_blocks = -(-num_shards * self.rank_pad // 64)
         self.b_blocks = [-(-n // 64) for n in self.output_sizes]
-        self.register_buffer("packed_a", torch.zeros(max_loras, a_blocks, self.in_features // 2, 64, 2,
-                                                     dtype=torch.bfloat16))
-        self.register_buffer("packed_b", torch.zeros(max_loras, sum(self.b_blocks), self.rank_pad // 2, 64, 2,
-                                                     dtype=torch.bfloat16))
+        self.register_buffer(
+            "packed_a",
+            torch.zeros(max_loras, a_blocks, self.in_features // 2, 64, 2, dtype=torch.bfloat16),
+        )
+        self.register_buffer(
+            "packed_b",
+            torch.zeros(
+                max_loras, sum(self.b_blocks), self.rank_pad // 2, 64, 2, dtype=torch.bfloat16
+            ),
+        )
         self.register_buffer("shard_n", torch.tensor(self.output_sizes, dtype=torch.int64))
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
@@ -57,20 +63,26 @@ class CpuLoRALinear(LoRALinear):
         meta = self.batch.meta
         if meta is not None:
             rows = (meta.token_order, meta.seg_starts, meta.seg_lens, meta.seg_slots)
-            cpu_ops.lora_apply_(y, x, self.packed_a, self.packed_b, self.shard_n, self.rank_pad, rows)
+            cpu_ops.lora_apply_(
+                y, x, self.packed_a, self.packed_b, self.shard_n, self.rank_pad, rows
+            )
         return y
 
     @torch.no_grad()
     def set_slot(self, slot: int, shards: dict[int, tuple[Tensor, Tensor]] | None) -> None:
         super().set_slot(slot, shards)
         r, rp, num_shards = self.max_rank, self.rank_pad, len(self.output_sizes)
-        a = torch.zeros(num_shards * rp, self.in_features, dtype=torch.bfloat16)  # [shards * rank_pad, in]
+        a = torch.zeros(
+            num_shards * rp, self.in_features, dtype=torch.bfloat16
+        )  # [shards * rank_pad, in]
         for s in range(num_shards):
-            a[s * rp:s * rp + r] = self.lora_a[slot, s * r:(s + 1) * r]
+            a[s * rp : s * rp + r] = self.lora_a[slot, s * r : (s + 1) * r]
         cpu_ops.pack_linear_weight(a, out=self.packed_a[slot])
         row, block = 0, 0
         for s, (n, num_blocks) in enumerate(zip(self.output_sizes, self.b_blocks)):
-            b = torch.zeros(n, rp, dtype=torch.bfloat16)  # [out_s, rank_pad]: the shard's block of B
-            b[:, :r] = self.lora_b[slot, row:row + n, s * r:(s + 1) * r]
-            cpu_ops.pack_linear_weight(b, out=self.packed_b[slot, block:block + num_blocks])
+            b = torch.zeros(
+                n, rp, dtype=torch.bfloat16
+            )  # [out_s, rank_pad]: the shard's block of B
+            b[:, :r] = self.lora_b[slot, row : row + n, s * r : (s + 1) * r]
+            cpu_ops.pack_linear_weight(b, out=self.packed_b[slot, block : block + num_blocks])
             row, block = row + n, block + num_blocks

@@ -17,8 +17,14 @@ from kvserve.models.moe import SparseMoeBlock, moe_weight_name
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-MIXTRAL_EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),
-                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+MIXTRAL_EXPERT_PARTS = {
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -29,11 +35,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         for layer in self.model.layers:
             layer.mlp = SparseMoeBlock(
-                config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                getattr(config, "hidden_act", "silu"), renormalize=True, weights_in_model_dtype=False)
+                config.num_local_experts,
+                config.num_experts_per_tok,
+                config.hidden_size,
+                config.intermediate_size,
+                getattr(config, "hidden_act", "silu"),
+                renormalize=True,
+                weights_in_model_dtype=False,
+            )
 
     def map_weight_name(self, name: str) -> str | tuple[str, tuple[int, int]] | None:
         name = super().map_weight_name(name)
         if name is None:
             return None
-        return moe_weight_name(name.replace(".block_sparse_moe.", ".mlp."), ".mlp.experts.", MIXTRAL_EXPERT_PARTS)
+        return moe_weight_name(
+            name.replace(".block_sparse_moe.", ".mlp."), ".mlp.experts.", MIXTRAL_EXPERT_PARTS
+        )

@@ -49,12 +49,22 @@ class TopKRouter(nn.Module):
     keep them fp32 (Mixtral). The router stays in the model dtype: never quantized or repacked,
     so the experts chosen are transformers' own."""
 
-    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool,
-                 weights_in_model_dtype: bool) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        top_k: int,
+        renormalize: bool,
+        weights_in_model_dtype: bool,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.weight.weight_loader = default_weight_loader
-        self.top_k, self.renormalize, self.weights_in_model_dtype = top_k, renormalize, weights_in_model_dtype
+        self.top_k, self.renormalize, self.weights_in_model_dtype = (
+            top_k,
+            renormalize,
+            weights_in_model_dtype,
+        )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # [T, H] -> [T, k], [T, k]
         logits = F.linear(x, self.weight)  # [T, E]
@@ -77,12 +87,16 @@ class ExpertLinear(Linear):
 
     packed: list[Callable[[Tensor], Tensor]] | None = None
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, parts: int, split_dim: int) -> None:
+    def __init__(
+        self, num_experts: int, in_features: int, out_features: int, parts: int, split_dim: int
+    ) -> None:
         nn.Module.__init__(self)
         self.tp = current()
         self.num_experts, self.parts, self.split_dim = num_experts, parts, split_dim
         if split_dim == 0:  # column parallel: each part's rows split over ranks
-            out_features = parts * split(out_features // parts, self.tp.size, "moe_intermediate_size")
+            out_features = parts * split(
+                out_features // parts, self.tp.size, "moe_intermediate_size"
+            )
         else:  # row parallel: input features split
             in_features = split(in_features, self.tp.size, "moe_intermediate_size")
         self.in_features, self.out_features = in_features, out_features
@@ -102,20 +116,32 @@ class ExpertLinear(Linear):
         if shard_id is not None:  # one expert's part, e.g. `experts.3.up_proj.weight`
             self._load_part(param, loaded, *shard_id, lead=0)
             return
-        full = list(param.shape)  # the fused 3-D tensor: [E, parts * I, H] or [E, H, I], all ranks' I
+        full = list(
+            param.shape
+        )  # the fused 3-D tensor: [E, parts * I, H] or [E, H, I], all ranks' I
         full[1 + self.split_dim] *= self.tp.size
         check_full_shape(loaded, full, " (stacked experts)")
         rows = full[1] // self.parts
         for e in range(self.num_experts):
             one = loaded.narrow(0, e, 1)
             for p in range(self.parts):
-                self._load_part(param, one.narrow(1, p * rows, rows) if self.split_dim == 0 else one, e, p, lead=1)
+                self._load_part(
+                    param,
+                    one.narrow(1, p * rows, rows) if self.split_dim == 0 else one,
+                    e,
+                    p,
+                    lead=1,
+                )
 
     def _load_part(self, param: Tensor, loaded, e: int, p: int, lead: int) -> None:
         """Part p of expert e from `loaded` (its full size, after `lead` leading dims of 1): this rank's slice."""
         if not 0 <= e < self.num_experts or not 0 <= p < self.parts:
-            raise ValueError(f"no expert part {(e, p)} in {self.num_experts} experts of {self.parts} parts")
-        size = param.shape[1] // self.parts if self.split_dim == 0 else param.shape[2]  # this rank's I
+            raise ValueError(
+                f"no expert part {(e, p)} in {self.num_experts} experts of {self.parts} parts"
+            )
+        size = (
+            param.shape[1] // self.parts if self.split_dim == 0 else param.shape[2]
+        )  # this rank's I
         full = [param.shape[2]] * 2 if self.split_dim == 0 else [param.shape[1]] * 2
         full[self.split_dim] = size * self.tp.size
         check_full_shape(loaded, [1] * lead + full, f" in expert {e}")
@@ -135,18 +161,26 @@ def group_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tens
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     # (not bincount: on CUDA its output size waits for the max id, a host sync that CUDA graphs forbid)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(
+        0, flat, torch.ones_like(flat)
+    )
     return order, order // ids.shape[1], counts
 
 
 class FusedExperts(nn.Module):
     """The experts of one MoE layer: gate/up, activation * up, down, weighted sum per token."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = ExpertLinear(num_experts, hidden_size, 2 * intermediate_size, parts=2, split_dim=0)
-        self.down_proj = ExpertLinear(num_experts, intermediate_size, hidden_size, parts=1, split_dim=1)
+        self.gate_up_proj = ExpertLinear(
+            num_experts, hidden_size, 2 * intermediate_size, parts=2, split_dim=0
+        )
+        self.down_proj = ExpertLinear(
+            num_experts, intermediate_size, hidden_size, parts=1, split_dim=1
+        )
         self.act = None if hidden_act == "silu" else get_activation(hidden_act)
         self.ops: FusedOps = TORCH_OPS  # the device's, set at load
 
@@ -156,7 +190,9 @@ class FusedExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+    def forward(
+        self, x: Tensor, weights: Tensor, ids: Tensor
+    ) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         plain = self.gate_up_proj.packed is None
         grouped = plain and (self.ops.name == "triton" or (x.is_cuda and _has_triton()))
         if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -165,9 +201,13 @@ class FusedExperts(nn.Module):
         sorted_weights = weights.flatten()[order]  # [T*k]
         out = torch.zeros_like(x)
         if grouped:
-            from kvserve.models.kernels.triton_moe import grouped_gemm  # imports triton: only when chosen
+            from kvserve.models.kernels.triton_moe import (
+                grouped_gemm,  # imports triton: only when chosen
+            )
 
-            h = grouped_gemm(x[tokens], self.gate_up_proj.weight, counts)  # [T*k, 2I] pairs sorted by expert
+            h = grouped_gemm(
+                x[tokens], self.gate_up_proj.weight, counts
+            )  # [T*k, 2I] pairs sorted by expert
             y = grouped_gemm(self.activation(h), self.down_proj.weight, counts)  # [T*k, H]
             return out.index_add_(0, tokens, (y * sorted_weights[:, None]).to(x.dtype))
         # one matmul per active expert; the counts come to the host (free on the CPU, where this path runs)
@@ -175,14 +215,18 @@ class FusedExperts(nn.Module):
         for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
-            rows = tokens[start:start + n]  # [n] this expert's tokens
-            h = self.down_proj.expert(e, self.activation(self.gate_up_proj.expert(e, x[rows])))  # [n, H]
+            rows = tokens[start : start + n]  # [n] this expert's tokens
+            h = self.down_proj.expert(
+                e, self.activation(self.gate_up_proj.expert(e, x[rows]))
+            )  # [n, H]
             # transformers' rounding: the product in the weights' dtype (fp32 for Mixtral), then the model's
-            out.index_add_(0, rows, (h * sorted_weights[start:start + n, None]).to(x.dtype))
+            out.index_add_(0, rows, (h * sorted_weights[start : start + n, None]).to(x.dtype))
             start += n
         return out
 
-    def every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+    def every_expert(
+        self, x: Tensor, weights: Tensor, ids: Tensor
+    ) -> Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         """Every expert on every token, scaled by its routing weight (0 where not chosen): no host
         sync, so a CUDA graph can hold it (quantized experts on CUDA; it reads every expert)."""
         out = torch.zeros_like(x)
@@ -209,8 +253,17 @@ class SparseMoeBlock(nn.Module):
     """Router + experts, and with `shared_intermediate_size` a gated shared expert that every token
     runs (Qwen2-MoE): [T, H] -> [T, H]."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 renormalize: bool, weights_in_model_dtype: bool, shared_intermediate_size: int = 0) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        renormalize: bool,
+        weights_in_model_dtype: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
         super().__init__()
         self.tp = current()
         self.gate = TopKRouter(num_experts, hidden_size, top_k, renormalize, weights_in_model_dtype)
@@ -219,8 +272,11 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             from kvserve.models.llama import LlamaMLP  # (llama.py imports nothing of this file)
 
-            shape = SimpleNamespace(hidden_size=hidden_size, intermediate_size=shared_intermediate_size,
-                                    hidden_act=hidden_act)
+            shape = SimpleNamespace(
+                hidden_size=hidden_size,
+                intermediate_size=shared_intermediate_size,
+                hidden_act=hidden_act,
+            )
             self.shared_expert = LlamaMLP(shape)  # a dense, tensor-parallel MLP
             self.shared_expert_gate = SharedExpertGate(hidden_size)
 
@@ -234,8 +290,9 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def moe_weight_name(name: str, experts_prefix: str, part_names: dict[str, tuple[str, int]]
-                    ) -> str | tuple[str, tuple[int, int]]:
+def moe_weight_name(
+    name: str, experts_prefix: str, part_names: dict[str, tuple[str, int]]
+) -> str | tuple[str, tuple[int, int]]:
     """A checkpoint name -> this model's name, with the shard id of a per-expert tensor.
 
     `experts_prefix`: the checkpoint's path of the experts (e.g. `.mlp.experts.`);
@@ -247,7 +304,12 @@ def moe_weight_name(name: str, experts_prefix: str, part_names: dict[str, tuple[
     pieces = tail.split(".")
     if len(pieces) == 1:  # transformers' fused layout: `experts.gate_up_proj` [E, 2I, H]
         return f"{head}.mlp.experts.{tail}.weight"
-    if len(pieces) == 3 and pieces[0].isdigit() and pieces[1] in part_names and pieces[2] == "weight":
+    if (
+        len(pieces) == 3
+        and pieces[0].isdigit()
+        and pieces[1] in part_names
+        and pieces[2] == "weight"
+    ):
         proj, part = part_names[pieces[1]]
         return f"{head}.mlp.experts.{proj}.weight", (int(pieces[0]), part)
     return name

@@ -115,8 +115,10 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     if num_kv_heads >= size:
         return split(num_kv_heads, size, "num_key_value_heads")
     if size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={size} must divide, or be a multiple of, "
-                         f"num_key_value_heads={num_kv_heads}")
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide, or be a multiple of, "
+            f"num_key_value_heads={num_kv_heads}"
+        )
     return 1
 
 
@@ -132,8 +134,10 @@ def check_tensor_parallel(num_heads: int, num_kv_heads: int, size: int) -> None:
 def check_full_shape(loaded, shape: Sequence[int], what: str = "") -> None:
     """The checkpoint tensor has the whole (unsharded) `shape`, before a rank takes its slice."""
     if tuple(loaded.shape) != tuple(shape):
-        raise ValueError(f"shape mismatch{what}: checkpoint has {tuple(loaded.shape)}, "
-                         f"model expects {tuple(shape)}")
+        raise ValueError(
+            f"shape mismatch{what}: checkpoint has {tuple(loaded.shape)}, "
+            f"model expects {tuple(shape)}"
+        )
 
 
 class ColumnParallelLinear(Linear):
@@ -156,12 +160,17 @@ class MergedColumnParallelLinear(PackedLinear):
     """Several column-parallel linears on one input (gate/up): each rank holds its slice of each.
     `full_sizes[i]`: rows of checkpoint tensor `shard_ids[i]` (all ranks together)."""
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], shard_ids: Sequence,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], shard_ids: Sequence, bias: bool = False
+    ) -> None:
         self.tp = current()
         self.full_sizes = list(output_sizes)
-        super().__init__(in_features, [split(s, self.tp.size, "output size") for s in output_sizes],
-                         shard_ids, bias)
+        super().__init__(
+            in_features,
+            [split(s, self.tp.size, "output size") for s in output_sizes],
+            shard_ids,
+            bias,
+        )
 
     def shard_rows(self, shard_id, loaded):
         """The rows of checkpoint tensor `shard_id` that this rank holds."""
@@ -173,11 +182,15 @@ class MergedColumnParallelLinear(PackedLinear):
         loaded = as_lazy(loaded)
         if shard_id is None:  # already packed in the checkpoint (GPT-2's c_attn): shard each part
             if loaded.shape[0] != sum(self.full_sizes):
-                raise ValueError(f"shape mismatch (packed): checkpoint has {tuple(loaded.shape)}, "
-                                 f"model expects {sum(self.full_sizes)} rows")
+                raise ValueError(
+                    f"shape mismatch (packed): checkpoint has {tuple(loaded.shape)}, "
+                    f"model expects {sum(self.full_sizes)} rows"
+                )
             offset = 0
             for sid, size in zip(self.shard_ids, self.full_sizes):
-                super().weight_loader(param, self.shard_rows(sid, loaded.narrow(0, offset, size)), sid)
+                super().weight_loader(
+                    param, self.shard_rows(sid, loaded.narrow(0, offset, size)), sid
+                )
                 offset += size
             return
         if shard_id not in self.shard_ids:
@@ -191,8 +204,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v of `num_heads` / `num_kv_heads` heads, packed; this rank's heads only.
     `num_heads` and `num_kv_heads` are this rank's counts (what its `Attention` gets)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = current()
         local_heads = split(num_heads, tp.size, "num_attention_heads")
         local_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
@@ -251,8 +265,10 @@ def _load_vocab_rows(tp: ParallelState, param: Tensor, loaded, vocab_size: int) 
     (padding) are zeros."""
     loaded = as_lazy(loaded)
     if loaded.shape[0] != vocab_size or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
-        raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
-                         f"({vocab_size}, {', '.join(map(str, param.shape[1:]))})")
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+            f"({vocab_size}, {', '.join(map(str, param.shape[1:]))})"
+        )
     per = param.shape[0]
     start = tp.rank * per
     num = max(0, min(per, vocab_size - start))

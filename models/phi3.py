@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvserve.models.layers import LazyTensor, RotaryEmbedding, partial_rotary_permutation, rope_parameters
+from kvserve.models.layers import (
+    LazyTensor,
+    RotaryEmbedding,
+    partial_rotary_permutation,
+    rope_parameters,
+)
 from kvserve.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
 from kvserve.models.parallel import QKVParallelLinear
 
@@ -38,9 +43,13 @@ def phi3_rope(config: PretrainedConfig) -> tuple[dict, int]:
     if params["rope_type"] in ("su", "yarn"):  # transformers' Phi3Config renames both to longrope
         params["rope_type"] = "longrope"
     if params["rope_type"] not in ("default", "longrope"):
-        raise ValueError(f"unsupported Phi-3 rope_type {params['rope_type']!r} (supported: 'default', 'longrope')")
+        raise ValueError(
+            f"unsupported Phi-3 rope_type {params['rope_type']!r} (supported: 'default', 'longrope')"
+        )
     if params.get("original_max_position_embeddings") is None:
-        params["original_max_position_embeddings"] = getattr(config, "original_max_position_embeddings", None)
+        params["original_max_position_embeddings"] = getattr(
+            config, "original_max_position_embeddings", None
+        )
     factor = params.get("partial_rotary_factor")
     if factor is None:
         factor = getattr(config, "partial_rotary_factor", None) or 1.0
@@ -82,18 +91,28 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         key = "long_factor" if self.use_long else "short_factor"
         factors = p.get(key)
         if factors is None or len(factors) != self.rotary_dim // 2:
-            raise ValueError(f"rope {key} must list rotary_dim / 2 = {self.rotary_dim // 2} numbers, "
-                             f"got {None if factors is None else len(factors)}")
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
+            raise ValueError(
+                f"rope {key} must list rotary_dim / 2 = {self.rotary_dim // 2} numbers, "
+                f"got {None if factors is None else len(factors)}"
+            )
+        exponents = (
+            torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+            / self.rotary_dim
+        )
         ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
-        inv_freq = 1.0 / (ext * float(p["rope_theta"]) ** exponents)  # [R / 2], transformers' expression
+        inv_freq = 1.0 / (
+            ext * float(p["rope_theta"]) ** exponents
+        )  # [R / 2], transformers' expression
         scale = p.get("factor")
         if scale is None:
             scale = self.config_max_position / self.original_max_position
         attention_factor = p.get("attention_factor")
         if attention_factor is None:
-            attention_factor = 1.0 if scale <= 1.0 else math.sqrt(
-                1 + math.log(scale) / math.log(self.original_max_position))
+            attention_factor = (
+                1.0
+                if scale <= 1.0
+                else math.sqrt(1 + math.log(scale) / math.log(self.original_max_position))
+            )
         return inv_freq, float(attention_factor)
 
 
@@ -101,7 +120,9 @@ class PermutedQKVLinear(QKVParallelLinear):
     """q/k/v with each q and k head's features permuted (`partial_rotary_permutation`) as loaded:
     this rank's rows are read, then reordered; v is as in the checkpoint."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, rotary_dim: int) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, rotary_dim: int
+    ) -> None:
         super().__init__(hidden_size, head_dim, num_heads, num_kv_heads)
         self.perm = partial_rotary_permutation(head_dim, rotary_dim)  # [D]
 
@@ -114,13 +135,16 @@ class PermutedQKVLinear(QKVParallelLinear):
 
 
 class Phi3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__(config, layer_idx, rotary_emb)
         if rotary_emb.rotary_dim < self.head_dim:  # partial rotary: Llama's forward, q/k permuted
             num_heads = config.num_attention_heads
             num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-            self.qkv_proj = PermutedQKVLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads,
-                                              rotary_emb.rotary_dim)
+            self.qkv_proj = PermutedQKVLinear(
+                config.hidden_size, self.head_dim, num_heads, num_kv_heads, rotary_emb.rotary_dim
+            )
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

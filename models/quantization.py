@@ -47,7 +47,9 @@ _STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
 def _groups(w: Tensor, group: int) -> Tensor:
     n, k = w.shape
     if k % group:
-        raise ValueError(f"a [{n}, {k}] weight does not split into groups of {group} input features")
+        raise ValueError(
+            f"a [{n}, {k}] weight does not split into groups of {group} input features"
+        )
     return w.float().reshape(n, k // group, group)
 
 
@@ -113,10 +115,14 @@ class QuantizedWeight:
     fp8: bool = False
 
     @classmethod
-    def quantize(cls, w: Tensor, bits: int, group: int, packed: bool, fp8: bool = False) -> QuantizedWeight:
+    def quantize(
+        cls, w: Tensor, bits: int, group: int, packed: bool, fp8: bool = False
+    ) -> QuantizedWeight:
         if fp8:
             q, d = quantize_fp8(w, group)
-            return cls(8, group, q.shape[0], q.shape[1], q.contiguous(), d.contiguous(), False, fp8=True)
+            return cls(
+                8, group, q.shape[0], q.shape[1], q.contiguous(), d.contiguous(), False, fp8=True
+            )
         q, d = (quantize_int8 if bits == 8 else quantize_int4)(w, group)
         return cls.from_int(q, d, bits, group, packed)
 
@@ -128,9 +134,13 @@ class QuantizedWeight:
                 return cls(bits, group, n, k, pack_int4(q), d.contiguous(), False, nibbles=True)
             return cls(bits, group, n, k, q.contiguous(), d.contiguous(), False)
         blocks = -(-n // 64)
-        u = torch.zeros(blocks * 64, k, dtype=torch.uint8)  # padding rows: weight 0 (their scales are 0)
+        u = torch.zeros(
+            blocks * 64, k, dtype=torch.uint8
+        )  # padding rows: weight 0 (their scales are 0)
         u[:n] = (q.to(torch.int16) + _OFFSET[bits]).to(torch.uint8)
-        u = u.view(blocks, 64, k // 4, 4).permute(0, 2, 1, 3)  # [blocks, steps, 64 columns, 4 inputs]
+        u = u.view(blocks, 64, k // 4, 4).permute(
+            0, 2, 1, 3
+        )  # [blocks, steps, 64 columns, 4 inputs]
         if bits == 4:  # vectors of 16 columns: 0 | 1 << 4, then 2 | 3 << 4
             v = u.reshape(blocks, k // 4, 2, 2, 64)
             u = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
@@ -162,7 +172,9 @@ class QuantizedWeight:
             vec = col // 16
             half, shift = vec // 2, (vec % 2) * 4
             byte = 4 * (col % 16)[:, None] + torch.arange(4, device=ids.device)
-            v = self.data.view(-1, self.k // 4, 2, 64)[block[:, None], :, half[:, None], byte]  # [T, 4, steps]
+            v = self.data.view(-1, self.k // 4, 2, 64)[
+                block[:, None], :, half[:, None], byte
+            ]  # [T, 4, steps]
             u = (v.transpose(1, 2) >> shift[:, None, None].to(torch.uint8)) & 15
         q = (u.reshape(len(ids), self.k).to(torch.int16) - _OFFSET[self.bits]).to(torch.int8)
         return q, d
@@ -193,7 +205,9 @@ def quantize_activations(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     blocks = x.float().unflatten(-1, (-1, group))
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inv = torch.where(d == 0, 0.0, 1 / d)
-    return torch.round(blocks * inv).flatten(-2), d.squeeze(-1)  # round: to nearest even, like vcvtps2dq
+    return torch.round(blocks * inv).flatten(-2), d.squeeze(
+        -1
+    )  # round: to nearest even, like vcvtps2dq
 
 
 def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
@@ -201,7 +215,9 @@ def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = N
     qx, dx = quantize_activations(x, weight.group)
     qw, dw = weight.unpack()
     g = weight.group
-    dots = torch.einsum("mgi,ngi->mng", qx.double().unflatten(-1, (-1, g)), qw.double().unflatten(-1, (-1, g)))
+    dots = torch.einsum(
+        "mgi,ngi->mng", qx.double().unflatten(-1, (-1, g)), qw.double().unflatten(-1, (-1, g))
+    )
     y = (dots * dx.double()[:, None, :] * dw.double()[None]).sum(-1)
     return y if bias is None else y + bias.double()
 
@@ -209,7 +225,11 @@ def reference_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = N
 def triton_applies(weight: QuantizedWeight) -> bool:
     """Whether the Triton kernel takes this plain weight (a power-of-two group of 16 or more, int4
     two to a byte) and triton is installed."""
-    if weight.group < 16 or weight.group & (weight.group - 1) or (weight.bits == 4 and not weight.nibbles):
+    if (
+        weight.group < 16
+        or weight.group & (weight.group - 1)
+        or (weight.bits == 4 and not weight.nibbles)
+    ):
         return False
     try:
         import triton  # noqa: F401
@@ -241,7 +261,10 @@ class QuantizedLinear:
     dequantize-and-F.linear (the portable path)."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None) -> None:
-        self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
+        self.weight, self.bias = (
+            weight,
+            None if bias is None else bias.detach().float().contiguous(),
+        )
         self.triton = None
         if not weight.packed and weight.data.is_cuda and triton_applies(weight):
             from kvserve.models.kernels import triton_quant  # imports triton: only when chosen
@@ -257,14 +280,18 @@ class QuantizedLinear:
         if not w.packed:
             full = dequantize(w.full_q(), w.scales, w.group).to(x.dtype)
             return F.linear(x, full, None if self.bias is None else self.bias.to(x.dtype))
-        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:  # the model's case: no reshapes
+        if (
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
+        ):  # the model's case: no reshapes
             return cpu_ops.quant_linear(x, w.data, w.scales, self.bias, w.n, w.bits, w.group)
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype not in (torch.bfloat16, torch.float32):  # fp16: the kernel reads bf16 or fp32
             flat = flat.float()
         elif flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = cpu_ops.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group).to(x.dtype)
+        y = cpu_ops.quant_linear(flat, w.data, w.scales, self.bias, w.n, w.bits, w.group).to(
+            x.dtype
+        )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
@@ -284,8 +311,10 @@ class QuantizationReport:
         if self.method == "none":
             return f"weights unquantized, {self.weight_bytes / 2**20:.1f} MiB"
         head = "fp8" if self.method == "fp8" else "int8"
-        return (f"weights {self.method} (groups of {self.group_size}, LM head {head}), {self.quantized_layers} "
-                f"matrices quantized, {self.weight_bytes / 2**20:.1f} MiB")
+        return (
+            f"weights {self.method} (groups of {self.group_size}, LM head {head}), {self.quantized_layers} "
+            f"matrices quantized, {self.weight_bytes / 2**20:.1f} MiB"
+        )
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -304,8 +333,10 @@ def check_quantizable(model: nn.Module, group: int) -> None:
     check_quantization(None, group)
     for name, m in _linears(model):
         if m.in_features % group:
-            raise ValueError(f"cannot quantize {name} in groups of {group}: it has {m.in_features} input "
-                             f"features (not a multiple of {group}); choose another --quantization-group-size")
+            raise ValueError(
+                f"cannot quantize {name} in groups of {group}: it has {m.in_features} input "
+                f"features (not a multiple of {group}); choose another --quantization-group-size"
+            )
 
 
 def mark_for_staging(model: nn.Module) -> None:
@@ -325,8 +356,15 @@ def _tied_embedding(model: nn.Module) -> nn.Module | None:
     if not getattr(model, "tie_word_embeddings", False):
         return None
     vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
-    return next((emb for emb in model.modules() if isinstance(emb, VocabEmbedding)
-                 and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size), None)
+    return next(
+        (
+            emb
+            for emb in model.modules()
+            if isinstance(emb, VocabEmbedding)
+            and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size
+        ),
+        None,
+    )
 
 
 class Quantizer:
@@ -336,16 +374,29 @@ class Quantizer:
     matrices int8, or fp8 under fp8) and a tied embedding that 8-bit form (rows looked up in
     `dtype`, the model's). Float weights are freed."""
 
-    def __init__(self, model: nn.Module, method: str, group: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", eight_bit: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        method: str,
+        group: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        eight_bit: frozenset[str] = frozenset(),
+    ) -> None:
         self.model, self.method, self.group, self.dtype = model, method, group, dtype
-        self.eight_bit = eight_bit  # parameter names held int8 under int4 (a GGUF file's wider matrices)
-        self.device = torch.device(device)  # where the quantized weights go (staged ones are on the CPU)
+        self.eight_bit = (
+            eight_bit  # parameter names held int8 under int4 (a GGUF file's wider matrices)
+        )
+        self.device = torch.device(
+            device
+        )  # where the quantized weights go (staged ones are on the CPU)
         self.fp8 = method == "fp8"
         self.packed = self.device.type == "cpu" and has_kernels() and not self.fp8
         if self.fp8 and self.device.type == "cpu":
-            logger.warning("fp8 weights have no CPU kernel: every matmul dequantizes its weight (slow); "
-                           "int8 is the CPU's 8-bit format")
+            logger.warning(
+                "fp8 weights have no CPU kernel: every matmul dequantizes its weight (slow); "
+                "int8 is the CPU's 8-bit format"
+            )
         self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
         self.count = 0
 
@@ -360,11 +411,22 @@ class Quantizer:
         is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
         bits = 4 if self.method == "int4" and not is_wide else 8
         w = m.weight.detach()
-        if w.dim() == 3:  # stacked experts (models/moe.py): one quantized matrix and matmul per expert
-            m.packed = [QuantizedLinear(QuantizedWeight.quantize(we, bits, self.group, self.packed, self.fp8)
-                                        .to(self.device), None) for we in w]
+        if (
+            w.dim() == 3
+        ):  # stacked experts (models/moe.py): one quantized matrix and matmul per expert
+            m.packed = [
+                QuantizedLinear(
+                    QuantizedWeight.quantize(we, bits, self.group, self.packed, self.fp8).to(
+                        self.device
+                    ),
+                    None,
+                )
+                for we in w
+            ]
         else:
-            qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(self.device)
+            qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(
+                self.device
+            )
             m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
         m.weight.data = m.weight.data.new_empty(0)
         self.count += len(m.packed) if isinstance(m.packed, list) else 1
@@ -380,7 +442,9 @@ class Quantizer:
         emb = _tied_embedding(self.model)
         if emb is not None and emb.weight.numel():
             w = emb.weight
-            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed, self.fp8).to(self.device)
+            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed, self.fp8).to(
+                self.device
+            )
             emb.packed_lm_head = QuantizedLinear(qw, None)
             emb.quantized, emb.quantized_dtype = qw, self.dtype
             w.data = w.data.new_empty(0)

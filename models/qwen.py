@@ -29,7 +29,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__(config, layer_idx, rotary_emb)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # shared by all query heads
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

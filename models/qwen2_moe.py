@@ -30,10 +30,15 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if is_sparse_layer(config, i):
                 layer.mlp = SparseMoeBlock(
-                    config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                    config.moe_intermediate_size, getattr(config, "hidden_act", "silu"),
-                    renormalize=bool(getattr(config, "norm_topk_prob", False)), weights_in_model_dtype=True,
-                    shared_intermediate_size=config.shared_expert_intermediate_size)
+                    config.num_experts,
+                    config.num_experts_per_tok,
+                    config.hidden_size,
+                    config.moe_intermediate_size,
+                    getattr(config, "hidden_act", "silu"),
+                    renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                    weights_in_model_dtype=True,
+                    shared_intermediate_size=config.shared_expert_intermediate_size,
+                )
 
     def map_weight_name(self, name: str) -> str | tuple[str, tuple[int, int]] | None:
         name = super().map_weight_name(name)

@@ -18,12 +18,19 @@ from kvserve.models.qwen import Qwen3Attention
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-QWEN_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+QWEN_EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 
 
 def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0 and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+    )
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -37,9 +44,14 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if is_sparse_layer(config, i):
                 layer.mlp = SparseMoeBlock(
-                    config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                    config.moe_intermediate_size, getattr(config, "hidden_act", "silu"),
-                    renormalize=bool(getattr(config, "norm_topk_prob", False)), weights_in_model_dtype=True)
+                    config.num_experts,
+                    config.num_experts_per_tok,
+                    config.hidden_size,
+                    config.moe_intermediate_size,
+                    getattr(config, "hidden_act", "silu"),
+                    renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                    weights_in_model_dtype=True,
+                )
 
     def map_weight_name(self, name: str) -> str | tuple[str, tuple[int, int]] | None:
         name = super().map_weight_name(name)

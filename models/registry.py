@@ -7,13 +7,26 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from kvserve.models.bart import BartForConditionalGeneration, MarianMTModel, MBartForConditionalGeneration
-from kvserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from kvserve.models.bart import (
+    BartForConditionalGeneration,
+    MarianMTModel,
+    MBartForConditionalGeneration,
+)
+from kvserve.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from kvserve.models.gpt2 import GPT2LMHeadModel
 from kvserve.models.llama import LlamaForCausalLM, LlamaModelForEmbedding, MistralForCausalLM
-from kvserve.models.qwen import Qwen2ForCausalLM, Qwen2ModelForEmbedding, Qwen3ForCausalLM, Qwen3ModelForEmbedding
-from kvserve.models.phi3 import Phi3ForCausalLM
 from kvserve.models.mixtral import MixtralForCausalLM
+from kvserve.models.phi3 import Phi3ForCausalLM
+from kvserve.models.qwen import (
+    Qwen2ForCausalLM,
+    Qwen2ModelForEmbedding,
+    Qwen3ForCausalLM,
+    Qwen3ModelForEmbedding,
+)
 from kvserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.models.t5 import T5ForConditionalGeneration
@@ -50,8 +63,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
 # sentence-transformers checkpoints of a causal LM (Qwen3-Embedding names Qwen3ForCausalLM) hold the bare
 # decoder's weights, often without the `model.` prefix and without an LM head: load them headless
-_BARE_FOR_EMBEDDING = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model",
-                       "Qwen3ForCausalLM": "Qwen3Model"}
+_BARE_FOR_EMBEDDING = {
+    "LlamaForCausalLM": "LlamaModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
 
 
 def get_model_class(hf_config: PretrainedConfig, model_dir: str | None = None) -> type[nn.Module]:
@@ -69,6 +85,10 @@ def get_model_class(hf_config: PretrainedConfig, model_dir: str | None = None) -
             f"unsupported model architecture {arch!r}; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if model_dir is not None and arch in _BARE_FOR_EMBEDDING and (Path(model_dir) / "modules.json").is_file():
+    if (
+        model_dir is not None
+        and arch in _BARE_FOR_EMBEDDING
+        and (Path(model_dir) / "modules.json").is_file()
+    ):
         return _MODELS[_BARE_FOR_EMBEDDING[arch]]
     return _MODELS[arch]

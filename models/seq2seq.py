@@ -57,8 +57,13 @@ def gather_kv(holder: Attention, block_ids: Tensor, length: int) -> tuple[Tensor
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
     """q [Lq, H, D] over k, v [Lk, H, D] (mask: additive [H or 1, Lq, Lk] or None) -> [Lq, H * D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype),
-                                         v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1).to(q.dtype),
+        v.transpose(0, 1).to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+    )
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
@@ -79,7 +84,9 @@ class RequestRows:
 
     def causal_mask(self, device: torch.device) -> Tensor:
         """Additive [1, Lq, Lk]: query j (position seq_len - query_len + j) sees keys up to itself."""
-        query_pos = torch.arange(self.seq_len - self.query_len, self.seq_len, device=device)[:, None]
+        query_pos = torch.arange(self.seq_len - self.query_len, self.seq_len, device=device)[
+            :, None
+        ]
         future = torch.arange(self.seq_len, device=device)[None, :] > query_pos
         return torch.zeros(future.shape, device=device).masked_fill(future, float("-inf"))[None]
 
@@ -89,8 +96,14 @@ def request_rows(meta: AttentionMetadata) -> Iterator[RequestRows]:
     for length in meta.query_lens_cpu:
         starts.append(starts[-1] + length)
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        yield RequestRows(starts[i], query_len, seq_len, meta.block_table[i], meta.cross_block_table[i],
-                          meta.cross_lens_cpu[i])
+        yield RequestRows(
+            starts[i],
+            query_len,
+            seq_len,
+            meta.block_table[i],
+            meta.cross_block_table[i],
+            meta.cross_lens_cpu[i],
+        )
 
 
 @dataclass
@@ -104,15 +117,21 @@ class StepPlan:
     rows: list[RequestRows]
     prefill: list[RequestRows]  # the requests with more than one new token: one call each
     kernels: bool
-    decode_index: Tensor | None = None  # reference path: [Bd] flat row of each decode row; None if none
+    decode_index: Tensor | None = (
+        None  # reference path: [Bd] flat row of each decode row; None if none
+    )
     # [Bd] rows (the kernel path: every row of the step), in the backend's index dtype
     self_table: Tensor | None = None  # [Bd, blocks]
     self_lens: Tensor | None = None  # [Bd]
     cross_table: Tensor | None = None
     cross_lens: Tensor | None = None
-    self_mask: Tensor | None = None  # reference path: [Bd, 1, 1, keys] additive, -inf past each row's sequence
+    self_mask: Tensor | None = (
+        None  # reference path: [Bd, 1, 1, keys] additive, -inf past each row's sequence
+    )
     cross_mask: Tensor | None = None
-    max_self_len: int = 0  # kernel path: the longest row of each kind (Triton's kernel splits by it)
+    max_self_len: int = (
+        0  # kernel path: the longest row of each kind (Triton's kernel splits by it)
+    )
     max_cross_len: int = 0
 
 
@@ -137,19 +156,39 @@ def step_plan(meta: AttentionMetadata, device: torch.device, kernels: bool = Fal
 
     def padded(lengths: Tensor, tables: list[Tensor]) -> tuple[Tensor, Tensor]:
         num_blocks = -(-int(lengths.max()) // bs)
-        table = torch.stack([t[:num_blocks] if t.shape[0] >= num_blocks
-                             else F.pad(t, (0, num_blocks - t.shape[0])) for t in tables])
+        table = torch.stack(
+            [
+                t[:num_blocks]
+                if t.shape[0] >= num_blocks
+                else F.pad(t, (0, num_blocks - t.shape[0]))
+                for t in tables
+            ]
+        )
         past = torch.arange(num_blocks * bs, device=device)[None, :] >= lengths[:, None]
-        mask = torch.zeros(past.shape, device=device).masked_fill(past, float("-inf"))[:, None, None, :]
+        mask = torch.zeros(past.shape, device=device).masked_fill(past, float("-inf"))[
+            :, None, None, :
+        ]
         return table, mask
 
     self_table, self_mask = padded(self_lens, [r.block_ids for r in decode])
     cross_table, cross_mask = padded(cross_lens, [r.cross_block_ids for r in decode])
-    return StepPlan(rows, prefill, kernels, index, self_table, self_lens, cross_table, cross_lens,
-                    self_mask, cross_mask)
+    return StepPlan(
+        rows,
+        prefill,
+        kernels,
+        index,
+        self_table,
+        self_lens,
+        cross_table,
+        cross_lens,
+        self_mask,
+        cross_mask,
+    )
 
 
-def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch.device) -> StepPlan:
+def _kernel_plan(
+    meta: AttentionMetadata, rows: list[RequestRows], device: torch.device
+) -> StepPlan:
     """Every row of the step as a decode row of the kernel: row j of a request with L new tokens
     and S decoder tokens is a query at position S - L + j that sees its first S - L + j + 1 keys
     (causal) and all of the request's encoder output; its table rows are the request's."""
@@ -159,31 +198,53 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[RequestRows], device: torch
         self_table, cross_table = meta.block_table[:num_rows], meta.cross_block_table[:num_rows]
         self_lens = [r.seq_len for r in rows]
     else:
-        owner = torch.tensor([i for i, r in enumerate(rows) for _ in range(r.query_len)], device=device)
+        owner = torch.tensor(
+            [i for i, r in enumerate(rows) for _ in range(r.query_len)], device=device
+        )
         self_table, cross_table = meta.block_table[owner], meta.cross_block_table[owner]
         self_lens = [r.seq_len - r.query_len + 1 + j for r in rows for j in range(r.query_len)]
     cross_lens = [r.cross_len for r in rows for _ in range(r.query_len)]
-    return StepPlan(rows, [], True, None, self_table,
-                    torch.tensor(self_lens, dtype=index, device=device), cross_table.to(index),
-                    torch.tensor(cross_lens, dtype=index, device=device),
-                    max_self_len=max(self_lens), max_cross_len=max(cross_lens))
+    return StepPlan(
+        rows,
+        [],
+        True,
+        None,
+        self_table,
+        torch.tensor(self_lens, dtype=index, device=device),
+        cross_table.to(index),
+        torch.tensor(cross_lens, dtype=index, device=device),
+        max_self_len=max(self_lens),
+        max_cross_len=max(cross_lens),
+    )
 
 
-def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, cross: bool,
-                    prefill_masks: list[Tensor | None], decode_bias: Tensor | None = None) -> Tensor:
+def paged_attention(
+    holder: Attention,
+    q: Tensor,
+    plan: StepPlan,
+    scale: float,
+    cross: bool,
+    prefill_masks: list[Tensor | None],
+    decode_bias: Tensor | None = None,
+) -> Tensor:
     """q [T, H, D] of the step's rows over each request's own (cross=False, causal) or cross blocks
     (unmasked) -> [T, H * D]. With `plan.kernels`, every row in one kernel call; otherwise the
     decode rows in one SDPA call (`plan.self_mask` / `plan.cross_mask`) and each other request in
     its own (`prefill_masks`). `decode_bias`, self-attention only (T5's): with `plan.kernels` a
     float32 [H, L] table by distance from the query (`cpu_ops.paged_decode_attention`'s), else
     [Bd, H, 1, keys] with the mask added."""
-    table, lens = (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
+    table, lens = (
+        (plan.cross_table, plan.cross_lens) if cross else (plan.self_table, plan.self_lens)
+    )
     if plan.kernels and holder.backend.name == "triton":
-        from kvserve.models.kernels import triton_attention  # imports triton: only where it was chosen
+        from kvserve.models.kernels import (
+            triton_attention,  # imports triton: only where it was chosen
+        )
 
         longest = plan.max_cross_len if cross else plan.max_self_len
-        return triton_attention.paged_decode_attention(q, *holder.kv, table, lens, scale, None, longest,
-                                                       bias=decode_bias).flatten(1)
+        return triton_attention.paged_decode_attention(
+            q, *holder.kv, table, lens, scale, None, longest, bias=decode_bias
+        ).flatten(1)
     if plan.kernels:
         return cpu_ops.paged_decode_attention(q, *holder.kv, table, lens, scale, None, decode_bias)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -191,18 +252,32 @@ def paged_attention(holder: Attention, q: Tensor, plan: StepPlan, scale: float, 
         k_cache, v_cache = holder.kv
         keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, H, L, D]
         values = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        mask = plan.cross_mask if cross else (decode_bias if decode_bias is not None else plan.self_mask)
+        mask = (
+            plan.cross_mask
+            if cross
+            else (decode_bias if decode_bias is not None else plan.self_mask)
+        )
         rows = q[plan.decode_index][:, :, None, :]  # [Bd, H, 1, D]
-        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask.to(q.dtype), scale=scale)
+        attended = F.scaled_dot_product_attention(
+            rows, keys, values, attn_mask=mask.to(q.dtype), scale=scale
+        )
         out[plan.decode_index] = attended.flatten(1)
     for r, mask in zip(plan.prefill, prefill_masks):
         blocks, length = (r.cross_block_ids, r.cross_len) if cross else (r.block_ids, r.seq_len)
-        out[r.rows] = attend(q[r.rows], *gather_kv(holder, blocks, length), None if cross else mask, scale)
+        out[r.rows] = attend(
+            q[r.rows], *gather_kv(holder, blocks, length), None if cross else mask, scale
+        )
     return out
 
 
-def attend_segments(q: Tensor, k: Tensor, v: Tensor, segs: list[slice], masks: list[Tensor | None],
-                    scale: float | None) -> Tensor:
+def attend_segments(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    segs: list[slice],
+    masks: list[Tensor | None],
+    scale: float | None,
+) -> Tensor:
     """Bidirectional attention within each request of a flat batch (the encoder's): q, k, v [S, H, D]
     with rows `segs[i]` for request i, masks additive [H, L, L] or None -> [S, H * D]."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -35,8 +35,13 @@ from kvserve.server.validation import ValidatedRequest
 
 logger = logging.getLogger("kvserve.server")
 
-_PARAMS = {"messages": "messages", "max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-           "response_format": "output_config.format", "reasoning_effort": "output_config.effort"}
+_PARAMS = {
+    "messages": "messages",
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "reasoning_effort": "output_config.effort",
+}
 
 
 class AnthropicMessage(_Request):
@@ -67,7 +72,7 @@ class CountTokensRequest(_Request):
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
-    chat_template_kwargs: dict[str, Any] | None = None   # kvserve's, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None  # kvserve's, as in chat
 
 
 class MessagesRequest(CountTokensRequest):
@@ -91,9 +96,15 @@ def _block_text(content: Any, param: str) -> str:
         return content
     texts = []
     for j, block in enumerate(content if isinstance(content, list) else [content]):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if (
+            not isinstance(block, dict)
+            or block.get("type") != "text"
+            or not isinstance(block.get("text"), str)
+        ):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad_request(f"{param}.{j}: block type {kind!r} is not supported here (only text)", param=param)
+            raise bad_request(
+                f"{param}.{j}: block type {kind!r} is not supported here (only text)", param=param
+            )
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -113,18 +124,32 @@ def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad_request(f"{param}.{j}: tool_use needs a string id and name", param=param)
             arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": arguments}})
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": arguments},
+                }
+            )
         elif kind == "tool_result" and message.role == "user":
             if not isinstance(block.get("tool_use_id"), str):
-                raise bad_request(f"{param}.{j}: tool_result needs a string tool_use_id", param=param)
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": _block_text(block.get("content") or "", f"{param}.{j}.content")})
+                raise bad_request(
+                    f"{param}.{j}: tool_result needs a string tool_use_id", param=param
+                )
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": _block_text(block.get("content") or "", f"{param}.{j}.content"),
+                }
+            )
         elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
             continue
         else:
-            raise bad_request(f"{param}.{j}: block type {kind!r} is not supported in a {message.role} message",
-                              param=param)
+            raise bad_request(
+                f"{param}.{j}: block type {kind!r} is not supported in a {message.role} message",
+                param=param,
+            )
     turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
     if calls:
         turn["tool_calls"] = calls
@@ -137,8 +162,11 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, b
         tools = []
         for i, tool in enumerate(req.tools):
             if tool.get("type", "custom") != "custom":
-                raise bad_request(f"tools.{i}: tool type {tool.get('type')!r} is not supported (only custom tools "
-                                  "with an input_schema)", param="tools")
+                raise bad_request(
+                    f"tools.{i}: tool type {tool.get('type')!r} is not supported (only custom tools "
+                    "with an input_schema)",
+                    param="tools",
+                )
             function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
             if "description" in tool:
                 function["description"] = tool["description"]
@@ -153,19 +181,29 @@ def _tools(req: CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, b
         elif kind in ("auto", "any", "none"):
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
         else:
-            raise bad_request("tool_choice must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} "
-                              "or {\"type\": \"tool\", \"name\": ...}", param="tool_choice")
+            raise bad_request(
+                'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} '
+                'or {"type": "tool", "name": ...}',
+                param="tool_choice",
+            )
     return tools, choice, parallel
 
 
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that runs `req` (count_tokens: renders it); 400 naming the Anthropic field."""
-    messages = [{"role": "system", "content": _block_text(req.system, "system")}] if req.system else []
+    messages = (
+        [{"role": "system", "content": _block_text(req.system, "system")}] if req.system else []
+    )
     for i, message in enumerate(req.messages):
         messages += _turn(i, message)
     tools, tool_choice, parallel = _tools(req)
-    fields: dict[str, Any] = {"model": req.model, "messages": messages, "tools": tools, "tool_choice": tool_choice,
-                              "parallel_tool_calls": parallel}
+    fields: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+    }
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.thinking is not None and req.thinking.type != "adaptive":
         template_kwargs["enable_thinking"] = req.thinking.type == "enabled"
@@ -174,11 +212,19 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         effort = req.output_config.effort
         fields["reasoning_effort"] = "xhigh" if effort == "max" else effort
     if req.output_config is not None and req.output_config.format is not None:
-        fields["response_format"] = {"type": "json_schema",
-                                     "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": req.output_config.format.schema_},
+        }
     if isinstance(req, MessagesRequest):
-        fields.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
-                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+        fields.update(
+            max_completion_tokens=req.max_tokens,
+            stop=req.stop_sequences,
+            stream=req.stream,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+        )
     return chat_request(fields, _PARAMS)
 
 
@@ -211,8 +257,12 @@ def usage_body(usage: UsageInfo | None) -> dict[str, Any]:
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
@@ -232,11 +282,25 @@ def build_message(vreq: ValidatedRequest, chat: ChatCompletionResponse) -> dict[
     if message.content:
         content.append({"type": "text", "text": message.content})
     for call in message.tool_calls or []:
-        content.append({"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.function.name,
-                        "input": _tool_input(call.function.arguments)})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.id.replace("call_", "toolu_", 1),
+                "name": call.function.name,
+                "input": _tool_input(call.function.arguments),
+            }
+        )
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
-    return {"id": vreq.request_id, "type": "message", "role": "assistant", "model": vreq.model_name,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage_body(chat.usage)}
+    return {
+        "id": vreq.request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": vreq.model_name,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_body(chat.usage),
+    }
 
 
 class MessageEvents:
@@ -245,23 +309,37 @@ class MessageEvents:
 
     def __init__(self, vreq: ValidatedRequest) -> None:
         self.vreq = vreq
-        self.index = -1   # the open block's index
+        self.index = -1  # the open block's index
         self.open_kind: str | None = None
         self.open_call_index: int | None = None
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         message: dict[str, Any] = {
-                   "id": self.vreq.request_id, "type": "message", "role": "assistant", "model": self.vreq.model_name,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": len(self.vreq.prompts[0].token_ids), "output_tokens": 0}}
-        return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
+            "id": self.vreq.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.vreq.model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(self.vreq.prompts[0].token_ids), "output_tokens": 0},
+        }
+        return [
+            ("message_start", {"type": "message_start", "message": message}),
+            ("ping", {"type": "ping"}),
+        ]
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         events = self._close()
         self.index += 1
         self.open_kind = kind
-        return [*events, ("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                  "content_block": block})]
+        return [
+            *events,
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": block},
+            ),
+        ]
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
         if self.open_kind is None:
@@ -270,43 +348,71 @@ class MessageEvents:
         if self.open_kind == "thinking":
             events.append(self._delta({"type": "signature_delta", "signature": ""}))
         self.open_kind, self.open_call_index = None, None
-        return [*events, ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [
+            *events,
+            ("content_block_stop", {"type": "content_block_stop", "index": self.index}),
+        ]
 
     def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return "content_block_delta", {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": delta,
+        }
 
     def feed(self, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         events = []
         if delta.get("reasoning_content"):
             if self.open_kind != "thinking":
-                events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+                events += self._open(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                )
+            events.append(
+                self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+            )
         if delta.get("content"):
             if self.open_kind != "text":
                 events += self._open("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
         for call in delta.get("tool_calls") or []:
             if call["index"] != self.open_call_index:
-                block = {"type": "tool_use", "id": call["id"].replace("call_", "toolu_", 1),
-                         "name": call["function"]["name"], "input": {}}
+                block = {
+                    "type": "tool_use",
+                    "id": call["id"].replace("call_", "toolu_", 1),
+                    "name": call["function"]["name"],
+                    "input": {},
+                }
                 events += self._open("tool_use", block)
                 self.open_call_index = call["index"]
             if call["function"].get("arguments"):
-                events.append(self._delta({"type": "input_json_delta",
-                                           "partial_json": call["function"]["arguments"]}))
+                events.append(
+                    self._delta(
+                        {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
+                    )
+                )
         return events
 
-    def finish(self, finish_reason: str | None, stop: int | str | None,
-               usage: UsageInfo | None) -> list[tuple[str, dict[str, Any]]]:
+    def finish(
+        self, finish_reason: str | None, stop: int | str | None, usage: UsageInfo | None
+    ) -> list[tuple[str, dict[str, Any]]]:
         reason, sequence = stop_reason(finish_reason, stop)
-        return [*self._close(),
-                ("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": usage_body(usage)}),
-                ("message_stop", {"type": "message_stop"})]
+        return [
+            *self._close(),
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": usage_body(usage),
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
 
 
-async def messages_sse(chunks: AsyncIterator[ChatCompletionChunk], vreq: ValidatedRequest
-                       ) -> AsyncGenerator[str, None]:
+async def messages_sse(
+    chunks: AsyncIterator[ChatCompletionChunk], vreq: ValidatedRequest
+) -> AsyncGenerator[str, None]:
     """The SSE stream; an error after the start becomes an `error` event (no message text of a 500)."""
     writer = MessageEvents(vreq)
     try:
@@ -332,4 +438,5 @@ async def messages_sse(chunks: AsyncIterator[ChatCompletionChunk], vreq: Validat
 def messages_input_size(req: CountTokensRequest) -> int:
     """Roughly how many characters validating `req` renders (small ones run inline)."""
     return len(str(req.system or "")) + sum(
-        64 + len(m.content if isinstance(m.content, str) else str(m.content)) for m in req.messages)
+        64 + len(m.content if isinstance(m.content, str) else str(m.content)) for m in req.messages
+    )

@@ -31,7 +31,9 @@ def load_chat_template(value: str | None) -> str | None:
     if not looks_inline:
         try:
             if not path.is_file():
-                raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template string")
+                raise ValueError(
+                    f"--chat-template {value!r} is neither a file nor a Jinja template string"
+                )
             value = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(f"--chat-template {value!r} cannot be read: {exc}") from exc
@@ -48,10 +50,13 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if isinstance(part, dict):   # not a valid text part
+            if isinstance(part, dict):  # not a valid text part
                 kind = part.get("type")
-                problem = ("a text part needs a string 'text'" if kind == "text"
-                           else f"content part type {kind!r} is not supported (only 'text')")
+                problem = (
+                    "a text part needs a string 'text'"
+                    if kind == "text"
+                    else f"content part type {kind!r} is not supported (only 'text')"
+                )
                 raise bad_request(problem, param=f"messages.{index}.content")
             texts.append(part.text)
         content = "\n".join(texts)
@@ -72,20 +77,36 @@ def render_chat(
     if template is None:
         raise bad_request(
             "this model has no chat template; use /v1/completions or start the server with --chat-template",
-            param="messages", code="chat_template_missing",
+            param="messages",
+            code="chat_template_missing",
         )
     conversation = [_message_dict(i, m) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
-    for reserved in ("conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
-                     "return_dict", "tools", "documents", "continue_final_message"):
+    for reserved in (
+        "conversation",
+        "messages",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "return_dict",
+        "tools",
+        "documents",
+        "continue_final_message",
+    ):
         kwargs.pop(reserved, None)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, tools=tools or None, **kwargs,
+            conversation,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            tools=tools or None,
+            **kwargs,
         )
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
-    if not isinstance(text, str):   # some transformers versions return a list for batched input
+        raise bad_request(
+            f"the chat template failed on these messages: {exc}", param="messages"
+        ) from None
+    if not isinstance(text, str):  # some transformers versions return a list for batched input
         text = text[0]
     return text

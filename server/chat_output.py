@@ -25,11 +25,15 @@ def chat_request(fields: dict[str, Any], params: dict[str, str]) -> ChatCompleti
     """Another API's request as the chat request it runs as (None fields left out); a validation
     error is a 400 whose `param` is renamed through `params` to the route's own field name."""
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in fields.items() if v is not None}
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", param=params.get(str(first["loc"][0]))) from None
+        raise bad_request(
+            f"{where}: {first['msg']}", param=params.get(str(first["loc"][0]))
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +47,21 @@ class ChoiceParts:
     num_reasoning_tokens: int
 
 
-def _reasoning_tokens(vreq: ValidatedRequest, token_ids: list[int], has_reasoning: bool, is_ended: bool,
-                      decode: Callable[[list[int]], str]) -> int:
+def _reasoning_tokens(
+    vreq: ValidatedRequest,
+    token_ids: list[int],
+    has_reasoning: bool,
+    is_ended: bool,
+    decode: Callable[[list[int]], str],
+) -> int:
     if not has_reasoning or vreq.reasoning is None:
         return 0
     return num_reasoning_tokens(token_ids, decode, vreq.reasoning.end, is_ended)
 
 
-def read_choice(vreq: ValidatedRequest, text: str, token_ids: list[int],
-                decode: Callable[[list[int]], str]) -> ChoiceParts:
+def read_choice(
+    vreq: ValidatedRequest, text: str, token_ids: list[int], decode: Callable[[list[int]], str]
+) -> ChoiceParts:
     """The parts of a finished choice's whole `text`."""
     reasoning, is_ended = None, False
     if vreq.reasoning is not None:
@@ -61,8 +71,12 @@ def read_choice(vreq: ValidatedRequest, text: str, token_ids: list[int],
     if vreq.tools is not None:
         content, calls = extract_tool_calls(text, vreq.tools)
     num_reasoning = _reasoning_tokens(vreq, token_ids, reasoning is not None, is_ended, decode)
-    return ChoiceParts(content=(content or None) if reasoning is not None else content, reasoning=reasoning,
-                       calls=calls, num_reasoning_tokens=num_reasoning)
+    return ChoiceParts(
+        content=(content or None) if reasoning is not None else content,
+        reasoning=reasoning,
+        calls=calls,
+        num_reasoning_tokens=num_reasoning,
+    )
 
 
 class ChoiceStreamer:
@@ -71,8 +85,11 @@ class ChoiceStreamer:
 
     def __init__(self, vreq: ValidatedRequest) -> None:
         self.vreq = vreq
-        self.reasoning = (ReasoningStreamer(vreq.reasoning, vreq.reasoning_state)
-                          if vreq.reasoning is not None else None)
+        self.reasoning = (
+            ReasoningStreamer(vreq.reasoning, vreq.reasoning_state)
+            if vreq.reasoning is not None
+            else None
+        )
         self.tools = ToolStreamer(vreq.tools) if vreq.tools is not None else None
         self.answer = ""
         self.num_reasoning_tokens = 0
@@ -94,12 +111,19 @@ class ChoiceStreamer:
         reasoning, answer = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
         return self._deltas(reasoning, answer)
 
-    def finish(self, token_ids: list[int], decode: Callable[[list[int]], str]) -> tuple[list[dict[str, Any]], bool]:
+    def finish(
+        self, token_ids: list[int], decode: Callable[[list[int]], str]
+    ) -> tuple[list[dict[str, Any]], bool]:
         deltas: list[dict[str, Any]] = []
         if self.reasoning is not None:
             deltas = self._deltas(*self.reasoning.finish())
-            self.num_reasoning_tokens = _reasoning_tokens(self.vreq, token_ids, self.reasoning.has_reasoning,
-                                                          self.reasoning.is_reasoning_ended, decode)
+            self.num_reasoning_tokens = _reasoning_tokens(
+                self.vreq,
+                token_ids,
+                self.reasoning.has_reasoning,
+                self.reasoning.is_reasoning_ended,
+                decode,
+            )
         if self.tools is None:
             return deltas, False
         rest, call_deltas, made_calls = self.tools.finish(self.answer)

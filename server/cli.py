@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # ServerConfig and the flag builder are imported where they are used: the engine core is a
 # spawned process that imports this module again, and it has no use for pydantic-settings.
 
+
 def _add_serve_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     from kvserve.server.config import ServerConfig
     from kvserve.server.flags import add_flags
@@ -38,15 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvserve {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{serve,ray,bench}")
     serve = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics, /tokenize, /detokenize, /version). Every flag can also be "
-                    "set with the environment variable shown; flags win over the environment.",
+        "/v1/models, /health, /metrics, /tokenize, /detokenize, /version). Every flag can also be "
+        "set with the environment variable shown; flags win over the environment.",
     )
     _add_serve_flags(serve)
-    sub.add_parser("ray", help="serve N replicas on Ray Serve (`kvserve ray --help`; needs kvserve[ray])",
-                   add_help=False)
-    sub.add_parser("bench", help="load-test a running server (`kvserve bench serve --help`)", add_help=False)
+    sub.add_parser(
+        "ray",
+        help="serve N replicas on Ray Serve (`kvserve ray --help`; needs kvserve[ray])",
+        add_help=False,
+    )
+    sub.add_parser(
+        "bench", help="load-test a running server (`kvserve bench serve --help`)", add_help=False
+    )
     return parser
 
 
@@ -67,21 +74,36 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
     """uvicorn's settings, with kvserve's connection defences (`server.connections`) as the HTTP protocol."""
     import uvicorn
 
-    from kvserve.server.connections import ConnectionLimits, default_max_connections, install_log_rate_limits, protocol_class
+    from kvserve.server.connections import (
+        ConnectionLimits,
+        default_max_connections,
+        install_log_rate_limits,
+        protocol_class,
+    )
 
-    limits = ConnectionLimits(header_timeout_s=config.header_timeout, stream_idle_timeout_s=config.stream_idle_timeout,
-                              max_connections=config.max_connections or default_max_connections())
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               http=protocol_class(limits),
-                               timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
-                               timeout_graceful_shutdown=5)
+    limits = ConnectionLimits(
+        header_timeout_s=config.header_timeout,
+        stream_idle_timeout_s=config.stream_idle_timeout,
+        max_connections=config.max_connections or default_max_connections(),
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        http=protocol_class(limits),
+        timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=5,
+    )
     install_log_rate_limits()
     return uv_config
 
 
 def serve(config: ServerConfig) -> int:
     """Run the server until SIGINT/SIGTERM (drain, then exit 0) or until the engine dies (exit 1)."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from kvserve.engine import AsyncLLM, EngineArgs
 
     # the engine core starts loading now, while this process imports the web stack
@@ -97,7 +119,9 @@ def serve(config: ServerConfig) -> int:
     server.run()
     if not server.started:
         return EXIT_STARTUP_FAILURE
-    if getattr(app.state, "engine_failed", False) or engine.error is not None:  # (also a death mid-drain)
+    if (
+        getattr(app.state, "engine_failed", False) or engine.error is not None
+    ):  # (also a death mid-drain)
         return EXIT_ENGINE_DIED
     return 0
 

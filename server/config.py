@@ -15,13 +15,22 @@ import math
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (AfterValidator, BeforeValidator, ByteSize, Field, TypeAdapter, create_model, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ByteSize,
+    Field,
+    TypeAdapter,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvserve.engine.config import EngineArgs, GrammarLimits
 
 ENV_PREFIX = "KVSERVE_"
+
 
 def _number_or_unit(value: Any) -> Any:
     """Pydantic's `ByteSize` reads `4GiB` and `512MB`; plain numbers (`1e9`, `1048576`) are read here."""
@@ -70,8 +79,11 @@ def _settings_field(field: dataclasses.Field[Any], annotation: Any) -> tuple[Any
     elif meta.get("unit") == "bytes":
         annotation = Size | None if optional else Size
     extra = {key: meta[key] for key in ("metavar", "aliases", "unit") if meta.get(key)}
-    return annotation, Field(meta.get("server_default", field.default), description=meta["help"],
-                             json_schema_extra=extra or None)
+    return annotation, Field(
+        meta.get("server_default", field.default),
+        description=meta["help"],
+        json_schema_extra=extra or None,
+    )
 
 
 class DataclassSettings(BaseSettings):
@@ -86,7 +98,9 @@ class DataclassSettings(BaseSettings):
         return self
 
     def to_dataclass(self) -> Any:
-        options = self.source(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.source)})
+        options = self.source(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self.source)}
+        )
         if hasattr(options, "validate"):
             options.validate()
         return options
@@ -111,84 +125,135 @@ class ServerConfig(_EngineOptions):  # type: ignore[valid-type, misc]  # generat
     passed through by `engine_kwargs`), then the server's own."""
 
     # An empty variable (e.g. `KVSERVE_MAX_QUEUE=` from a compose file) counts as unset.
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", env_ignore_empty=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", env_ignore_empty=True
+    )
 
     # --- model names ---
     served_model_name: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Name(s) clients must send as `model` (default: the --model value, or kvserve-default). "
-        "The first one is used in responses.", json_schema_extra={"metavar": "NAME"})
+        "The first one is used in responses.",
+        json_schema_extra={"metavar": "NAME"},
+    )
 
     # --- HTTP server ---
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0: every interface).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_queue: Annotated[int, Field(ge=0)] | Literal["auto", "off"] = Field(
-        "auto", description="Refuse new requests with 503 when more than this many sequences would wait; auto: "
-        "twice as many as can run at once (the smaller of --max-num-seqs and the KV blocks); off: no limit.")
+        "auto",
+        description="Refuse new requests with 503 when more than this many sequences would wait; auto: "
+        "twice as many as can run at once (the smaller of --max-num-seqs and the KV blocks); off: no limit.",
+    )
     api_key: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Require `Authorization: Bearer KEY` on API routes, KEY being any of "
-        "these keys.", json_schema_extra={"metavar": "KEY"})
+        default_factory=list,
+        description="Require `Authorization: Bearer KEY` on API routes, KEY being any of "
+        "these keys.",
+        json_schema_extra={"metavar": "KEY"},
+    )
     cache_salt_per_api_key: bool = Field(
-        False, description="Make each API key a tenant of its own: requests share cached KV blocks (and their "
-        "time to first token) only with requests sent with the same key (docs/security.md). Needs --api-key.")
+        False,
+        description="Make each API key a tenant of its own: requests share cached KV blocks (and their "
+        "time to first token) only with requests sent with the same key (docs/security.md). Needs --api-key.",
+    )
     metrics_require_api_key: bool = Field(
-        False, description="Require an API key on /metrics too (Prometheus then sends one: docs/server.md). "
-        "Needs --api-key.")
+        False,
+        description="Require an API key on /metrics too (Prometheus then sends one: docs/server.md). "
+        "Needs --api-key.",
+    )
     cors_origin: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Allowed CORS origin(s); `*` allows any.",
-        json_schema_extra={"metavar": "ORIGIN"})
+        default_factory=list,
+        description="Allowed CORS origin(s); `*` allows any.",
+        json_schema_extra={"metavar": "ORIGIN"},
+    )
     chat_template: str | None = Field(
-        None, description="Chat template file or inline Jinja string (overrides the model's).",
-        json_schema_extra={"metavar": "PATH_OR_STR"})
+        None,
+        description="Chat template file or inline Jinja string (overrides the model's).",
+        json_schema_extra={"metavar": "PATH_OR_STR"},
+    )
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
-        "none", description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
+        "none",
+        description="How tool calls are read from output under tool_choice auto: hermes (Hermes/Qwen2.5 "
         "`<tool_call>`), llama3_json (Llama 3.x JSON), mistral (`[TOOL_CALLS]`); docs/tools.md; none: auto gives "
-        "plain text (required and named choices are enforced by a grammar either way).")
+        "plain text (required and named choices are enforced by a grammar either way).",
+    )
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
-        "auto", description="How a thinking model's `<think>...</think>` text is split from its answer into "
-        "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.")
+        "auto",
+        description="How a thinking model's `<think>...</think>` text is split from its answer into "
+        "reasoning_content: deepseek_r1, qwen3; auto: from the chat template where it is unambiguous; none: no split.",
+    )
     max_body_bytes: Size = Field(  # type: ignore[assignment]  # pydantic reads the int as a ByteSize
-        4 * 1024**2, description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
-        json_schema_extra={"metavar": "BYTES", "unit": "bytes"})
+        4 * 1024**2,
+        description="Largest accepted request body (413 beyond); accepts 4MiB etc.",
+        json_schema_extra={"metavar": "BYTES", "unit": "bytes"},
+    )
     # A long agent session has hundreds of messages; every message costs a few tokens of template
     # even when empty, so 4096 of them fill most contexts (docs/server.md, "Limits").
     max_chat_messages: int = Field(
-        4096, gt=0, description="Most messages (and most content parts) in one chat request; more is a 400.")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+        4096,
+        gt=0,
+        description="Most messages (and most content parts) in one chat request; more is a 400.",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Log level."
+    )
 
     # --- LoRA adapters (docs/lora.md; --enable-lora) ---
     lora_modules: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="LoRA adapters to serve, as NAME=PATH (a PEFT directory); a request "
-        "picks one by `model`. Needs --enable-lora.", json_schema_extra={"nargs": "+", "metavar": "NAME=PATH"})
+        default_factory=list,
+        description="LoRA adapters to serve, as NAME=PATH (a PEFT directory); a request "
+        "picks one by `model`. Needs --enable-lora.",
+        json_schema_extra={"nargs": "+", "metavar": "NAME=PATH"},
+    )
     allow_runtime_lora_updating: bool = Field(
-        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key when "
-        "set). Needs --enable-lora.")
+        False,
+        description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key when "
+        "set). Needs --enable-lora.",
+    )
 
     # --- tools and structured outputs (docs/structured_outputs.md, "Limits") ---
-    max_tools: int = Field(128, gt=0, description="Most tools in one chat request (OpenAI: 128); more is a 400.")
+    max_tools: int = Field(
+        128, gt=0, description="Most tools in one chat request (OpenAI: 128); more is a 400."
+    )
     stats_log_interval: float = Field(
-        5.0, ge=0, description="Seconds between throughput log lines while busy (0: off).")
+        5.0, ge=0, description="Seconds between throughput log lines while busy (0: off)."
+    )
 
     # --- slow and hostile clients ---
     stream_idle_timeout: float = Field(
-        60.0, ge=0, description="Close a connection (and abort its request, freeing its seat and KV blocks) when "
-        "the client has read nothing for this many seconds while the response waits to be written (0: off).")
+        60.0,
+        ge=0,
+        description="Close a connection (and abort its request, freeing its seat and KV blocks) when "
+        "the client has read nothing for this many seconds while the response waits to be written (0: off).",
+    )
     header_timeout: float = Field(
-        10.0, ge=0, description="Close a connection that has not sent complete request headers after this many "
-        "seconds (0: off).")
+        10.0,
+        ge=0,
+        description="Close a connection that has not sent complete request headers after this many "
+        "seconds (0: off).",
+    )
     keep_alive_timeout: float = Field(
-        5.0, gt=0, description="Close an idle kept-alive connection after this many seconds.")
+        5.0, gt=0, description="Close an idle kept-alive connection after this many seconds."
+    )
     max_connections: int | None = Field(
-        None, gt=0, description="Most open client connections: beyond it the oldest idle one (or, if none is "
-        "idle, the new one) is closed (unset: the open-file limit minus 128).")
+        None,
+        gt=0,
+        description="Most open client connections: beyond it the oldest idle one (or, if none is "
+        "idle, the new one) is closed (unset: the open-file limit minus 128).",
+    )
 
     # --- failures and shutdown ---
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM/SIGINT, seconds in-flight requests may take to finish (new ones "
-        "get 503); then open streams get an error event and the server exits.")
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, seconds in-flight requests may take to finish (new ones "
+        "get 503); then open streams get an error event and the server exits.",
+    )
     keep_alive_on_engine_death: bool = Field(
-        False, description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
-        "with code 1; for debugging.")
+        False,
+        description="Keep serving (/health 503, requests 503) after the engine died instead of exiting "
+        "with code 1; for debugging.",
+    )
 
     @field_validator("served_model_name", "cors_origin", "api_key", "lora_modules", mode="before")
     @classmethod

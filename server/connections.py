@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-try:   # SIOCOUTQ (= TIOCOUTQ on Linux): bytes in a TCP socket's send queue not yet acknowledged
+try:  # SIOCOUTQ (= TIOCOUTQ on Linux): bytes in a TCP socket's send queue not yet acknowledged
     import fcntl
     import termios
 
     _TIOCOUTQ: int | None = termios.TIOCOUTQ
-except (ImportError, AttributeError):   # not POSIX: only the transport's buffer is watched
+except (ImportError, AttributeError):  # not POSIX: only the transport's buffer is watched
     _TIOCOUTQ = None
 
 logger = logging.getLogger("kvserve.server")
@@ -73,8 +73,10 @@ class ConnectionLimits:
 
     def __post_init__(self) -> None:
         if self.header_timeout_s < 0 or self.stream_idle_timeout_s < 0:
-            raise ValueError(f"timeouts must be >= 0, got header_timeout_s={self.header_timeout_s!r}, "
-                             f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}")
+            raise ValueError(
+                f"timeouts must be >= 0, got header_timeout_s={self.header_timeout_s!r}, "
+                f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}"
+            )
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
 
@@ -91,13 +93,18 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
-        self._num_buffered_bytes = 0   # bytes queued for the client when the stall timer was (re)armed
+        self._num_buffered_bytes = (
+            0  # bytes queued for the client when the stall timer was (re)armed
+        )
         super().connection_made(transport)
         cap = self.limits.max_connections
         if cap is not None and len(self.connections) > cap and not self._evict_oldest_idle():
             self.counts["refused"] += 1
-            logger.warning("connection limit (--max-connections %d) reached and every connection is busy: "
-                           "closing new connections", cap)
+            logger.warning(
+                "connection limit (--max-connections %d) reached and every connection is busy: "
+                "closing new connections",
+                cap,
+            )
             transport.abort()
             return
         self.idle[self] = None
@@ -110,7 +117,7 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm_header_timer()   # the next request on a kept-alive connection gets the same bound
+        self._arm_header_timer()  # the next request on a kept-alive connection gets the same bound
 
     def on_headers_complete(self) -> None:
         if self._header_timer is not None:
@@ -122,7 +129,7 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and not self.pipeline:
-            self.idle[self] = None   # kept alive, waiting for the next request: the newest idle one
+            self.idle[self] = None  # kept alive, waiting for the next request: the newest idle one
 
     def _evict_oldest_idle(self) -> bool:
         """Close the connection that has been idle longest to make room; False when none is idle."""
@@ -131,8 +138,11 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
             del self.idle[oldest]
             if not oldest.transport.is_closing():
                 self.counts["evicted"] += 1
-                logger.warning("connection limit (--max-connections %d) reached: closing the oldest idle "
-                               "connections", self.limits.max_connections)
+                logger.warning(
+                    "connection limit (--max-connections %d) reached: closing the oldest idle "
+                    "connections",
+                    self.limits.max_connections,
+                )
                 oldest.transport.abort()
                 return True
         return False
@@ -161,7 +171,9 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
         sock = self.transport.get_extra_info("socket")
         if sock is not None and _TIOCOUTQ is not None:
             try:
-                num_bytes += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+                num_bytes += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[
+                    0
+                ]
             except OSError:
                 pass
         return num_bytes
@@ -180,26 +192,42 @@ class HardenedHttpToolsProtocol(HttpToolsProtocol):
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         self.counts["header_timeouts"] += 1
-        logger.debug("%s: no complete request headers in %.1f s; closing", self.client, self.limits.header_timeout_s)
-        self.transport.close()   # nothing was written, so this closes at once (FIN: the client reads b"")
+        logger.debug(
+            "%s: no complete request headers in %.1f s; closing",
+            self.client,
+            self.limits.header_timeout_s,
+        )
+        self.transport.close()  # nothing was written, so this closes at once (FIN: the client reads b"")
 
     def _on_write_stalled(self) -> None:
         self._write_timer = None
         num_buffered_bytes = self._num_queued_bytes()
-        if num_buffered_bytes < self._num_buffered_bytes:   # the client read something: not stalled
+        if num_buffered_bytes < self._num_buffered_bytes:  # the client read something: not stalled
             self._num_buffered_bytes = num_buffered_bytes
-            self._write_timer = self.loop.call_later(self.limits.stream_idle_timeout_s, self._on_write_stalled)
+            self._write_timer = self.loop.call_later(
+                self.limits.stream_idle_timeout_s, self._on_write_stalled
+            )
             return
         self.counts["stalled"] += 1
-        logger.info("%s: client read nothing for %.1f s (--stream-idle-timeout); closing and aborting its request",
-                    self.client, self.limits.stream_idle_timeout_s)
+        logger.info(
+            "%s: client read nothing for %.1f s (--stream-idle-timeout); closing and aborting its request",
+            self.client,
+            self.limits.stream_idle_timeout_s,
+        )
         self.transport.abort()
 
 
 def protocol_class(limits: ConnectionLimits) -> type[HardenedHttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` bound to `limits`."""
-    return type("KVServeHttpProtocol", (HardenedHttpToolsProtocol,),
-                {"limits": limits, "idle": {}, "counts": dict.fromkeys(HardenedHttpToolsProtocol.counts, 0)})
+    return type(
+        "KVServeHttpProtocol",
+        (HardenedHttpToolsProtocol,),
+        {
+            "limits": limits,
+            "idle": {},
+            "counts": dict.fromkeys(HardenedHttpToolsProtocol.counts, 0),
+        },
+    )
 
 
 class RateLimitFilter(logging.Filter):
@@ -208,8 +236,12 @@ class RateLimitFilter(logging.Filter):
     The next one let through says how many were suppressed since. Other records pass.
     """
 
-    def __init__(self, patterns: tuple[str, ...], interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        patterns: tuple[str, ...],
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self.patterns = patterns
         self.interval_s = interval_s
@@ -233,14 +265,19 @@ class RateLimitFilter(logging.Filter):
             record.msg = f"{message} ({num_suppressed} similar lines suppressed in the last {now - last:.0f} s)"
             record.args = ()
         if record.exc_info and last is not None:
-            record.exc_info = None   # the traceback is the same every time; keep the first one
+            record.exc_info = None  # the traceback is the same every time; keep the first one
             record.exc_text = None
         return True
 
 
-FLOOD_PATTERNS = ("out of system resource", "Too many open files", "every connection is busy",
-                  "closing the oldest idle", "Exceeded concurrency limit",
-                  "Invalid HTTP request received")
+FLOOD_PATTERNS = (
+    "out of system resource",
+    "Too many open files",
+    "every connection is busy",
+    "closing the oldest idle",
+    "Exceeded concurrency limit",
+    "Invalid HTTP request received",
+)
 
 
 def install_log_rate_limits(interval_s: float = 10.0) -> RateLimitFilter:

@@ -35,12 +35,18 @@ async def drain(state: AppState, timeout_s: float) -> None:
     admission = state.admission
     admission.close()
     loop = asyncio.get_running_loop()
-    logger.info("shutting down: refusing new requests; %d sequences in flight, waiting up to %.1f s for them",
-                admission.num_in_flight, timeout_s)
+    logger.info(
+        "shutting down: refusing new requests; %d sequences in flight, waiting up to %.1f s for them",
+        admission.num_in_flight,
+        timeout_s,
+    )
     await _until_idle(admission, loop.time() + timeout_s)
     if admission.num_in_flight:
-        logger.warning("shutdown timeout (%.1f s) reached: ending %d sequences still in flight with an error",
-                       timeout_s, admission.num_in_flight)
+        logger.warning(
+            "shutdown timeout (%.1f s) reached: ending %d sequences still in flight with an error",
+            timeout_s,
+            admission.num_in_flight,
+        )
         await state.engine.shutdown()  # open streams end with EngineShutDownError
         await _until_idle(admission, loop.time() + _CUT_GRACE_S)
     else:

@@ -45,13 +45,15 @@ class ModelInfo(Protocol):
     @property
     def pooler(self) -> PoolerConfig | None: ...  # embedding defaults; None: the model cannot embed
     @property
-    def generation_config(self) -> GenerationConfig: ...  # --generation-config: request defaults and processors
+    def generation_config(
+        self,
+    ) -> GenerationConfig: ...  # --generation-config: request defaults and processors
 
 
 class ServingEngine(Protocol):
     """An engine the server can run requests on and report about."""
 
-    tokenizer: Any   # a transformers tokenizer (not imported here: the server starts without torch)
+    tokenizer: Any  # a transformers tokenizer (not imported here: the server starts without torch)
     chat_template: str | None
 
     @property
@@ -69,8 +71,13 @@ class ServingEngine(Protocol):
     def wait_ready(self) -> None:
         """Block until the model is loaded (called where the server owns the engine)."""
 
-    def generate(self, prompt: Sequence[int] | dict[str, Any], params: SamplingParams | PoolingParams,
-                 request_id: str, lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self,
+        prompt: Sequence[int] | dict[str, Any],
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """`prompt`: token ids, or `{"prompt_token_ids": [...], "cache_salt": str}`; `lora_request`
         (passed only when a request names an adapter): its LoRA adapter."""
 

@@ -60,9 +60,17 @@ class APIError(Exception):
 
 
 # Anthropic's error types by status (its SDK reads `error.type`); /v1/messages answers in that shape.
-_ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                             404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                             429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
@@ -71,15 +79,23 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def anthropic_error_body(status_code: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE_BY_STATUS.get(status_code, "api_error"),
-                                       "message": message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": _ANTHROPIC_TYPE_BY_STATUS.get(status_code, "api_error"),
+            "message": message,
+        },
+    }
 
 
 def error_response(exc: APIError, path: str) -> JSONResponse:
     """`exc` in the error shape of the API that `path` belongs to (OpenAI's, or Anthropic's on /v1/messages)."""
     if is_anthropic_path(path):
-        return JSONResponse(anthropic_error_body(exc.status_code, exc.message), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(
+            anthropic_error_body(exc.status_code, exc.message),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
     return exc.response()
 
 
@@ -87,22 +103,32 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def internal_error(request_id: str) -> APIError:
     """A 500 that says nothing of the exception (the caller logs it with `request_id`)."""
-    return APIError(500, f"internal server error (request id {request_id}); the server log has the details",
-                    code="internal_error", headers={"X-Request-Id": request_id})
+    return APIError(
+        500,
+        f"internal server error (request id {request_id}); the server log has the details",
+        code="internal_error",
+        headers={"X-Request-Id": request_id},
+    )
 
 
 SHUTDOWN_RETRY_AFTER_S = 5
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry the request", code="server_shutting_down",
-                    headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+    return APIError(
+        503,
+        "the server is shutting down; retry the request",
+        code="server_shutting_down",
+        headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)},
+    )
 
 
 def error_bytes(status_code: int, message: str, code: str | None = None, path: str = "") -> bytes:
@@ -116,8 +142,13 @@ def error_bytes(status_code: int, message: str, code: str | None = None, path: s
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     # Pydantic names union members in `loc` (e.g. `prompt.str`, `list[int]`); keep the user's field path.
-    fields = [p for p in parts
-              if not any(c in p for c in "[]") and p not in {"str", "int", "bool", "float"} and not p[:1].isupper()]
+    fields = [
+        p
+        for p in parts
+        if not any(c in p for c in "[]")
+        and p not in {"str", "int", "bool", "float"}
+        and not p[:1].isupper()
+    ]
     return ".".join(fields) or None
 
 
@@ -127,14 +158,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        return (
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+            None,
+        )
     param = _validation_param(tuple(first.get("loc", ())))
     if first.get("type") == "missing" and param is None:
         return "request body is missing or not a JSON object", None
     parts = []
     for err in errors[:3]:
         where = _validation_param(tuple(err.get("loc", ()))) or "body"
-        message = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for our own checks
+        message = str(err.get("msg")).removeprefix(
+            "Value error, "
+        )  # pydantic's prefix for our own checks
         parts.append(f"{where}: {message}{_got(err.get('input'))}")
     return "; ".join(parts), param
 
@@ -168,16 +204,30 @@ def install_error_handlers(app: FastAPI) -> None:
             code = "method_not_allowed"
         else:
             message, code = str(exc.detail), None
-        return error_response(APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)),
-                              request.url.path)
+        return error_response(
+            APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)),
+            request.url.path,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = f"err-{uuid.uuid4().hex}"
-        if isinstance(exc, RecursionError):   # its traceback runs to a thousand frames: one line says as much
-            logger.error("unhandled RecursionError in %s %s (request id %s): %s", request.method, request.url.path,
-                         request_id, exc)
+        if isinstance(
+            exc, RecursionError
+        ):  # its traceback runs to a thousand frames: one line says as much
+            logger.error(
+                "unhandled RecursionError in %s %s (request id %s): %s",
+                request.method,
+                request.url.path,
+                request_id,
+                exc,
+            )
         else:
-            logger.error("unhandled error in %s %s (request id %s)", request.method, request.url.path, request_id,
-                         exc_info=exc)
+            logger.error(
+                "unhandled error in %s %s (request id %s)",
+                request.method,
+                request.url.path,
+                request_id,
+                exc_info=exc,
+            )
         return error_response(internal_error(request_id), request.url.path)

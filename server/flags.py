@@ -34,8 +34,11 @@ def _is_bool(annotation: object) -> bool:
 
 def _choices(annotation: object) -> tuple[Any, ...] | None:
     """The values of a `Literal[...]` (or `Literal[...] | None`) field; None for any other type."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] \
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+    args = (
+        [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else [annotation]
+    )
     if not all(typing.get_origin(a) is typing.Literal for a in args):
         return None
     return tuple(value for a in args for value in typing.get_args(a))
@@ -49,7 +52,9 @@ def env_name(settings: type[BaseSettings], name: str) -> str:
     return f"{settings.model_config.get('env_prefix', '')}{name}".upper()
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, settings: type[BaseSettings]) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, settings: type[BaseSettings]
+) -> None:
     """One flag per field; unset flags stay None, so the environment and the defaults apply."""
     for name, field in settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
@@ -60,20 +65,41 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting
         metavar = extra.get("metavar") or (choices and "{" + ",".join(map(str, choices)) + "}")
         flags = (flag, *extra.get("aliases", ()))
         if _is_bool(field.annotation):
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif _is_list(field.annotation) and extra.get("nargs") == "+":  # vLLM's `--lora-modules a=PATH b=PATH`
-            parser.add_argument(*flags, action="extend", nargs="+", default=None, metavar=metavar or "VALUE",
-                                help=help_text + " (several after one flag, or repeat the flag)")
+            parser.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif (
+            _is_list(field.annotation) and extra.get("nargs") == "+"
+        ):  # vLLM's `--lora-modules a=PATH b=PATH`
+            parser.add_argument(
+                *flags,
+                action="extend",
+                nargs="+",
+                default=None,
+                metavar=metavar or "VALUE",
+                help=help_text + " (several after one flag, or repeat the flag)",
+            )
         elif _is_list(field.annotation):
-            parser.add_argument(*flags, action="append", default=None, metavar=metavar or "VALUE",
-                                help=help_text + " (repeat the flag or separate with commas)")
+            parser.add_argument(
+                *flags,
+                action="append",
+                default=None,
+                metavar=metavar or "VALUE",
+                help=help_text + " (repeat the flag or separate with commas)",
+            )
         else:
-            parser.add_argument(*flags, default=None, metavar=metavar or name.upper(), help=help_text)
+            parser.add_argument(
+                *flags, default=None, metavar=metavar or name.upper(), help=help_text
+            )
 
 
 def parse_settings(settings: type[BaseSettings], args: argparse.Namespace) -> Any:
     """Flags over environment variables over defaults; ValueError with a readable message."""
-    given = {name: getattr(args, name) for name in settings.model_fields if getattr(args, name, None) is not None}
+    given = {
+        name: getattr(args, name)
+        for name in settings.model_fields
+        if getattr(args, name, None) is not None
+    }
     try:
         return settings(**given)
     except ValidationError as exc:
@@ -81,7 +107,9 @@ def parse_settings(settings: type[BaseSettings], args: argparse.Namespace) -> An
         for err in exc.errors():
             if err["loc"]:
                 name = str(err["loc"][0])
-                problems.append(f"--{name.replace('_', '-')} / {env_name(settings, name)}: {err['msg']}")
+                problems.append(
+                    f"--{name.replace('_', '-')} / {env_name(settings, name)}: {err['msg']}"
+                )
             else:  # a check over several fields (EngineArgs' own), its message names the option
                 problems.append(err["msg"].removeprefix("Value error, "))
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems)) from None
@@ -117,5 +145,7 @@ def flags_table(*settings_models: type[BaseSettings]) -> str:
             meaning = (field.description or "").replace("|", "\\|")
             if _is_list(field.annotation):
                 meaning += " Repeat the flag or separate with commas."
-            rows.append(f"| {spelling} | `{env_name(settings, name)}` | {_default_text(field)} | {meaning} |")
+            rows.append(
+                f"| {spelling} | `{env_name(settings, name)}` | {_default_text(field)} | {meaning} |"
+            )
     return "\n".join(rows) + "\n"

@@ -39,9 +39,9 @@ def json_depth(body: bytes, stop_above: int = MAX_JSON_DEPTH) -> int:
         # byte. Blanking the pairs, then the escaped quotes, keeps every other byte where it was.
         body = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     data = np.frombuffer(body, dtype=np.uint8)
-    folded = data | 0x20   # "[" -> "{" and "]" -> "}"; no other byte becomes either
+    folded = data | 0x20  # "[" -> "{" and "]" -> "}"; no other byte becomes either
     brackets = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
-    quotes = np.flatnonzero(data == _QUOTE)   # each one opens or closes a string
+    quotes = np.flatnonzero(data == _QUOTE)  # each one opens or closes a string
     # a bracket lies inside a string when an odd number of string quotes comes before it
     brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]
     steps = np.where(folded[brackets] == _OPEN, 1, -1)
@@ -49,8 +49,10 @@ def json_depth(body: bytes, stop_above: int = MAX_JSON_DEPTH) -> int:
 
 
 def too_deep_message(what: str = "the request body", depth_limit: int = MAX_JSON_DEPTH) -> str:
-    return (f"{what} nests JSON arrays and objects more than {depth_limit} levels deep; the server accepts "
-            f"at most {depth_limit} levels")
+    return (
+        f"{what} nests JSON arrays and objects more than {depth_limit} levels deep; the server accepts "
+        f"at most {depth_limit} levels"
+    )
 
 
 def check_json_depth(text: str | bytes, param: str, depth_limit: int = MAX_JSON_DEPTH) -> None:

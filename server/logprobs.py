@@ -16,13 +16,17 @@ from typing import Any
 
 from kvserve.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
-_MIN_LOGPROB = -9999.0   # JSON has no -inf
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
 _HEX_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2 byte-level BPE's printable alphabet, inverted: character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table: dict[str, int] = {}
     num_shifted = 0
     for byte in range(256):
@@ -107,8 +111,13 @@ class TextOffsets:
     unless `skip_special_tokens`; in a known `text` (an echoed prompt) where it holds them.
     """
 
-    def __init__(self, token_text: TokenText, skip_special_tokens: bool, start: int = 0,
-                 text: str | None = None) -> None:
+    def __init__(
+        self,
+        token_text: TokenText,
+        skip_special_tokens: bool,
+        start: int = 0,
+        text: str | None = None,
+    ) -> None:
         self.token_text = token_text
         self.skip_special_tokens = skip_special_tokens
         self.text = text
@@ -120,10 +129,15 @@ class TextOffsets:
         offset = self.num_chars
         text = self.token_text.text(token_id, logprob)
         if token_id in self.token_text.special_ids:
-            is_shown = (self.text.startswith(text, offset) if self.text is not None
-                        else not self.skip_special_tokens)
-            if is_shown:   # it ends a character left incomplete (shown as U+FFFD) before it starts
-                offset = self.num_chars = self.num_chars + len(self._decoder.decode(b"", final=True))
+            is_shown = (
+                self.text.startswith(text, offset)
+                if self.text is not None
+                else not self.skip_special_tokens
+            )
+            if is_shown:  # it ends a character left incomplete (shown as U+FFFD) before it starts
+                offset = self.num_chars = self.num_chars + len(
+                    self._decoder.decode(b"", final=True)
+                )
                 self.num_chars += len(text)
             return offset
         self.num_chars += len(self._decoder.decode(bytes(self.token_text.bytes(token_id, text))))
@@ -174,12 +188,19 @@ def chat_logprobs(
         top = []
         for i, lp in _top(entries, num_top):
             top_text = token_text.text(i, lp)
-            top.append(TopLogprob(token=top_text, logprob=clamp_logprob(lp.logprob),
-                                  bytes=token_text.bytes(i, top_text)))
-        content.append(TokenLogprob(
-            token=text,
-            logprob=clamp_logprob(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
-            bytes=token_text.bytes(token_id, text),
-            top_logprobs=top,
-        ))
+            top.append(
+                TopLogprob(
+                    token=top_text,
+                    logprob=clamp_logprob(lp.logprob),
+                    bytes=token_text.bytes(i, top_text),
+                )
+            )
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=clamp_logprob(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+                bytes=token_text.bytes(token_id, text),
+                top_logprobs=top,
+            )
+        )
     return content

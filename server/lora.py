@@ -39,7 +39,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class LoRAModules:
     """The served adapters by name (`adapters` is `ModelLimits.lora_adapters`)."""
 
-    def __init__(self, adapters: dict[str, LoRARequest], base_names: list[str], max_lora_rank: int) -> None:
+    def __init__(
+        self, adapters: dict[str, LoRARequest], base_names: list[str], max_lora_rank: int
+    ) -> None:
         self.adapters, self.base_names, self.max_lora_rank = adapters, base_names, max_lora_rank
         self._ids = itertools.count(1)
 
@@ -52,7 +54,9 @@ class LoRAModules:
         if not Path(path).is_dir():
             raise bad_request(f"lora_path {path!r} is not a directory", param="lora_path")
         if not (Path(path) / "adapter_model.safetensors").is_file():
-            raise bad_request(f"lora_path {path!r} has no adapter_model.safetensors", param="lora_path")
+            raise bad_request(
+                f"lora_path {path!r} has no adapter_model.safetensors", param="lora_path"
+            )
         try:
             read_adapter_config(path, self.max_lora_rank)
         except ValueError as e:
@@ -63,8 +67,12 @@ class LoRAModules:
 
     def unload(self, name: str) -> None:
         if self.adapters.pop(name, None) is None:
-            raise APIError(404, f"The LoRA adapter `{name}` is not loaded.", param="lora_name",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The LoRA adapter `{name}` is not loaded.",
+                param="lora_name",
+                code="model_not_found",
+            )
 
     def load_modules(self, specs: list[str]) -> None:
         """`--lora-modules NAME=PATH ...`; ValueError (start-up fails) for a bad one."""
@@ -78,19 +86,31 @@ class LoRAModules:
                 raise ValueError(f"--lora-modules {spec!r}: {e.message}") from None
 
     def model_cards(self, created: int, max_model_len: int) -> list[ModelCard]:
-        return [ModelCard(id=name, created=created, root=req.lora_path, parent=self.base_names[0],
-                          max_model_len=max_model_len) for name, req in self.adapters.items()]
+        return [
+            ModelCard(
+                id=name,
+                created=created,
+                root=req.lora_path,
+                parent=self.base_names[0],
+                max_model_len=max_model_len,
+            )
+            for name, req in self.adapters.items()
+        ]
 
 
 def add_lora_routes(app: FastAPI, modules: Callable[[Request], LoRAModules]) -> None:
     """vLLM's runtime adapter routes (`--allow-runtime-lora-updating`); `modules(request)` is the app's."""
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400))
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    async def load_lora_adapter(
+        body: LoadLoRAAdapterRequest, request: Request
+    ) -> PlainTextResponse:
         modules(request).load(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=errors(404))
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    async def unload_lora_adapter(
+        body: UnloadLoRAAdapterRequest, request: Request
+    ) -> PlainTextResponse:
         modules(request).unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

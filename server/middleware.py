@@ -21,11 +21,22 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 TENANT_SCOPE_KEY = "kvserve.tenant"
 
 
-async def send_error(send: Send, status: int, message: str, code: str | None = None,
-                     headers: list[tuple[bytes, bytes]] | None = None, path: str = "") -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    path: str = "",
+) -> None:
     body = error_bytes(status, message, code, path)
-    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers + (headers or [])})
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": raw_headers + (headers or [])}
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -48,8 +59,13 @@ class APIKeyMiddleware:
     `protect_metrics`) and CORS preflights stay open. With `tag_tenants`, an accepted request
     carries its key's tag in `scope[TENANT_SCOPE_KEY]` (the raw key goes nowhere)."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str], protect_metrics: bool = False,
-                 tag_tenants: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: Sequence[str],
+        protect_metrics: bool = False,
+        tag_tenants: bool = False,
+    ) -> None:
         if not api_keys:
             raise ValueError("APIKeyMiddleware needs at least one API key")
         self.app = app
@@ -58,7 +74,11 @@ class APIKeyMiddleware:
         self.open_paths = OPEN_PATHS - {"/metrics"} if protect_metrics else OPEN_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+        if (
+            scope["type"] != "http"
+            or scope["path"] in self.open_paths
+            or scope["method"] == "OPTIONS"
+        ):
             await self.app(scope, receive, send)
             return
         token = b""
@@ -66,15 +86,24 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 token = bearer_token(value)
                 break
-            if name == b"x-api-key":   # how Anthropic's clients send the key (/v1/messages)
+            if name == b"x-api-key":  # how Anthropic's clients send the key (/v1/messages)
                 token = value
         is_valid, tenant = False, None
-        for expected, tag in self.expected:   # every key is compared: the time says nothing of which matched
+        for (
+            expected,
+            tag,
+        ) in self.expected:  # every key is compared: the time says nothing of which matched
             if hmac.compare_digest(token, expected):
                 is_valid, tenant = True, tag
         if not is_valid:
-            await send_error(send, 401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
-                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")], path=scope["path"])
+            await send_error(
+                send,
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
+                code="invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+                path=scope["path"],
+            )
             return
         if tenant is not None:
             scope = {**scope, TENANT_SCOPE_KEY: tenant}
@@ -125,8 +154,13 @@ class BodyLimitMiddleware:
                 break
         body = b"".join(chunks)
         if json_depth(body, self.max_json_depth) > self.max_json_depth:
-            await send_error(send, 400, too_deep_message(depth_limit=self.max_json_depth), code="json_too_deep",
-                             path=scope["path"])
+            await send_error(
+                send,
+                400,
+                too_deep_message(depth_limit=self.max_json_depth),
+                code="json_too_deep",
+                path=scope["path"],
+            )
             return
         is_replayed = False
 
@@ -140,5 +174,10 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send, path: str) -> None:
-        await send_error(send, 413, f"request body is larger than {self.max_bytes} bytes",
-                         code="request_too_large", path=path)
+        await send_error(
+            send,
+            413,
+            f"request body is larger than {self.max_bytes} bytes",
+            code="request_too_large",
+            path=path,
+        )

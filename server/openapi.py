@@ -29,8 +29,12 @@ _DESCRIPTIONS = {
     500: "Internal error in this request",
     503: "Overloaded (`--max-queue`, with Retry-After), shutting down, or the engine is dead",
 }
-_UNPROTECTED_PATHS = ("/health", "/metrics")   # reachable without the API key
-_EXTRA_MODELS = (ChatCompletionChunk, ErrorResponse, AnthropicErrorResponse)   # referenced only from SSE events
+_UNPROTECTED_PATHS = ("/health", "/metrics")  # reachable without the API key
+_EXTRA_MODELS = (
+    ChatCompletionChunk,
+    ErrorResponse,
+    AnthropicErrorResponse,
+)  # referenced only from SSE events
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -47,12 +51,23 @@ def errors(*status_codes: int, anthropic: bool = False) -> dict[int | str, dict[
 def named_events(description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is a JSON object, or with `stream: true` named server-sent events
     (`event: NAME` and `data: {json}`), as the Responses and Anthropic Messages APIs stream."""
-    event = {"type": "object", "required": ["event", "data"],
-             "properties": {"event": {"type": "string"},
-                            "data": {"type": "string", "contentMediaType": "application/json"}}}
-    return {200: {"description": description,
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": event}}}}
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+        },
+    }
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": event},
+            },
+        }
+    }
 
 
 def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -62,13 +77,30 @@ def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, 
     is a JSON `chunk`, an error body (an error after the stream started), or the final `[DONE]`.
     """
     payload = {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}
-    event = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
-        {"const": "[DONE]"},
-        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
-    ]}}}
-    return {200: {"model": model, "description": f"The response (JSON), or with `stream: true` server-sent "
-                  f"events: `data: {{{chunk.__name__}}}` ..., then `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": event}}}}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": payload,
+                    },
+                ]
+            }
+        },
+    }
+    return {
+        200: {
+            "model": model,
+            "description": f"The response (JSON), or with `stream: true` server-sent "
+            f"events: `data: {{{chunk.__name__}}}` ..., then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": event}},
+        }
+    }
 
 
 def install_openapi(app: FastAPI, has_api_key: bool, protects_metrics: bool = False) -> None:
@@ -88,7 +120,9 @@ def install_openapi(app: FastAPI, has_api_key: bool, protects_metrics: bool = Fa
 def _fix(schema: dict[str, Any], has_api_key: bool, open_paths: tuple[str, ...]) -> None:
     for path, operations in schema.get("paths", {}).items():
         model = "AnthropicErrorResponse" if is_anthropic_path(path) else "ErrorResponse"
-        error_ref = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}
+        error_ref = {
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}
+        }
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
@@ -97,7 +131,9 @@ def _fix(schema: dict[str, Any], has_api_key: bool, open_paths: tuple[str, ...])
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    _, extra = models_json_schema([(model, "serialization") for model in _EXTRA_MODELS],
-                                  ref_template="#/components/schemas/{model}")
+    _, extra = models_json_schema(
+        [(model, "serialization") for model in _EXTRA_MODELS],
+        ref_template="#/components/schemas/{model}",
+    )
     for name, definition in extra.get("$defs", {}).items():
         components.setdefault(name, definition)

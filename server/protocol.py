@@ -36,9 +36,8 @@ from kvserve.engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITIO
 
 MAX_LOGPROBS = 20
 MAX_N = 128
-MAX_SEQS_PER_REQUEST = 4096   # prompts x n: one request must not flood the engine
+MAX_SEQS_PER_REQUEST = 4096  # prompts x n: one request must not flood the engine
 MAX_STOP = 16
-
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -48,8 +47,10 @@ def _integral_float_to_int(value: Any) -> Any:
 def json_int(**bounds: int) -> Any:
     """JSON Schema's "integer", as the published schema says: 2 and 2.0, not 2.5, true or "2".
     `bounds` (ge, le) are checked after the conversion and published as minimum/maximum."""
-    return Annotated[Annotated[StrictInt, Field(**bounds)],  # type: ignore[call-overload]  # ge/le only
-                     BeforeValidator(_integral_float_to_int)]
+    return Annotated[
+        Annotated[StrictInt, Field(**bounds)],  # type: ignore[call-overload]  # ge/le only
+        BeforeValidator(_integral_float_to_int),
+    ]
 
 
 JsonInt = json_int()
@@ -57,11 +58,13 @@ TokenIds = list[JsonInt]
 Stop = StrictStr | list[StrictStr]
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a valid pair is one code point once JSON is parsed
+_LONE_SURROGATE = re.compile(
+    "[\ud800-\udfff]"
+)  # a valid pair is one code point once JSON is parsed
 
 
 def _fixed(text: str) -> str:
-    if text.isascii() or not _LONE_SURROGATE.search(text):   # isascii is O(1) in CPython
+    if text.isascii() or not _LONE_SURROGATE.search(text):  # isascii is O(1) in CPython
         return text
     return _LONE_SURROGATE.sub("\ufffd", text)
 
@@ -82,16 +85,16 @@ def replace_lone_surrogates(value: Any) -> Any:
     if not isinstance(value, (dict, list)):
         return value
     root = _copy(value)
-    stack = [root]   # copies whose items are still to fix
+    stack = [root]  # copies whose items are still to fix
     while stack:
         container = stack.pop()
-        for key, item in (container.items() if isinstance(container, dict) else enumerate(container)):
+        for key, item in container.items() if isinstance(container, dict) else enumerate(container):
             if isinstance(item, str):
                 if not item.isascii():
                     container[key] = _fixed(item)
             elif isinstance(item, (dict, list)):
                 if isinstance(item, list) and item and isinstance(item[0], (int, float)):
-                    continue   # token ids: no strings to fix (or a type error)
+                    continue  # token ids: no strings to fix (or a type error)
                 container[key] = item = _copy(item)
                 stack.append(item)
     return root
@@ -133,8 +136,11 @@ class ResponseFormatJSONSchema(_Request):
     json_schema: JSONSchemaSpec
 
 
-_RESPONSE_FORMAT_TAGS = {"text": "ResponseFormatText", "json_object": "ResponseFormatJSONObject",
-                         "json_schema": "ResponseFormatJSONSchema"}
+_RESPONSE_FORMAT_TAGS = {
+    "text": "ResponseFormatText",
+    "json_object": "ResponseFormatJSONObject",
+    "json_schema": "ResponseFormatJSONSchema",
+}
 
 
 def _response_format_tag(value: Any) -> str | None:
@@ -147,17 +153,26 @@ ResponseFormat = Annotated[
     Annotated[ResponseFormatText, Tag("ResponseFormatText")]
     | Annotated[ResponseFormatJSONObject, Tag("ResponseFormatJSONObject")]
     | Annotated[ResponseFormatJSONSchema, Tag("ResponseFormatJSONSchema")],
-    Discriminator(_response_format_tag, custom_error_type="invalid_response_format",
-                  custom_error_message="type must be one of 'text', 'json_object', 'json_schema'"),
+    Discriminator(
+        _response_format_tag,
+        custom_error_type="invalid_response_format",
+        custom_error_message="type must be one of 'text', 'json_object', 'json_schema'",
+    ),
 ]
 
 
 # Checked in server.validation (a 400 naming logit_bias); the schema says the same for clients.
-LogitBias = Annotated[dict[str, float], WithJsonSchema({
-    "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-    "description": "token id (a decimal string, below the model's vocabulary size) -> bias added to its logit",
-})]
+LogitBias = Annotated[
+    dict[str, float],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "token id (a decimal string, below the model's vocabulary size) -> bias added to its logit",
+        }
+    ),
+]
 
 
 class SamplingFields(_Request):
@@ -179,26 +194,42 @@ class SamplingFields(_Request):
     # Extras (vLLM names).
     top_k: json_int(ge=-1) | None = None
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: StrictFloat | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: StrictFloat | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_tokens: json_int(ge=0) | None = None
     ignore_eos: StrictBool | None = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool | None = True
     speculative: StrictBool | None = Field(
-        None, description="false: this request never uses the server's speculative decoding (docs/speculative.md).")
+        None,
+        description="false: this request never uses the server's speculative decoding (docs/speculative.md).",
+    )
     use_beam_search: StrictBool | None = Field(
-        False, description="Beam search with n beams; the n best hypotheses are the choices (docs/beam_search.md).")
+        False,
+        description="Beam search with n beams; the n best hypotheses are the choices (docs/beam_search.md).",
+    )
     length_penalty: StrictFloat | None = Field(
-        None, ge=-10.0, le=10.0,
-        description="Beam search: a hypothesis scores summed logprob / length ** length_penalty (default 1).")
+        None,
+        ge=-10.0,
+        le=10.0,
+        description="Beam search: a hypothesis scores summed logprob / length ** length_penalty (default 1).",
+    )
     early_stopping: StrictBool | Literal["never"] | None = Field(
-        None, description="Beam search: transformers' early_stopping (default false).")
+        None, description="Beam search: transformers' early_stopping (default false)."
+    )
     priority: JsonInt | None = Field(
-        None, description="Scheduling priority (vLLM's): only 0 is accepted, the server schedules first come, "
-        "first served.")
-    cache_salt: Annotated[Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)] = Field(
-        None, description="Only requests with the same salt share cached prompt KV (and its faster first token); "
-        "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).")
+        None,
+        description="Scheduling priority (vLLM's): only 0 is accepted, the server schedules first come, "
+        "first served.",
+    )
+    cache_salt: Annotated[
+        Annotated[StrictStr, Field(min_length=1)] | None, BeforeValidator(check_cache_salt)
+    ] = Field(
+        None,
+        description="Only requests with the same salt share cached prompt KV (and its faster first token); "
+        "use a random, secret value per tenant, e.g. 256 bits in base64 (docs/security.md).",
+    )
     # vLLM's structured-output extras (at most one of these and a non-text response_format). Left out
     # of the OpenAPI document: OpenAI clients do not send them, and a fuzzer that sets several at once
     # only ever gets the at-most-one 400 (docs/structured_outputs.md documents them).
@@ -217,9 +248,11 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: json_int(ge=1, le=MAX_N) | None = None
     decoder_prompt: StrictStr | TokenIds | None = Field(
-        None, description="Encoder-decoder models: the decoder's first tokens, which the output continues (every "
+        None,
+        description="Encoder-decoder models: the decoder's first tokens, which the output continues (every "
         "prompt gets the same). Text goes after the decoder start token, tokenized without special tokens; "
-        "token ids are taken as they are and must begin with the start token (docs/encoder_decoder.md).")
+        "token ids are taken as they are and must begin with the start token (docs/encoder_decoder.md).",
+    )
 
 
 class TextContentPart(_Request):
@@ -237,17 +270,48 @@ class ChatMessage(BaseModel):
 
 
 _FUNCTION_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_.\-]{1,64}$"}  # tool_parsers._NAME
-_TOOLS_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
-    "type": "object", "required": ["type", "function"],
-    "properties": {"type": {"const": "function"}, "function": {
-        "type": "object", "required": ["name"],
-        "properties": {"name": _FUNCTION_NAME, "description": {"type": "string"},
-                       "parameters": {"type": "object"}}}}}}]}
-_TOOL_CHOICE_SCHEMA = {"anyOf": [
-    {"type": "null"}, {"enum": ["none", "auto", "required"]},
-    {"type": "object", "required": ["type", "function"],
-     "properties": {"type": {"const": "function"},
-                    "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]}
+_TOOLS_SCHEMA = {
+    "anyOf": [
+        {"type": "null"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": _FUNCTION_NAME,
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"},
+                        },
+                    },
+                },
+            },
+        },
+    ]
+}
+_TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"type": "null"},
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": _FUNCTION_NAME},
+                },
+            },
+        },
+    ]
+}
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
@@ -266,7 +330,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = Field(
-        None, description="Passed to the chat template as `reasoning_effort` (templates that read it).")
+        None,
+        description="Passed to the chat template as `reasoning_effort` (templates that read it).",
+    )
 
 
 class TokenizeRequest(_Request):
@@ -285,11 +351,11 @@ class DetokenizeRequest(_Request):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache (not computed)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
 
 class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int = 0   # of completion_tokens, those of the reasoning (up to its end marker)
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning (up to its end marker)
 
 
 class UsageInfo(BaseModel):
@@ -342,7 +408,7 @@ class ChatLogprobs(BaseModel):
 
 class FunctionCallOut(BaseModel):
     name: str
-    arguments: str   # JSON text
+    arguments: str  # JSON text
 
 
 class ToolCallOut(BaseModel):
@@ -354,7 +420,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None   # the thinking (--reasoning-parser), apart from the answer
+    reasoning_content: str | None = None  # the thinking (--reasoning-parser), apart from the answer
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -363,7 +429,9 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended the choice
+    stop_reason: int | str | None = (
+        None  # vLLM's: the stop string or stop token id that ended the choice
+    )
 
 
 class ChatCompletionResponse(BaseModel):

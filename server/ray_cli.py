@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvserve ray",
         description="Serve a model as N replicas on Ray Serve behind one OpenAI-compatible endpoint, with "
-                    "prefix-affinity routing (docs/scaling.md). Takes every `kvserve serve` flag too.")
+        "prefix-affinity routing (docs/scaling.md). Takes every `kvserve serve` flag too.",
+    )
     add_flags(parser.add_argument_group("replicas (Ray Serve)"), RayOptions)
     add_flags(parser.add_argument_group("Ray cluster"), RayClusterOptions)
     add_flags(parser.add_argument_group("server and engine (as `kvserve serve`)"), ServerConfig)
@@ -41,8 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve ray: error: {exc}", file=sys.stderr)
         return 2
     if importlib.util.find_spec("ray") is None:
-        print("kvserve ray: error: Ray is not installed; install Ray Serve with `pip install kvserve[ray]`",
-              file=sys.stderr)
+        print(
+            "kvserve ray: error: Ray is not installed; install Ray Serve with `pip install kvserve[ray]`",
+            file=sys.stderr,
+        )
         return 2
     return run(config, options, cluster.ray_address, cluster.ray_num_cpus)
 
@@ -51,7 +54,9 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def run(config: ServerConfig, options: RayServeOptions, ray_address: str, ray_num_cpus: int | None) -> int:
+def run(
+    config: ServerConfig, options: RayServeOptions, ray_address: str, ray_num_cpus: int | None
+) -> int:
     """Deploy, then block until SIGINT/SIGTERM; 0 after a clean stop, 3 if the deployment failed."""
     import ray
     from ray import serve
@@ -63,18 +68,23 @@ def run(config: ServerConfig, options: RayServeOptions, ray_address: str, ray_nu
         ray.init(num_cpus=ray_num_cpus or os.cpu_count(), include_dashboard=False)
     else:
         ray.init(address=ray_address)
-    for signum in (signal.SIGINT, signal.SIGTERM):   # (SIGINT too: a shell's background job ignores it)
+    for signum in (
+        signal.SIGINT,
+        signal.SIGTERM,
+    ):  # (SIGINT too: a shell's background job ignores it)
         signal.signal(signum, _interrupt)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config, options), name=options.app_name, route_prefix="/")
-        print(f"kvserve: {options.num_replicas} replica(s) on Ray Serve at http://{config.host}:{config.port}/v1",
-              flush=True)
+        print(
+            f"kvserve: {options.num_replicas} replica(s) on Ray Serve at http://{config.host}:{config.port}/v1",
+            flush=True,
+        )
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         return 0
-    except RuntimeError as exc:        # the application failed to deploy
+    except RuntimeError as exc:  # the application failed to deploy
         print(f"kvserve ray: error: {exc}", file=sys.stderr)
         return 3
     finally:

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 CHUNK_CHARS = 64
-MAX_CHUNKS = 64          # hash at most the first 4096 characters
+MAX_CHUNKS = 64  # hash at most the first 4096 characters
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 R = TypeVar("R", bound=Hashable)
@@ -31,8 +31,12 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") if isinstance(part, dict) and isinstance(part.get("text"), str)
-                       else "" for part in content)
+        return "".join(
+            part.get("text", "")
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+            else ""
+            for part in content
+        )
     return ""
 
 
@@ -44,11 +48,14 @@ def routing_text(body: Any) -> str:
         return ""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(f"{m.get('role', '')}\n{_text_of(m.get('content'))}\n" for m in messages
-                       if isinstance(m, dict))
+        return "".join(
+            f"{m.get('role', '')}\n{_text_of(m.get('content'))}\n"
+            for m in messages
+            if isinstance(m, dict)
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]       # a batch: its first prompt
+        prompt = prompt[0]  # a batch: its first prompt
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -56,15 +63,19 @@ def routing_text(body: Any) -> str:
     return ""
 
 
-def prefix_hashes(text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> list[int]:
+def prefix_hashes(
+    text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS
+) -> list[int]:
     """Chained 64-bit hashes of the full `chunk_chars` chunks of `text` (at most `max_chunks`):
     hash i covers the first (i + 1) * chunk_chars characters, so equal hashes mean equal prefixes."""
     if chunk_chars < 1 or max_chunks < 0:
-        raise ValueError(f"need chunk_chars >= 1 and max_chunks >= 0, got {chunk_chars}, {max_chunks}")
+        raise ValueError(
+            f"need chunk_chars >= 1 and max_chunks >= 0, got {chunk_chars}, {max_chunks}"
+        )
     hashes = []
     parent = b""
     for i in range(min(len(text) // chunk_chars, max_chunks)):
-        chunk = text[i * chunk_chars:(i + 1) * chunk_chars].encode("utf-8", "surrogatepass")
+        chunk = text[i * chunk_chars : (i + 1) * chunk_chars].encode("utf-8", "surrogatepass")
         parent = hashlib.blake2b(parent + chunk, digest_size=8).digest()
         hashes.append(int.from_bytes(parent, "little"))
     return hashes
@@ -78,10 +89,14 @@ class PrefixAffinity:
     map is an LRU bounded by `max_entries` hashes. Replicas are any hashable ids.
     """
 
-    def __init__(self, max_imbalance: int, max_entries: int = 100_000, max_holders: int = 2) -> None:
+    def __init__(
+        self, max_imbalance: int, max_entries: int = 100_000, max_holders: int = 2
+    ) -> None:
         if max_imbalance < 0 or max_entries < 1 or max_holders < 1:
-            raise ValueError(f"need max_imbalance >= 0, max_entries >= 1, max_holders >= 1, got "
-                             f"{max_imbalance}, {max_entries}, {max_holders}")
+            raise ValueError(
+                f"need max_imbalance >= 0, max_entries >= 1, max_holders >= 1, got "
+                f"{max_imbalance}, {max_entries}, {max_holders}"
+            )
         self.max_imbalance = max_imbalance
         self.max_entries = max_entries
         self.max_holders = max_holders
@@ -99,8 +114,9 @@ class PrefixAffinity:
                 return min(holders, key=loads.__getitem__), depth
         return None, 0
 
-    def rank(self, candidates: Sequence[R], queue_lens: Mapping[R, int | None],
-             hashes: Sequence[int]) -> list[list[R]]:
+    def rank(
+        self, candidates: Sequence[R], queue_lens: Mapping[R, int | None], hashes: Sequence[int]
+    ) -> list[list[R]]:
         """Ranks of replicas to try, best first. An unknown queue length counts as 0."""
         if not candidates:
             return []
@@ -111,7 +127,9 @@ class PrefixAffinity:
             rest = sorted((r for r in candidates if r != preferred), key=loads.__getitem__)
             return [[preferred], rest] if rest else [[preferred]]
         least_loaded = [r for r in candidates if loads[r] == least]
-        turn = self._num_ties % len(least_loaded)   # unrelated requests take equally loaded replicas in turn
+        turn = self._num_ties % len(
+            least_loaded
+        )  # unrelated requests take equally loaded replicas in turn
         least_loaded = least_loaded[turn:] + least_loaded[:turn]
         self._num_ties += 1
         rest = sorted((r for r in candidates if loads[r] != least), key=loads.__getitem__)
@@ -124,7 +142,7 @@ class PrefixAffinity:
             if replica in holders:
                 holders.remove(replica)
             holders.insert(0, replica)
-            del holders[self.max_holders:]
+            del holders[self.max_holders :]
             self._holders[h] = holders
         while len(self._holders) > self.max_entries:
             self._holders.popitem(last=False)

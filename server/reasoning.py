@@ -36,21 +36,23 @@ class ReasoningParser:
     """A family's thinking format: its markers and where an output starts without a hint."""
 
     name: str
-    starts_in_reasoning: bool   # when the prompt neither opens nor closes a think block
+    starts_in_reasoning: bool  # when the prompt neither opens nor closes a think block
     start: str = THINK_START
     end: str = THINK_END
 
-    def initial_state(self, prompt_text: str, is_constrained: bool = False) -> Literal["open", "reasoning"]:
-        """"reasoning" when the output starts inside a think block, else "open" (an answer that
+    def initial_state(
+        self, prompt_text: str, is_constrained: bool = False
+    ) -> Literal["open", "reasoning"]:
+        """ "reasoning" when the output starts inside a think block, else "open" (an answer that
         may still open one with the start marker)."""
         if is_constrained:
             return "open"
         opened = prompt_text.rfind(self.start)
         if opened >= 0 and prompt_text.rfind(self.end) < opened:
-            tail = prompt_text[opened + len(self.start):]
-            if not tail.strip():   # the prompt ends inside the block it opened
+            tail = prompt_text[opened + len(self.start) :]
+            if not tail.strip():  # the prompt ends inside the block it opened
                 return "reasoning"
-        elif opened >= 0:   # the prompt closed the block (thinking turned off)
+        elif opened >= 0:  # the prompt closed the block (thinking turned off)
             return "open"
         return "reasoning" if self.starts_in_reasoning else "open"
 
@@ -70,14 +72,23 @@ def detect_reasoning_parser(template: str | None) -> str | None:
         return "qwen3"
     if "<｜Assistant｜>" in template:
         return "deepseek_r1"
-    logger.warning("the chat template mentions %s but its family is unknown: no reasoning parser "
-                   "(set --reasoning-parser deepseek_r1 or qwen3)", THINK_END)
+    logger.warning(
+        "the chat template mentions %s but its family is unknown: no reasoning parser "
+        "(set --reasoning-parser deepseek_r1 or qwen3)",
+        THINK_END,
+    )
     return None
 
 
 def resolve_reasoning_parser(setting: str, template: str | None) -> ReasoningParser | None:
     """`--reasoning-parser` (auto, none or a name) as a parser."""
-    name = detect_reasoning_parser(template) if setting == "auto" else None if setting == "none" else setting
+    name = (
+        detect_reasoning_parser(template)
+        if setting == "auto"
+        else None
+        if setting == "none"
+        else setting
+    )
     return REASONING_PARSERS[name] if name is not None else None
 
 
@@ -99,7 +110,9 @@ class ReasoningStreamer:
         self.has_reasoning = state == "reasoning"
         self.is_reasoning_ended = False
         self.buffer = ""
-        self.at_block_start = state == "reasoning"   # a model may repeat the start marker the prompt gave
+        self.at_block_start = (
+            state == "reasoning"
+        )  # a model may repeat the start marker the prompt gave
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) that are safe to send now."""
@@ -109,10 +122,12 @@ class ReasoningStreamer:
             if self.state == "open":
                 stripped = self.buffer.lstrip()
                 if stripped.startswith(self.parser.start):
-                    self.buffer = stripped[len(self.parser.start):]
+                    self.buffer = stripped[len(self.parser.start) :]
                     self.state, self.has_reasoning, self.at_block_start = "reasoning", True, True
                     continue
-                if self.parser.start.startswith(stripped):   # whitespace or part of the marker so far
+                if self.parser.start.startswith(
+                    stripped
+                ):  # whitespace or part of the marker so far
                     break
                 self.state = "answer"
             elif self.state == "reasoning":
@@ -121,19 +136,21 @@ class ReasoningStreamer:
                     if self.parser.start.startswith(stripped):
                         break
                     self.buffer = stripped.removeprefix(self.parser.start).lstrip()
-                    self.at_block_start = not self.buffer   # the marker alone so far: whitespace may follow
+                    self.at_block_start = (
+                        not self.buffer
+                    )  # the marker alone so far: whitespace may follow
                     continue
                 end = self.buffer.find(self.parser.end)
                 if end >= 0:
                     reasoning += self.buffer[:end]
-                    self.buffer = self.buffer[end + len(self.parser.end):]
+                    self.buffer = self.buffer[end + len(self.parser.end) :]
                     self.state, self.is_reasoning_ended = "after", True
                     continue
                 keep = _held_back(self.buffer, self.parser.end)
-                reasoning += self.buffer[:len(self.buffer) - keep]
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                reasoning += self.buffer[: len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
-            elif self.state == "after":   # whitespace between the block and the answer is dropped
+            elif self.state == "after":  # whitespace between the block and the answer is dropped
                 self.buffer = self.buffer.lstrip()
                 if self.buffer:
                     self.state = "answer"
@@ -150,18 +167,24 @@ class ReasoningStreamer:
         return "", rest if self.state in ("open", "answer") else ""
 
 
-def split_reasoning(parser: ReasoningParser, state: Literal["open", "reasoning"],
-                    text: str) -> tuple[str | None, str, bool]:
+def split_reasoning(
+    parser: ReasoningParser, state: Literal["open", "reasoning"], text: str
+) -> tuple[str | None, str, bool]:
     """(reasoning or None, answer, whether the think block ended) of a whole output."""
     streamer = ReasoningStreamer(parser, state)
     reasoning, answer = streamer.feed(text)
     rest_reasoning, rest_answer = streamer.finish()
     reasoning += rest_reasoning
-    return (reasoning if streamer.has_reasoning else None), answer + rest_answer, streamer.is_reasoning_ended
+    return (
+        (reasoning if streamer.has_reasoning else None),
+        answer + rest_answer,
+        streamer.is_reasoning_ended,
+    )
 
 
-def num_reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], end: str,
-                         is_ended: bool) -> int:
+def num_reasoning_tokens(
+    token_ids: list[int], decode: Callable[[list[int]], str], end: str, is_ended: bool
+) -> int:
     """How many of `token_ids` belong to the reasoning: up to the one that completes `end`
     (all of them when it never came). A binary search over decoded prefixes: O(log n) decodes."""
     if not is_ended:

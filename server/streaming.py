@@ -38,7 +38,11 @@ class ClientDisconnected(Exception):
 
 
 def sse_event(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    data = (
+        payload
+        if isinstance(payload, str)
+        else json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    )
     return f"data: {data}\n\n"
 
 
@@ -91,7 +95,9 @@ class SSEResponse(Response):
         self.events = events
         self.status_code = 200
         self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+        self.init_headers(
+            {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump_task = asyncio.ensure_future(self._pump(send, self.raw_headers))
@@ -110,7 +116,11 @@ class SSEResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         try:
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True}
+                )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:   # uvicorn raises ClientDisconnected (an OSError) on a write to a closed socket
+        except (
+            OSError
+        ):  # uvicorn raises ClientDisconnected (an OSError) on a write to a closed socket
             logger.debug("client disconnected during write")

@@ -13,7 +13,13 @@ from typing import Any
 
 from kvserve.server.protocol import TokenizerInfoResponse
 
-_PATH_KEYS = ("name_or_path", "vocab_file", "merges_file", "tokenizer_file", "special_tokens_map_file")
+_PATH_KEYS = (
+    "name_or_path",
+    "vocab_file",
+    "merges_file",
+    "tokenizer_file",
+    "special_tokens_map_file",
+)
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -29,12 +35,20 @@ def _plain(value: Any) -> Any:
     return content if isinstance(content, str) else str(value)
 
 
-def tokenizer_info(tokenizer: Any, chat_template: str | None, max_model_len: int) -> TokenizerInfoResponse:
-    config = {key: _plain(value) for key, value in dict(getattr(tokenizer, "init_kwargs", None) or {}).items()
-              if key not in _PATH_KEYS and not key.endswith("_file")}
+def tokenizer_info(
+    tokenizer: Any, chat_template: str | None, max_model_len: int
+) -> TokenizerInfoResponse:
+    config = {
+        key: _plain(value)
+        for key, value in dict(getattr(tokenizer, "init_kwargs", None) or {}).items()
+        if key not in _PATH_KEYS and not key.endswith("_file")
+    }
     for name in _SPECIAL_TOKENS:
         token = getattr(tokenizer, name, None)
         config[name] = token if isinstance(token, str) else _plain(config.get(name))
-    config.update(tokenizer_class=type(tokenizer).__name__, model_max_length=max_model_len,
-                  chat_template=chat_template)
+    config.update(
+        tokenizer_class=type(tokenizer).__name__,
+        model_max_length=max_model_len,
+        chat_template=chat_template,
+    )
     return TokenizerInfoResponse(**config)

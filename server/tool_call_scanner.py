@@ -30,7 +30,7 @@ class ScannedCall:
         (that string's content is the arguments, known only once it closes)."""
         if self.args_start is None or text[self.args_start] == '"':
             return None
-        return text[self.args_start:self.args_end]
+        return text[self.args_start : self.args_end]
 
 
 class CallScanner:
@@ -82,7 +82,9 @@ class CallScanner:
             self._value_start = None
             return
         if at_call and self._value_start is None and not self._is_key and self._key is not None:
-            self._value_start = i  # a value begins (a string, a number, a literal, an object or an array)
+            self._value_start = (
+                i  # a value begins (a string, a number, a literal, an object or an array)
+            )
             if self._key in ARGUMENT_KEYS:
                 self.calls[-1].args_start = i
         if ch in "{[":
@@ -99,13 +101,17 @@ class CallScanner:
 
     def _extend_value(self, i: int) -> None:
         call = self.calls[-1] if self._call_depth else None
-        if call is not None and self._value_start is not None and call.args_start == self._value_start:
+        if (
+            call is not None
+            and self._value_start is not None
+            and call.args_start == self._value_start
+        ):
             call.args_end = i + 1
 
     def _string_closed(self, text: str, i: int) -> None:
         if not self._call_depth or len(self._stack) != self._call_depth:
             return
-        raw = text[self._string_start:i + 1]
+        raw = text[self._string_start : i + 1]
         if self._is_key:
             self._key, self._is_key = _decode(raw), False
         elif self._key == "name" and self._value_start == self._string_start:

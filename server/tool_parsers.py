@@ -25,7 +25,7 @@ from typing import Any, Literal
 from kvserve.server.errors import bad_request
 from kvserve.server.tool_call_scanner import CallScanner
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's function-name rule (plus '.')
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's function-name rule (plus '.')
 JSONDecoder = json.JSONDecoder()
 
 
@@ -58,15 +58,19 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"tools.{i}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                              param="tools")
+            raise bad_request(
+                f'tools.{i}: each tool must be {{"type": "function", "function": {{...}}}}',
+                param="tools",
+            )
         function = tool.get("function")
         if not isinstance(function, dict):
             raise bad_request(f"tools.{i}.function must be an object with a name", param="tools")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise bad_request(f"tools.{i}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
-                              param="tools")
+            raise bad_request(
+                f"tools.{i}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                param="tools",
+            )
         if name in names:
             raise bad_request(f"tools.{i}.function.name {name!r} is given twice", param="tools")
         names.add(name)
@@ -75,46 +79,70 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
             raise bad_request(f"tools.{i}.function.description must be a string", param="tools")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(f"tools.{i}.function.parameters must be a JSON Schema object, got "
-                              f"{type(parameters).__name__} {str(parameters)[:60]!r}", param="tools")
+            raise bad_request(
+                f"tools.{i}.function.parameters must be a JSON Schema object, got "
+                f"{type(parameters).__name__} {str(parameters)[:60]!r}",
+                param="tools",
+            )
         if isinstance(parameters, dict) and parameters.get("type", "object") != "object":
-            raise bad_request(f"tools.{i}.function.parameters must have type 'object', got {parameters['type']!r}",
-                              param="tools")
+            raise bad_request(
+                f"tools.{i}.function.parameters must have type 'object', got {parameters['type']!r}",
+                param="tools",
+            )
     return tools
 
 
 def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]]) -> str:
-    """"none", "auto", "required" or the named function's name; 400 (param `tool_choice`) otherwise."""
+    """ "none", "auto", "required" or the named function's name; 400 (param `tool_choice`) otherwise."""
     if tool_choice is None:
         return "auto"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-                              f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}", param="tool_choice")
+            raise bad_request(
+                f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                f'"function": {{"name": ...}}}}, got {tool_choice!r}',
+                param="tool_choice",
+            )
         return tool_choice
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
-    if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
-        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-                          f"\"function\": {{\"name\": ...}}}}, got {str(tool_choice)[:100]!r}", param="tool_choice")
+    if not (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(name, str)
+    ):
+        raise bad_request(
+            f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+            f'"function": {{"name": ...}}}}, got {str(tool_choice)[:100]!r}',
+            param="tool_choice",
+        )
     known = [t["function"]["name"] for t in tools]
     if name not in known:
-        raise bad_request(f"tool_choice names function {name!r}, which is not in tools ({', '.join(known)})",
-                          param="tool_choice")
+        raise bad_request(
+            f"tool_choice names function {name!r}, which is not in tools ({', '.join(known)})",
+            param="tool_choice",
+        )
     return name
 
 
-def forced_schema(tools: list[dict[str, Any]], choice: str, is_parallel: bool = True) -> dict[str, Any]:
+def forced_schema(
+    tools: list[dict[str, Any]], choice: str, is_parallel: bool = True
+) -> dict[str, Any]:
     """The JSON schema that enforces `choice` ("required" or a function's name).
 
     A named function: `{"name": <const>, "arguments": <its parameters>}`. "required": an array
     (one item when `parallel_tool_calls` is false) of such objects, any tool in each.
     """
+
     def call(tool: dict[str, Any]) -> dict[str, Any]:
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
 
     if choice != "required":
         return call(next(t for t in tools if t["function"]["name"] == choice))
@@ -138,7 +166,7 @@ def _call(obj: Any, arguments_key: str = "arguments") -> FunctionCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(arguments, str):   # already JSON text
+    if isinstance(arguments, str):  # already JSON text
         return FunctionCall(obj["name"], arguments)
     return FunctionCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
@@ -160,7 +188,9 @@ class ToolParser:
 
     name = ""
     markers: tuple[str, ...] = ()
-    needs_special_tokens = False   # the marker is a special token: decode with skip_special_tokens=False
+    needs_special_tokens = (
+        False  # the marker is a special token: decode with skip_special_tokens=False
+    )
 
     def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         """(content, calls); a malformed call leaves the whole text as content."""
@@ -192,7 +222,7 @@ class HermesParser(ToolParser):
             return text, []
         objs, end = [], start
         for match in self._CALL.finditer(text, start):
-            if text[end:match.start()].strip():   # text between calls: keep it as content
+            if text[end : match.start()].strip():  # text between calls: keep it as content
                 break
             try:
                 objs.append(json.loads(match.group(1)))
@@ -253,7 +283,7 @@ class MistralParser(ToolParser):
         start = self.call_start(text)
         if start is None:
             return text, []
-        body = text[start + len(self.markers[0]):].lstrip()
+        body = text[start + len(self.markers[0]) :].lstrip()
         try:
             value, end = JSONDecoder.raw_decode(body)
         except json.JSONDecodeError:
@@ -262,7 +292,9 @@ class MistralParser(ToolParser):
         return (text, []) if calls is None else (_content(text[:start], body[end:]), calls)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
 
 
 def extract_forced(text: str, plan: ToolPlan) -> tuple[str | None, list[FunctionCall]]:
@@ -294,7 +326,7 @@ def _with_raw_arguments(text: str, start: int, calls: list[FunctionCall]) -> lis
     """`calls` with the generated text of their arguments, where the scan finds the same calls."""
     if not calls:
         return calls
-    scanned = [c for c in CallScanner(start).feed(text) if c.name is not None][:len(calls)]
+    scanned = [c for c in CallScanner(start).feed(text) if c.name is not None][: len(calls)]
     if [c.name for c in scanned] != [c.name for c in calls]:
         return calls
     result = []
@@ -313,8 +345,16 @@ def _with_raw_arguments(text: str, start: int, calls: list[FunctionCall]) -> lis
 
 def call_header_delta(index: int, name: str) -> dict[str, Any]:
     """The first `delta.tool_calls` chunk of a call: its id, type and name (OpenAI's shape)."""
-    return {"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
-                            "function": {"name": name, "arguments": ""}}]}
+    return {
+        "tool_calls": [
+            {
+                "index": index,
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        ]
+    }
 
 
 def call_arguments_delta(index: int, arguments: str) -> dict[str, Any]:
@@ -339,8 +379,8 @@ class ToolStreamer:
         self.text = ""
         self.num_sent = 0
         self.is_buffering = plan.mode == "forced"
-        self.scanner = CallScanner(0) if plan.mode == "forced" else None   # set when a call starts
-        self.sent_calls: list[tuple[str, str]] = []   # (name, arguments sent) per announced call
+        self.scanner = CallScanner(0) if plan.mode == "forced" else None  # set when a call starts
+        self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent) per announced call
 
     def feed(self, delta_text: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta_text
@@ -359,10 +399,12 @@ class ToolStreamer:
                 end = start
             else:
                 end -= self.parser.held_back(self.text)
-            end = len(self.text[:end].rstrip())   # trailing whitespace may precede a call (then it is dropped)
+            end = len(
+                self.text[:end].rstrip()
+            )  # trailing whitespace may precede a call (then it is dropped)
         if end <= self.num_sent:
             return ""
-        delta, self.num_sent = self.text[self.num_sent:end], end
+        delta, self.num_sent = self.text[self.num_sent : end], end
         return delta
 
     def _call_deltas(self) -> list[dict[str, Any]]:
@@ -371,14 +413,14 @@ class ToolStreamer:
         deltas = []
         for index, call in enumerate(self.scanner.feed(self.text)):
             if call.name is None:
-                break   # calls are announced in order
+                break  # calls are announced in order
             if index == len(self.sent_calls):
                 deltas.append(call_header_delta(index, call.name))
                 self.sent_calls.append((call.name, ""))
             arguments = call.arguments(self.text)
             sent = self.sent_calls[index][1]
             if arguments is not None and len(arguments) > len(sent):
-                deltas.append(call_arguments_delta(index, arguments[len(sent):]))
+                deltas.append(call_arguments_delta(index, arguments[len(sent) :]))
                 self.sent_calls[index] = (call.name, arguments)
         return deltas
 
@@ -396,26 +438,30 @@ class ToolStreamer:
             else:
                 deltas.append(call_header_delta(index, call.name))
             if len(call.arguments) > len(sent):
-                deltas.append(call_arguments_delta(index, call.arguments[len(sent):]))
+                deltas.append(call_arguments_delta(index, call.arguments[len(sent) :]))
         content = content or ""
-        sent_content = self.text[:self.num_sent]
-        if not content.startswith(sent_content):   # cannot happen: content begins with the text before any call
-            return text[self.num_sent:], deltas, bool(calls)
-        return content[self.num_sent:], deltas, bool(calls)
+        sent_content = self.text[: self.num_sent]
+        if not content.startswith(
+            sent_content
+        ):  # cannot happen: content begins with the text before any call
+            return text[self.num_sent :], deltas, bool(calls)
+        return content[self.num_sent :], deltas, bool(calls)
 
     def _confirms(self, calls: list[FunctionCall]) -> bool:
         return len(calls) >= len(self.sent_calls) and all(
             call.name == name and call.arguments.startswith(sent)
-            for call, (name, sent) in zip(calls, self.sent_calls))
+            for call, (name, sent) in zip(calls, self.sent_calls)
+        )
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               parser: str | None) -> tuple[list[dict[str, Any]] | None, ToolPlan | None, dict[str, Any] | None]:
+def plan_tools(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, parser: str | None
+) -> tuple[list[dict[str, Any]] | None, ToolPlan | None, dict[str, Any] | None]:
     """(tools to render, plan, JSON schema to enforce) for a chat request; 400s for bad input.
 
     "none" (or no tools) renders nothing and parses nothing: (None, None, None).
     """
-    if tool_choice is not None and not tools:   # OpenAI refuses it too
+    if tool_choice is not None and not tools:  # OpenAI refuses it too
         raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
     if not tools:
         return None, None, None

@@ -15,7 +15,12 @@ from pathlib import Path
 import transformers
 from tokenizers import Tokenizer
 
-from kvserve.models.checkpoint_writer import decoder_shape, random_tensors, write_checkpoint, write_tokenizer
+from kvserve.models.checkpoint_writer import (
+    decoder_shape,
+    random_tensors,
+    write_checkpoint,
+    write_tokenizer,
+)
 from kvserve.models.default_model import train_bytelevel_bpe
 
 # A small corpus with some multi-byte UTF-8 so that byte-level BPE merges
@@ -32,10 +37,17 @@ CORPUS = [
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "phi3": "Phi3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 # mixture-of-experts families (models/moe.py), tested in tests/test_moe.py
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
@@ -54,11 +66,28 @@ def save_tokenizer(path: Path, vocab_size: int = 384) -> transformers.PreTrained
 
 def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.PretrainedConfig:
     if family == "gpt2":
-        kw = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+        kw = dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            vocab_size=vocab_size,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         kw.update(overrides)
         return transformers.GPT2Config(**kw)
-    kw = decoder_shape(64, 128, 2, 4, 2, vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False)
+    kw = decoder_shape(
+        64,
+        128,
+        2,
+        4,
+        2,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if family == "mistral":
         kw["sliding_window"] = 24
     if family == "qwen2":
@@ -68,12 +97,27 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
     if family == "phi3":
         kw["pad_token_id"] = 0  # Phi3Config's default, 32000, is past the tiny vocabulary
     if family == "qwen3_moe":  # 3 layers, the middle one dense (mlp_only_layers)
-        kw.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                  norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+        kw.update(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+        )
     if family == "qwen2_moe":  # a shared expert; the first layer dense
-        kw.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                  shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0],
-                  decoder_sparse_step=1, use_sliding_window=False)
+        kw.update(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+            use_sliding_window=False,
+        )
     if family == "mixtral":
         kw.update(num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
     kw.update(overrides)
@@ -90,8 +134,9 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> transformers.Pretr
     return cls(**kw)
 
 
-def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, fused_experts: bool = False,
-                    **overrides) -> str:
+def make_checkpoint(
+    path: str | Path, family: str = "llama", seed: int = 0, fused_experts: bool = False, **overrides
+) -> str:
     """Write a tiny random `family` checkpoint (weights + tokenizer) to `path`. A `vocab_size`
     override larger than the tokenizer's gives the model ids that only token-id prompts use.
     MoE experts are written per expert as `save_pretrained` does (`fused_experts`: as transformers'
@@ -112,10 +157,15 @@ def make_checkpoint(path: str | Path, family: str = "llama", seed: int = 0, fuse
 def per_expert_tensors(tensors, family: str):
     """transformers' stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I])
     as the per-expert tensors `save_pretrained` writes (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`)."""
-    block, gate, up, down = (("block_sparse_moe", "w1", "w3", "w2") if family == "mixtral"
-                             else ("mlp", "gate_proj", "up_proj", "down_proj"))
+    block, gate, up, down = (
+        ("block_sparse_moe", "w1", "w3", "w2")
+        if family == "mixtral"
+        else ("mlp", "gate_proj", "up_proj", "down_proj")
+    )
     for name, tensor in tensors:
-        if ".mlp." not in name or (".experts." not in name and not name.endswith(".mlp.gate.weight")):
+        if ".mlp." not in name or (
+            ".experts." not in name and not name.endswith(".mlp.gate.weight")
+        ):
             yield name, tensor
             continue
         prefix = name.split(".mlp.")[0] + f".{block}"

@@ -72,11 +72,15 @@ def _kernel_sets() -> list[str]:
 def kernel_set(request):
     """Runs a test once per CPU kernel set this CPU can execute (avx512 and avx2 on an AVX512-BF16
     machine), the ops switched to that set for its duration; skips where no set runs."""
-    from kvserve.models import cpu_ops, cpu_isa
+    from kvserve.models import cpu_isa, cpu_ops
 
     if request.param == "none" or not cpu_ops.load():
-        pytest.skip("no CPU kernel set runs here: " + ", ".join(
-            f"{isa} needs {' and '.join(cpu_isa.missing_flags(isa))}" for isa in cpu_isa.ISAS))
+        pytest.skip(
+            "no CPU kernel set runs here: "
+            + ", ".join(
+                f"{isa} needs {' and '.join(cpu_isa.missing_flags(isa))}" for isa in cpu_isa.ISAS
+            )
+        )
     with every_core():
         previous = cpu_ops.use_isa(request.param)
         try:

@@ -10,7 +10,6 @@ import sys
 
 if __name__ == "__main__":
     from faulty_executor import faults
-
     from kvserve.engine import async_llm
 
     wrapper = faults(sys.argv.pop(1))

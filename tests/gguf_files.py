@@ -17,29 +17,48 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from safetensors.torch import load_file
+
 from checkpoints import make_checkpoint
 from gemma_checkpoints import make_gemma_checkpoint
 from kquants import K_TYPES, quantize_k
-from safetensors.torch import load_file
-
 from kvserve.models.checkpoint_writer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from kvserve.models.gguf_loader import gguf_tensor_names
 from kvserve.models.gguf_metadata import llama3_factors
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
-             "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gpt2": "gpt2",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+}
 GEMMA = ("gemma2", "gemma3")
 MOE = ("qwen3_moe", "mixtral")
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter: each head's rotary halves become interleaved pairs."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F32", tokenizer_pre: str = "default",
-              add_bos: bool | None = False, **overrides) -> Path:
+def make_gguf(
+    out_dir: str | Path,
+    family: str = "llama",
+    tensor_type: str = "F32",
+    tokenizer_pre: str = "default",
+    add_bos: bool | None = False,
+    **overrides,
+) -> Path:
     """Write `out_dir/model.gguf` from a tiny random `family` checkpoint (made in out_dir/hf);
     `tokenizer_pre` is the pre-tokenizer type the file names, `add_bos` its add_bos_token (None:
     the file does not say)."""
@@ -53,7 +72,9 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     _add_config(writer, config, arch)
-    _add_tokenizer(writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos)
+    _add_tokenizer(
+        writer, json.loads((hf_dir / "tokenizer.json").read_text()), tokenizer_pre, add_bos
+    )
     to_gguf = {hf: name for name, hf in gguf_tensor_names(arch, _num_layers(config)).items()}
     for hf_name, w in _expert_stacks(load_file(hf_dir / "model.safetensors")):
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -71,17 +92,29 @@ def make_gguf(out_dir: str | Path, family: str = "llama", tensor_type: str = "F3
             hf_name = "transformer." + hf_name
         name = to_gguf.get(hf_name) or to_gguf[hf_name.replace(".experts.", ".experts.{}.")]
         qtype = gguf.GGMLQuantizationType[tensor_type_of(name, tensor_type)]
-        if (w.ndim >= 2 and name != "position_embd.weight" and not name.endswith("ffn_gate_inp.weight")
-                and qtype != gguf.GGMLQuantizationType.F32):  # (llama.cpp keeps the router in F32)
+        if (
+            w.ndim >= 2
+            and name != "position_embd.weight"
+            and not name.endswith("ffn_gate_inp.weight")
+            and qtype != gguf.GGMLQuantizationType.F32
+        ):  # (llama.cpp keeps the router in F32)
             writer.add_tensor(name, _quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if arch == "llama" and rope.get("rope_type") == "llama3":  # as llama.cpp's converter writes it
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        writer.add_tensor("rope_freqs.weight", llama3_factors(
-            head_dim, rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-            rope["original_max_position_embeddings"]))
+        writer.add_tensor(
+            "rope_freqs.weight",
+            llama3_factors(
+                head_dim,
+                rope["rope_theta"],
+                rope["factor"],
+                rope["low_freq_factor"],
+                rope["high_freq_factor"],
+                rope["original_max_position_embeddings"],
+            ),
+        )
     if arch == "phi3":
         _add_phi3(writer, config)
     writer.write_header_to_file()
@@ -147,7 +180,9 @@ def _add_config(writer: gguf.GGUFWriter, c: dict, arch: str) -> None:
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
     if arch != "gemma3":
-        writer.add_rope_freq_base(c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000.0))
+        writer.add_rope_freq_base(
+            c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000.0)
+        )
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -170,7 +205,10 @@ def _add_gemma_config(writer: gguf.GGUFWriter, c: dict) -> None:
         if c.get(key) is not None:
             getattr(writer, f"add_{key}")(c[key])
     if c["model_type"] == "gemma3_text":
-        full, local = c["rope_parameters"]["full_attention"], c["rope_parameters"]["sliding_attention"]
+        full, local = (
+            c["rope_parameters"]["full_attention"],
+            c["rope_parameters"]["sliding_attention"],
+        )
         writer.add_rope_freq_base(full["rope_theta"])
         writer.add_rope_freq_base_swa(local["rope_theta"])
         if full.get("rope_type") == "linear":
@@ -182,7 +220,9 @@ def _add_phi3(writer: gguf.GGUFWriter, c: dict) -> None:
     """What llama.cpp's converter adds for Phi-3: rotary dims, sliding window, LongRoPE factors."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0))
+    rotary_dim = int(
+        head_dim * (rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0)
+    )
     writer.add_rope_dimension_count(rotary_dim)
     writer.add_sliding_window(c.get("sliding_window") or 0)
     if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
@@ -191,19 +231,26 @@ def _add_phi3(writer: gguf.GGUFWriter, c: dict) -> None:
         writer.add_rope_scaling_orig_ctx_len(original)
         attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
         writer.add_rope_scaling_attn_factors(attn_factor)
-        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        writer.add_tensor(
+            "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
+        )
+        writer.add_tensor(
+            "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
+        )
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None) -> None:
+def _add_tokenizer(
+    writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: bool | None
+) -> None:
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for t in tokens])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
     writer.add_token_merges(merges)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
@@ -214,10 +261,17 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict, pre: str, add_bos: 
 
 
 SPM_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.", "Hello world, hello there!", "A journey of a thousand miles",
-    "begins with a single step.", "Tokenizers split text into pieces; models read the pieces.",
-    "def add(a, b):\n    return a + b", "Numbers like 12, 345 and 6789 appear too.", "Zürich, naïve café, Ελλάδα",
-    "llama.cpp and kvserve read the same file", "  indented lines keep their spaces", "new\nlines\n\nand tabs\there",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, hello there!",
+    "A journey of a thousand miles",
+    "begins with a single step.",
+    "Tokenizers split text into pieces; models read the pieces.",
+    "def add(a, b):\n    return a + b",
+    "Numbers like 12, 345 and 6789 appear too.",
+    "Zürich, naïve café, Ελλάδα",
+    "llama.cpp and kvserve read the same file",
+    "  indented lines keep their spaces",
+    "new\nlines\n\nand tabs\there",
 ]
 
 
@@ -233,21 +287,50 @@ def make_spm_gguf(out_dir: str | Path, add_space_prefix: bool = True):
     out_dir.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(SPM_CORPUS * 4), model_writer=buffer, model_type="bpe", vocab_size=400,
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        add_dummy_prefix=add_space_prefix, split_digits=True, hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(SPM_CORPUS * 4),
+        model_writer=buffer,
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=add_space_prefix,
+        split_digits=True,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
     path = out_dir / "spm.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    _add_config(writer, dict(max_position_embeddings=128, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                             num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6,
-                             vocab_size=sp.get_piece_size()), "llama")
+    _add_config(
+        writer,
+        dict(
+            max_position_embeddings=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            vocab_size=sp.get_piece_size(),
+        ),
+        "llama",
+    )
     writer.add_tokenizer_model("llama")
     writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
     writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
-    writer.add_token_types([gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
-                            else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.NORMAL
-                            for i in range(sp.get_piece_size())])
+    writer.add_token_types(
+        [
+            gguf.TokenType.UNKNOWN
+            if sp.is_unknown(i)
+            else gguf.TokenType.CONTROL
+            if sp.is_control(i)
+            else gguf.TokenType.BYTE
+            if sp.is_byte(i)
+            else gguf.TokenType.NORMAL
+            for i in range(sp.get_piece_size())
+        ]
+    )
     writer.add_bos_token_id(sp.bos_id())
     writer.add_eos_token_id(sp.eos_id())
     writer.add_unk_token_id(sp.unk_id())

@@ -29,8 +29,12 @@ def _affine_blocks(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
     d = _f16(scale.max(-1) / 63)
     dmin = _f16(-low.min(-1) / 63)
     d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.clip(np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(np.divide(-low, dmin32, out=np.zeros_like(low), where=dmin32 > 0)), 0, 63).astype(np.uint8)
+    sc = np.clip(
+        np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63
+    ).astype(np.uint8)
+    m = np.clip(
+        np.round(np.divide(-low, dmin32, out=np.zeros_like(low), where=dmin32 > 0)), 0, 63
+    ).astype(np.uint8)
     step = (d32 * sc)[..., None]  # [n, 8, 1]
     shifted = x + (dmin32 * m)[..., None]
     q = np.round(np.divide(shifted, step, out=np.zeros_like(x), where=step > 0))
@@ -53,8 +57,15 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
 
 def q4_k(x: np.ndarray) -> np.ndarray:  # x [n, 256] -> [n, 144]
     d, dmin, sc, m, q = _affine_blocks(x.reshape(-1, 8, 32), 16)
-    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
-                           _pack_scales(sc, m), _nibbles(q.reshape(-1, QK_K))], axis=-1)
+    return np.concatenate(
+        [
+            d.view(np.uint8).reshape(-1, 2),
+            dmin.view(np.uint8).reshape(-1, 2),
+            _pack_scales(sc, m),
+            _nibbles(q.reshape(-1, QK_K)),
+        ],
+        axis=-1,
+    )
 
 
 def q5_k(x: np.ndarray) -> np.ndarray:  # x [n, 256] -> [n, 176]
@@ -62,8 +73,16 @@ def q5_k(x: np.ndarray) -> np.ndarray:  # x [n, 256] -> [n, 176]
     q = q.reshape(-1, QK_K)
     high = (q >> 4).reshape(-1, 8, 32) & 1  # bit k of byte l: the fifth bit of q[k*32+l]
     qh = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
-    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
-                           _pack_scales(sc, m), qh, _nibbles(q)], axis=-1)
+    return np.concatenate(
+        [
+            d.view(np.uint8).reshape(-1, 2),
+            dmin.view(np.uint8).reshape(-1, 2),
+            _pack_scales(sc, m),
+            qh,
+            _nibbles(q),
+        ],
+        axis=-1,
+    )
 
 
 def q6_k(x: np.ndarray) -> np.ndarray:  # x [n, 256] -> [n, 210]
@@ -71,14 +90,20 @@ def q6_k(x: np.ndarray) -> np.ndarray:  # x [n, 256] -> [n, 210]
     scale = np.abs(x).max(-1) / 32  # [n, 16] per sub-block, q - 32 in [-32, 31]
     d = _f16(scale.max(-1) / 127)
     d32 = d.astype(np.float32)[:, None]
-    sc = np.clip(np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), -128, 127).astype(np.int8)
+    sc = np.clip(
+        np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), -128, 127
+    ).astype(np.int8)
     step = (d32 * sc)[..., None]
     q = np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0))
     u = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128
     low, high = u & 0x0F, u >> 4
     ql = (low[..., :64] | (low[..., 64:] << 4)).reshape(-1, 128)
-    qh = (high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)).reshape(-1, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1).astype(np.uint8)
+    qh = (
+        high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)
+    ).reshape(-1, 64)
+    return np.concatenate(
+        [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1
+    ).astype(np.uint8)
 
 
 def quantize_k(w: np.ndarray, name: str) -> np.ndarray:

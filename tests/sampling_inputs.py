@@ -25,10 +25,13 @@ def _suppressed_ids(req: Request) -> list[int]:
     return list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(req.eos_token_ids))
 
 
-def build_sampling_tensors(requests: list[Request], vocab_size: int, device: torch.device) -> SamplingTensors:
+def build_sampling_tensors(
+    requests: list[Request], vocab_size: int, device: torch.device
+) -> SamplingTensors:
     params = [r.params for r in requests]
-    has_penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                        for p in params)
+    has_penalties = any(
+        p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+    )
     return SamplingTensors.from_lists(
         vocab_size=vocab_size,
         temperature=[p.temperature for p in params],

@@ -32,17 +32,40 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m kvserve.server.cli serve ...` in a subprocess; `stop()` is idempotent."""
 
-    def __init__(self, model_dir: str, *extra_args: str, env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = ("-m", "kvserve.server.cli")) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *extra_args: str,
+        env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = ("-m", "kvserve.server.cli"),
+    ) -> None:
         """`launcher`: what runs the CLI (tests/faulty_executor.py's `fault_server_launcher` injects faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
-        cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--port", str(self.port),
-               "--dtype", "float32", "--device", "cpu", "--log-level", "info", *extra_args]
+        self.log_file = tempfile.NamedTemporaryFile(
+            "w+", prefix="kvserve-test-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            *launcher,
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--log-level",
+            "info",
+            *extra_args,
+        ]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT
+        )
 
     def wait_ready(self, timeout_s: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
@@ -76,7 +99,9 @@ def cached_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
         from checkpoints import make_checkpoint
 
         root = tmp_path_factory.mktemp("server_checkpoint")
-        _cache["checkpoint"] = make_checkpoint(root / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN)
+        _cache["checkpoint"] = make_checkpoint(
+            root / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN
+        )
     return _cache["checkpoint"]  # type: ignore[return-value]
 
 
@@ -88,7 +113,9 @@ def cached_server(name: str, model_dir: str, *args: str) -> ServerProcess:
     return server  # type: ignore[return-value]
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    url: str, headers: dict[str, str] | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """`/metrics` parsed with prometheus-client's parser: {(sample name, sorted labels): value}."""
     response = httpx.get(url + "/metrics", headers=headers, timeout=10)
     response.raise_for_status()
@@ -102,8 +129,11 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, t
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(value for (sample_name, sample_labels), value in samples.items()
-               if sample_name == name and set(labels.items()) <= set(sample_labels))
+    return sum(
+        value
+        for (sample_name, sample_labels), value in samples.items()
+        if sample_name == name and set(labels.items()) <= set(sample_labels)
+    )
 
 
 def wait_idle(url: str, timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> dict:
@@ -111,12 +141,17 @@ def wait_idle(url: str, timeout_s: float = 60.0, headers: dict[str, str] | None 
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(url, headers)
-        busy = (metric(samples, "kvserve:num_requests_running"), metric(samples, "kvserve:num_requests_waiting"),
-                metric(samples, "kvserve:kv_cache_usage_perc"))
+        busy = (
+            metric(samples, "kvserve:num_requests_running"),
+            metric(samples, "kvserve:num_requests_waiting"),
+            metric(samples, "kvserve:kv_cache_usage_perc"),
+        )
         if busy == (0, 0, 0):
             return samples
         if time.monotonic() > deadline:
-            raise AssertionError(f"server still busy after {timeout_s} s: running, waiting, kv usage = {busy}")
+            raise AssertionError(
+                f"server still busy after {timeout_s} s: running, waiting, kv usage = {busy}"
+            )
         time.sleep(0.1)
 
 
@@ -137,8 +172,18 @@ def server(server_checkpoint: str):
 @pytest.fixture(scope="session")
 def guarded_server(server_checkpoint: str):
     """A server with an API key, one sequence at a time, no queue, CORS for one origin."""
-    srv = cached_server("guarded", server_checkpoint, "--api-key", "sekrit", "--max-num-seqs", "1",
-                        "--max-queue", "0", "--cors-origin", "http://example.test")
+    srv = cached_server(
+        "guarded",
+        server_checkpoint,
+        "--api-key",
+        "sekrit",
+        "--max-num-seqs",
+        "1",
+        "--max-queue",
+        "0",
+        "--cors-origin",
+        "http://example.test",
+    )
     yield srv
     srv.stop()
 
@@ -191,7 +236,15 @@ def thinking_server(server_checkpoint: str, tmp_path_factory: pytest.TempPathFac
     hermes tool parser, served as `tiny`: the server of /v1/responses, /v1/messages and reasoning tests."""
     template = tmp_path_factory.mktemp("thinking_template") / "template.jinja"
     template.write_text(THINKING_TEMPLATE)
-    srv = cached_server("thinking", server_checkpoint, "--chat-template", str(template), "--tool-call-parser",
-                        "hermes", "--served-model-name", "tiny")
+    srv = cached_server(
+        "thinking",
+        server_checkpoint,
+        "--chat-template",
+        str(template),
+        "--tool-call-parser",
+        "hermes",
+        "--served-model-name",
+        "tiny",
+    )
     yield srv
     srv.stop()

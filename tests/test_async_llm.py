@@ -29,10 +29,14 @@ def test_concurrent_streams_match_offline(engine, llama_dir):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=None)
 
     async def main():
-        return await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(PROMPTS * 4)))
+        return await asyncio.gather(
+            *(collect(engine, p, params, f"r{i}") for i, p in enumerate(PROMPTS * 4))
+        )
 
     results = asyncio.run(main())
-    offline = LLM(llama_dir, dtype="float32", device="cpu", block_size=4).generate(PROMPTS, params, use_tqdm=False)
+    offline = LLM(llama_dir, dtype="float32", device="cpu", block_size=4).generate(
+        PROMPTS, params, use_tqdm=False
+    )
     for i, (text, tokens, last) in enumerate(results):
         ref = offline[i % len(PROMPTS)].outputs[0]
         assert last.finished
@@ -55,6 +59,7 @@ def test_breaking_out_aborts_and_frees_blocks(engine):
                 n += 1
                 if n == 3:
                     break
+
         await asyncio.gather(*(partial(i) for i in range(8)))
         for _ in range(100):
             stats = engine.stats()
@@ -84,7 +89,9 @@ def test_bad_input_raises_before_yielding(engine):
 
 def test_n_and_stop_strings_stream(engine):
     async def main():
-        ref = await collect(engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "x")
+        ref = await collect(
+            engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "x"
+        )
         text = ref[0]
         stop = text[4:7]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], n=2)
@@ -95,5 +102,5 @@ def test_n_and_stop_strings_stream(engine):
     final = outs[-1]
     for i in range(2):
         streamed = "".join(o.outputs[i].delta_text for o in outs)
-        assert streamed == final.outputs[i].text == text[:text.index(stop)]
+        assert streamed == final.outputs[i].text == text[: text.index(stop)]
         assert final.outputs[i].finish_reason == "stop"

@@ -10,15 +10,35 @@ import torch
 from benchmarks import bench_engine
 from benchmarks.smollm_checkpoint import build_smollm_like
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 
 
 def test_bench_engine_repeats_cases_and_reports_medians(tmp_path, capsys):
     model_dir = build_smollm_like(tmp_path / "model", **TINY)
     out = tmp_path / "bench.json"
-    argv = ["--model-dir", str(model_dir), "--cases", "a,b", "--repeats", "2", "--threads", str(torch.get_num_threads()),
-            "--hf-batch", "8", "--skip-hf", "a", "--out", str(out)]
+    argv = [
+        "--model-dir",
+        str(model_dir),
+        "--cases",
+        "a,b",
+        "--repeats",
+        "2",
+        "--threads",
+        str(torch.get_num_threads()),
+        "--hf-batch",
+        "8",
+        "--skip-hf",
+        "a",
+        "--out",
+        str(out),
+    ]
     assert bench_engine.main(argv) == 0
     printed = capsys.readouterr().out
     assert "case a:" in printed and "case b:" in printed and "medians of 2 runs" in printed

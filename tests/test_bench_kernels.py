@@ -9,10 +9,17 @@ from benchmarks import bench_kernels
 from kvserve.models import cpu_ops
 
 
-@pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.has_fast_bf16(), reason="no CPU kernel set runs here")
+@pytest.mark.skipif(
+    not cpu_ops.load() or not cpu_ops.has_fast_bf16(), reason="no CPU kernel set runs here"
+)
 def test_bench_kernels_runs_and_reports_each_measurement(monkeypatch, capsys):
     monkeypatch.setattr(bench_kernels, "LAYERS", 2)
-    assert bench_kernels.main(["--rows", "3", "--contexts", "40", "--threads", str(torch.get_num_threads())]) == 0
+    assert (
+        bench_kernels.main(
+            ["--rows", "3", "--contexts", "40", "--threads", str(torch.get_num_threads())]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for name in ("qkv", "o", "gate_up", "down", "lm_head"):
         assert f"linear {name}" in out

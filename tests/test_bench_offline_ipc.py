@@ -9,15 +9,35 @@ import pytest
 from benchmarks import bench_ipc, bench_offline
 from benchmarks.smollm_checkpoint import build_smollm_like
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 
 
 def test_bench_offline_reports_each_batch_size(tmp_path, capsys):
     model_dir = build_smollm_like(tmp_path / "model", **TINY)
     out = tmp_path / "offline.json"
-    argv = ["--model", str(model_dir), "--dtype", "float32", "--input-len", "8", "--output-len", "4",
-            "--batch-sizes", "1,3", "--repeats", "2", "--out", str(out)]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-sizes",
+        "1,3",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert bench_offline.main(argv) == 0
     printed = capsys.readouterr().out
     assert "batch    1:" in printed and "decode" in printed and "batch    3:" in printed

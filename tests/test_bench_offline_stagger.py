@@ -10,8 +10,14 @@ import pytest
 from benchmarks import bench_offline, step_trace
 from benchmarks.smollm_checkpoint import build_smollm_like
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +27,24 @@ def tiny_model(tmp_path_factory) -> str:
 
 def test_bench_offline_staggered_arrivals(tiny_model, tmp_path, capsys):
     out = tmp_path / "offline.json"
-    argv = ["--model", tiny_model, "--dtype", "float32", "--input-len", "8", "--output-len", "4",
-            "--batch-sizes", "1,3", "--repeats", "1", "--arrival-gap-ms", "2", "--out", str(out)]
+    argv = [
+        "--model",
+        tiny_model,
+        "--dtype",
+        "float32",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-sizes",
+        "1,3",
+        "--repeats",
+        "1",
+        "--arrival-gap-ms",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert bench_offline.main(argv) == 0
     assert "batch    3:" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -36,8 +58,21 @@ def test_bench_offline_rejects_negative_gap(capsys):
 
 
 def test_step_trace_with_warm_up(tiny_model, capsys):
-    argv = ["--model", tiny_model, "--dtype", "float32", "--requests", "3", "--input-len", "8",
-            "--output-len", "3", "--rounds", "1", "--warm-up"]
+    argv = [
+        "--model",
+        tiny_model,
+        "--dtype",
+        "float32",
+        "--requests",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--rounds",
+        "1",
+        "--warm-up",
+    ]
     assert step_trace.main(argv) == 0
     printed = capsys.readouterr().out
     assert "warm-up step" in printed and "round 1:" in printed

@@ -11,7 +11,18 @@ from benchmarks import bench_startup
 
 def test_bench_startup_serves_once_and_times_the_engine(llama_dir, tmp_path, capsys):
     out = tmp_path / "startup.json"
-    argv = ["--model", llama_dir, "--repeats", "1", "--offline", "--out", str(out), "--", "--device", "cpu"]
+    argv = [
+        "--model",
+        llama_dir,
+        "--repeats",
+        "1",
+        "--offline",
+        "--out",
+        str(out),
+        "--",
+        "--device",
+        "cpu",
+    ]
     assert bench_startup.main(argv) == 0
     printed = capsys.readouterr().out
     assert "serve start-up 1/1" in printed and "LLMEngine 1/1" in printed

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import assert_greedy_matches, assert_no_leaks, greedy, make_llm, make_prompts
 
 from kvserve.engine import SamplingParams
+from test_engine import assert_greedy_matches, assert_no_leaks, greedy, make_llm, make_prompts
 
 
 def engine_state(llm) -> dict:
@@ -18,7 +18,10 @@ def engine_state(llm) -> dict:
         "free_block_ids": bm.pool._free.block_ids(),
         "cached_hashes": dict(bm.pool._cached),
         "prefix_cache": (bm.prefix_cache_queries, bm.prefix_cache_hits),
-        "batch_rows": (list(batch.req_ids), dict(batch.row_of)),  # rows past them are stale by design
+        "batch_rows": (
+            list(batch.req_ids),
+            dict(batch.row_of),
+        ),  # rows past them are stale by design
         "stats": engine.stats(),
     }
 
@@ -54,8 +57,14 @@ def test_warm_up_keeps_unseeded_sampling_as_without_it(llama_dir):
     assert got == want
 
 
-@pytest.mark.parametrize("kwargs", [{"max_num_seqs": 1}, {"num_kv_blocks": 2, "max_model_len": 8},
-                                    {"max_model_len": 2, "num_kv_blocks": 3}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_num_seqs": 1},
+        {"num_kv_blocks": 2, "max_model_len": 8},
+        {"max_model_len": 2, "num_kv_blocks": 3},
+    ],
+)
 def test_warm_up_fits_small_engines(llama_dir, kwargs):
     llm = make_llm(llama_dir, **kwargs)
     before = engine_state(llm)

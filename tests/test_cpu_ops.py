@@ -27,15 +27,18 @@ def test_kernels_build_where_a_compiler_exists():
         assert cpu_ops.isa() in cpu_isa.runnable()
 
 
-needs_kernels = pytest.mark.skipif(not cpu_ops.load(), reason="kvserve CPU kernels could not be built here")
+needs_kernels = pytest.mark.skipif(
+    not cpu_ops.load(), reason="kvserve CPU kernels could not be built here"
+)
 
 # a test of a kernel set's op runs once per set this CPU can execute (skipped, naming the missing
 # CPU features, where none can)
 needs_bf16 = pytest.mark.usefixtures("kernel_set")
 
 
-
-def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, bias=None, softcap=None):
+def reference_decode(
+    q, k_cache, v_cache, block_table, seq_lens, scale, window, bias=None, softcap=None
+):
     """Gather each request's keys, mask, softmax in float64. q [B, H, D] -> [B, H*D].
     bias [H, L]: key t of a request of length n gets bias[:, L - n + t]."""
     num_reqs, num_heads, head_dim = q.shape
@@ -46,7 +49,9 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale, window, 
         first = max(0, n - window) if window else 0
         pos = torch.arange(first, n)
         slots = block_table[b, pos // block_size] * block_size + pos % block_size
-        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, H, D]
+        k = (
+            k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        )  # [L, H, D]
         v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
         if bias is not None:
@@ -64,7 +69,9 @@ def reference_prefill(q, k_cache, v_cache, block_row, num_cached, scale, window,
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     pos = torch.arange(num_cached + num_new)
     slots = block_row[pos // block_size] * block_size + pos % block_size
-    k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, H, D]
+    k = (
+        k_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
+    )  # [L, H, D]
     v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(num_heads // num_kv_heads, 1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
     if softcap is not None:
@@ -99,7 +106,9 @@ def random_paged_case(dtype, num_reqs, num_heads, num_kv_heads, head_dim, block_
 @pytest.mark.parametrize("block_size", [16, 5])  # 5: 16-token groups straddle blocks
 @pytest.mark.parametrize("num_reqs", [7, 2])  # 2: one work item per (request, KV head)
 def test_paged_decode_attention_matches_reference(heads, head_dim, window, block_size, num_reqs):
-    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, num_reqs, *heads, head_dim, block_size)
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(
+        torch.bfloat16, num_reqs, *heads, head_dim, block_size
+    )
     scale = head_dim**-0.5
     got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window)
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
@@ -109,21 +118,29 @@ def test_paged_decode_attention_matches_reference(heads, head_dim, window, block
 
 @needs_bf16
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("extra", [0, 13])  # a table exactly as long as the longest request, or longer
+@pytest.mark.parametrize(
+    "extra", [0, 13]
+)  # a table exactly as long as the longest request, or longer
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 def test_paged_decode_attention_adds_a_bias_by_distance(heads, extra, scale):
     """T5's relative bias: a float32 [H, L] table indexed by distance from the query, added to the
     scaled scores (cross-attention is the same kernel without one)."""
-    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 5, *heads, 64, 16, seed=3)
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(
+        torch.bfloat16, 5, *heads, 64, 16, seed=3
+    )
     length = int(seq_lens.max()) + extra
     bias = torch.randn(heads[0], length, generator=torch.Generator().manual_seed(1)) * 3
     got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias)
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, None, bias)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
     with pytest.raises(RuntimeError, match="shorter than the longest"):
-        cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias[:, :10])
+        cpu_ops.paged_decode_attention(
+            q, k_cache, v_cache, table, seq_lens, scale, None, bias[:, :10]
+        )
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, None, bias.bfloat16())
+        cpu_ops.paged_decode_attention(
+            q, k_cache, v_cache, table, seq_lens, scale, None, bias.bfloat16()
+        )
 
 
 @needs_bf16
@@ -132,7 +149,9 @@ def test_paged_decode_attention_rejects_what_it_does_not_handle():
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_ops.paged_decode_attention(q[:, :3], k_cache, v_cache, table, seq_lens, 1.0, None)
     with pytest.raises(RuntimeError, match="bf16"):
-        cpu_ops.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, 1.0, None)
+        cpu_ops.paged_decode_attention(
+            q.float(), k_cache.float(), v_cache.float(), table, seq_lens, 1.0, None
+        )
     q16, k16, v16, table16, lens16 = random_paged_case(torch.bfloat16, 2, 4, 2, 16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_ops.paged_decode_attention(q16, k16, v16, table16, lens16, 1.0, None)
@@ -152,7 +171,9 @@ def test_linear_bf16_strided_rows_on_the_tile_path(rows, in_features, out_featur
     w = torch.randn(out_features, in_features).bfloat16()
     b = torch.randn(out_features)
     got = cpu_ops.linear_bf16(x, cpu_ops.pack_linear_weight(w), b, out_features)
-    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), atol=0.05, rtol=1 / 128)
+    torch.testing.assert_close(
+        got.double(), F.linear(x.double(), w.double(), b.double()), atol=0.05, rtol=1 / 128
+    )
 
 
 @needs_bf16
@@ -169,7 +190,9 @@ def test_linear_bf16_rows_are_batch_invariant_with_amx_off():
         assert torch.equal(cpu_ops.linear_bf16(x, w, None, 960)[::9], alone)
     finally:
         cpu_ops.set_amx(previous)
-    torch.testing.assert_close(cpu_ops.linear_bf16(x, w, None, 960)[::9], alone, atol=0.05, rtol=1 / 128)
+    torch.testing.assert_close(
+        cpu_ops.linear_bf16(x, w, None, 960)[::9], alone, atol=0.05, rtol=1 / 128
+    )
 
 
 @needs_bf16
@@ -193,8 +216,12 @@ def test_linear_bf16_strided_input_and_no_rows():
     w = torch.randn(40, 64).bfloat16()
     packed = cpu_ops.pack_linear_weight(w)
     x = torch.randn(3, 128).bfloat16()[:, :64]  # row stride 128
-    torch.testing.assert_close(cpu_ops.linear_bf16(x, packed, None, 40).float(),
-                               F.linear(x.float(), w.float()), atol=0.05, rtol=1 / 128)
+    torch.testing.assert_close(
+        cpu_ops.linear_bf16(x, packed, None, 40).float(),
+        F.linear(x.float(), w.float()),
+        atol=0.05,
+        rtol=1 / 128,
+    )
     assert cpu_ops.linear_bf16(x[:0], packed, None, 40).shape == (0, 40)
 
 
@@ -234,8 +261,11 @@ def test_fused_rms_norm_matches_the_pytorch_path(dtype, rows):
         norm.weight.normal_()
     x = (torch.randn(rows, 1000) * 3).to(dtype)[:, :576]  # strided rows, as a residual view can be
     got = cpu_ops.rms_norm(x, norm.weight, norm.eps)
-    ref = F.rms_norm(x, (576,), norm.weight, norm.eps) if dtype == torch.float32 else (
-        norm.weight * F.rms_norm(x, (576,), None, norm.eps))
+    ref = (
+        F.rms_norm(x, (576,), norm.weight, norm.eps)
+        if dtype == torch.float32
+        else (norm.weight * F.rms_norm(x, (576,), None, norm.eps))
+    )
     # bf16: the normalized value is rounded before the weight multiplies it, so a sum of squares
     # added in another order can move it one bf16 step, which the product's rounding can make
     # a little more than 1/128 relative
@@ -265,11 +295,15 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
     # the module's own norm of the sum: the fused op where it applies (a kernel set, or few rows),
     # else PyTorch's ops
     fused = cpu_ops.use_fused_bf16_rows(x)
-    own = cpu_ops.rms_norm(expected_sum, norm.weight, norm.eps) if fused else (
-        norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps))
+    own = (
+        cpu_ops.rms_norm(expected_sum, norm.weight, norm.eps)
+        if fused
+        else (norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps))
+    )
     assert torch.equal(normed, own)
-    torch.testing.assert_close(normed, norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps),
-                               atol=0, rtol=1 / 64)  # one bf16 step (test_fused_rms_norm_matches_the_pytorch_path)
+    torch.testing.assert_close(
+        normed, norm.weight * F.rms_norm(expected_sum, (576,), None, norm.eps), atol=0, rtol=1 / 64
+    )  # one bf16 step (test_fused_rms_norm_matches_the_pytorch_path)
     # fp32 keeps PyTorch's ops (their sum order is HF's)
     norm32 = RMSNorm(576, eps=1e-5)
     norm32.ops = norm.ops
@@ -286,8 +320,10 @@ def test_add_and_norm_fuses_the_residual_add_exactly(rows):
 def test_write_kv_cache_matches_index_copy(dtype):
     kv_heads, head_dim, tokens = 3, 64, 37
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
-    k = qkv[:, 9 * head_dim: 12 * head_dim].view(tokens, kv_heads, head_dim)  # strided rows, as in a layer
-    v = qkv[:, 12 * head_dim:].view(tokens, kv_heads, head_dim)
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(
+        tokens, kv_heads, head_dim
+    )  # strided rows, as in a layer
+    v = qkv[:, 12 * head_dim :].view(tokens, kv_heads, head_dim)
     slots = torch.randperm(10 * 16)[:tokens]
     cache = torch.zeros(2, 10, 16, kv_heads, head_dim, dtype=dtype)
     ref = cache.clone()
@@ -306,14 +342,20 @@ def test_fused_rotary_matches_apply_rotary(dtype):
     from kvserve.models.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, head_dim = 9, 3, 64
-    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(dtype)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(
+        dtype
+    )
     positions = torch.tensor([0, 1, 7, 300, 4095])
     cos_sin = rope(positions)
     qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    ref = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(5, heads + kv_heads, head_dim), cos_sin)
+    ref = apply_rotary(
+        qkv[:, : (heads + kv_heads) * head_dim].view(5, heads + kv_heads, head_dim), cos_sin
+    )
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     cpu_ops.rotary_(qkv, cos_sin, heads + kv_heads, head_dim)
-    torch.testing.assert_close(qkv[:, : (heads + kv_heads) * head_dim], ref.flatten(1), atol=0, rtol=0)
+    torch.testing.assert_close(
+        qkv[:, : (heads + kv_heads) * head_dim], ref.flatten(1), atol=0, rtol=0
+    )
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # values untouched
 
 
@@ -326,12 +368,18 @@ def test_bf16_engine_with_kernels_agrees_with_the_pytorch_path(tmp_path, monkeyp
     greedy pick), and log-probs to 0.1.
     """
     from checkpoints import make_checkpoint
-
     from kvserve.engine import LLM, SamplingParams
 
-    path = make_checkpoint(tmp_path / "hd64", "llama", hidden_size=256, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=True,
-                           initializer_range=0.1)  # peaked: few near-ties for bf16 to flip
+    path = make_checkpoint(
+        tmp_path / "hd64",
+        "llama",
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )  # peaked: few near-ties for bf16 to flip
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 9, 40, 70)]
@@ -349,7 +397,9 @@ def test_bf16_engine_with_kernels_agrees_with_the_pytorch_path(tmp_path, monkeyp
     for a, b in zip(fast, slow):
         ta, tb = a.outputs[0], b.outputs[0]
         for step, (x, y) in enumerate(zip(ta.token_ids, tb.token_ids)):
-            assert ta.logprobs[step][x].logprob == pytest.approx(tb.logprobs[step][x].logprob, abs=0.1)
+            assert ta.logprobs[step][x].logprob == pytest.approx(
+                tb.logprobs[step][x].logprob, abs=0.1
+            )
             top2 = sorted((lp.logprob for lp in tb.logprobs[step].values()), reverse=True)[:2]
             if x != y or len(top2) < 2 or top2[0] - top2[1] < 0.1:
                 assert x == y or top2[0] - top2[1] < 0.1, f"step {step}: {x} vs {y}"
@@ -390,7 +440,9 @@ def test_fused_silu_and_mul_matches_pytorch(rows, inter):
 def test_fused_rotary_avx512_path_is_bitwise_pytorch():
     from kvserve.models.layers import RotaryEmbedding, apply_rotary
 
-    rope = RotaryEmbedding(128, 2048, {"rope_type": "default", "rope_theta": 500000.0}).to(torch.bfloat16)
+    rope = RotaryEmbedding(128, 2048, {"rope_type": "default", "rope_theta": 500000.0}).to(
+        torch.bfloat16
+    )
     cos_sin = rope(torch.tensor([3, 1000, 2047]))
     x = torch.randn(3, 6 * 128).bfloat16()
     ref = apply_rotary(x.view(3, 6, 128), cos_sin).flatten(1)
@@ -399,10 +451,22 @@ def test_fused_rotary_avx512_path_is_bitwise_pytorch():
 
 
 @needs_bf16
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (32, 1)])  # (32, 1): 512 query rows per block
+@pytest.mark.parametrize(
+    "heads", [(9, 3), (4, 4), (8, 1), (32, 1)]
+)  # (32, 1): 512 query rows per block
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-@pytest.mark.parametrize("num_cached, num_new, window", [
-    (0, 1, None), (0, 37, None), (0, 130, None), (45, 20, None), (100, 1, None), (0, 130, 40), (70, 33, 24)])
+@pytest.mark.parametrize(
+    "num_cached, num_new, window",
+    [
+        (0, 1, None),
+        (0, 37, None),
+        (0, 130, None),
+        (45, 20, None),
+        (100, 1, None),
+        (0, 130, 40),
+        (70, 33, 24),
+    ],
+)
 def test_paged_prefill_attention_matches_reference(heads, head_dim, num_cached, num_new, window):
     check_paged_prefill(heads, head_dim, num_cached, num_new, window, None)
 
@@ -415,17 +479,23 @@ def test_paged_attention_soft_caps_scores(heads, window):
     prefill (a cached prefix, a window)."""
     q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 7, *heads, 64, 5)
     q = q * 4  # large scores
-    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap=1.5)
+    got = cpu_ops.paged_decode_attention(
+        q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap=1.5
+    )
     ref = reference_decode(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap=1.5)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
-    assert (got.double() - reference_decode(q, k_cache, v_cache, table, seq_lens, 0.125, window)).abs().max() > 0.1
+    assert (
+        got.double() - reference_decode(q, k_cache, v_cache, table, seq_lens, 0.125, window)
+    ).abs().max() > 0.1
     check_paged_prefill(heads, 64, 45, 40, window, 1.5)
 
 
 def check_paged_prefill(heads, head_dim, num_cached, num_new, window, softcap):
     num_heads, num_kv_heads = heads
     seq_len = num_cached + num_new
-    q1, k_cache, v_cache, _, _ = random_paged_case(torch.bfloat16, 1, num_heads, num_kv_heads, head_dim)
+    q1, k_cache, v_cache, _, _ = random_paged_case(
+        torch.bfloat16, 1, num_heads, num_kv_heads, head_dim
+    )
     g = torch.Generator().manual_seed(seq_len)
     num_blocks = -(-seq_len // 16)
     k_cache = torch.randn(num_blocks + 5, 16, num_kv_heads, head_dim, generator=g).bfloat16()
@@ -434,7 +504,9 @@ def check_paged_prefill(heads, head_dim, num_cached, num_new, window, softcap):
     qkv = torch.randn(num_new, num_heads + num_kv_heads, head_dim, generator=g).bfloat16()
     q = qkv[:, :num_heads]  # strided, as the model passes it
     scale = head_dim**-0.5
-    got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, row, seq_len, scale, window, softcap=softcap)
+    got = cpu_ops.paged_prefill_attention(
+        q, k_cache, v_cache, row, seq_len, scale, window, softcap=softcap
+    )
     ref = reference_prefill(q, k_cache, v_cache, row, num_cached, scale, window, softcap)
     assert got.shape == (num_new, num_heads * head_dim)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
@@ -442,7 +514,9 @@ def check_paged_prefill(heads, head_dim, num_cached, num_new, window, softcap):
 
 @needs_bf16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,vocab,k", [(3, 100, 5), (64, 5003, 20), (4, 17, 17), (2, 33, 0), (1, 16, 1)])
+@pytest.mark.parametrize(
+    "rows,vocab,k", [(3, 100, 5), (64, 5003, 20), (4, 17, 17), (2, 33, 0), (1, 16, 1)]
+)
 def test_logprobs_topk_matches_torch(dtype, rows, vocab, k):
     """The sampler's log-softmax at the sampled tokens and its top k in one op: torch's values (fp32
     sums in another order), the same ids, ties to the lower id."""
@@ -453,7 +527,9 @@ def test_logprobs_topk_matches_torch(dtype, rows, vocab, k):
     sampled, top, ids = cpu_ops.logprobs_topk(logits, tokens, k)
     raw = logits.float()
     norm = torch.logsumexp(raw, -1, keepdim=True)
-    torch.testing.assert_close(sampled, (raw.gather(1, tokens[:, None]) - norm)[:, 0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(
+        sampled, (raw.gather(1, tokens[:, None]) - norm)[:, 0], atol=1e-5, rtol=1e-6
+    )
     values, _ = raw.topk(k, -1)
     torch.testing.assert_close(top, values - norm, atol=1e-5, rtol=1e-6)
     assert torch.equal(raw.gather(1, ids), values) and ids.dtype == torch.int64
@@ -468,14 +544,19 @@ def test_host_library_sources_have_no_torch_or_python_headers():
     """It compiles in seconds because nothing in models/csrc includes torch's (or Python's) headers."""
     for path in [*cpu_ops.cpu_build.CSRC.rglob("*.cpp"), *cpu_ops.cpu_build.CSRC.rglob("*.h")]:
         includes = [line for line in path.read_text().splitlines() if line.startswith("#include")]
-        assert not [i for i in includes if any(w in i for w in ("torch", "ATen", "c10", "Python.h", "pybind"))], path
+        assert not [
+            i
+            for i in includes
+            if any(w in i for w in ("torch", "ATen", "c10", "Python.h", "pybind"))
+        ], path
 
 
 def test_the_image_check_names_the_host_library_folder_as_the_build_does():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("check_image", cpu_ops.cpu_build.CSRC.parents[1] / "docker"
-                                                  / "check_image.py")
+    spec = importlib.util.spec_from_file_location(
+        "check_image", cpu_ops.cpu_build.CSRC.parents[1] / "docker" / "check_image.py"
+    )
     check_image = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check_image)
     assert check_image.kernels_digest() == cpu_ops.host_library().parent.name
@@ -486,15 +567,21 @@ def test_a_failed_build_is_an_exception_per_library(tmp_path, monkeypatch):
     from kvserve.models import cpu_build
 
     monkeypatch.setenv("KVSERVE_CPU_OPS_DIR", str(tmp_path))
-    (result,) = cpu_build.build([cpu_build.host_target()], compiler=str(tmp_path / "no-such-compiler"))
+    (result,) = cpu_build.build(
+        [cpu_build.host_target()], compiler=str(tmp_path / "no-such-compiler")
+    )
     assert isinstance(result, OSError)
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    target = cpu_build.Target("broken", tmp_path / "broken" / "broken.so", [bad], ["-std=c++17"], [])
+    target = cpu_build.Target(
+        "broken", tmp_path / "broken" / "broken.so", [bad], ["-std=c++17"], []
+    )
     (result,) = cpu_build.build([target])
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler on this machine")
-    assert isinstance(result, RuntimeError) and "building the broken CPU library failed" in str(result)
+    assert isinstance(result, RuntimeError) and "building the broken CPU library failed" in str(
+        result
+    )
     assert list((tmp_path / "broken").iterdir()) == []  # nothing half-built left behind
 
 
@@ -505,7 +592,9 @@ def test_a_kernel_set_that_cannot_load_is_an_error_not_a_crash(tmp_path):
     if cpu_ops.isa() != "none":
         with pytest.raises(RuntimeError, match="has no kernel set named neon"):
             cpu_ops._load_set(cpu_ops.set_library(cpu_ops.isa()), "neon")
-    assert cpu_ops._lib.kv_kernel_set().decode() == (cpu_ops.isa() if cpu_ops.isa() != "none" else "")
+    assert cpu_ops._lib.kv_kernel_set().decode() == (
+        cpu_ops.isa() if cpu_ops.isa() != "none" else ""
+    )
 
 
 @needs_kernels
@@ -516,19 +605,29 @@ def test_without_a_set_the_scalar_fallbacks_run_and_the_rest_says_why_not():
         assert cpu_ops.isa() == "none" and not cpu_ops.has_fast_bf16() and not cpu_ops.has_amx()
         for dtype in (torch.float32, torch.bfloat16):
             x, w = torch.randn(5, 96).to(dtype), torch.randn(96).to(dtype)
-            ref = F.rms_norm(x, (96,), w, 1e-6) if dtype == torch.float32 else w * F.rms_norm(x, (96,), None, 1e-6)
+            ref = (
+                F.rms_norm(x, (96,), w, 1e-6)
+                if dtype == torch.float32
+                else w * F.rms_norm(x, (96,), None, 1e-6)
+            )
             torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1 / 64)
         residual, x = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
         expected = residual + x
         ones = torch.ones(64).bfloat16()
         normed = cpu_ops.add_rms_norm_(residual, x, ones, 1e-6)
-        assert torch.equal(residual, expected) and torch.equal(normed, cpu_ops.rms_norm(expected, ones, 1e-6))
+        assert torch.equal(residual, expected) and torch.equal(
+            normed, cpu_ops.rms_norm(expected, ones, 1e-6)
+        )
         with pytest.raises(RuntimeError, match="no CPU kernel set is loaded"):
             cpu_ops.silu_and_mul(torch.zeros(2, 64).bfloat16())
         with pytest.raises(RuntimeError, match="no CPU kernel set is loaded"):
-            cpu_ops.linear_bf16(ones[None], cpu_ops.pack_linear_weight(torch.zeros(8, 64).bfloat16()), None, 8)
+            cpu_ops.linear_bf16(
+                ones[None], cpu_ops.pack_linear_weight(torch.zeros(8, 64).bfloat16()), None, 8
+            )
         assert cpu_ops.logprobs_topk(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 1) is None
-        assert torch.equal(cpu_ops.greedy_argmax(torch.eye(3).bfloat16()), torch.arange(3))  # torch.argmax
+        assert torch.equal(
+            cpu_ops.greedy_argmax(torch.eye(3).bfloat16()), torch.arange(3)
+        )  # torch.argmax
     finally:
         cpu_ops.use_isa(previous)
 
@@ -581,7 +680,9 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(RuntimeError, match="caches must be contiguous"):
         cpu_ops.write_kv_cache(k, k, cache[0][:, :8], cache[1][:, :8], torch.arange(3))
     with pytest.raises(RuntimeError, match="bitmask must be"):
-        cpu_ops.apply_token_bitmask_(torch.zeros(2, 40), torch.zeros(2, 2, dtype=torch.int64), torch.tensor([0]))
+        cpu_ops.apply_token_bitmask_(
+            torch.zeros(2, 40), torch.zeros(2, 2, dtype=torch.int64), torch.tensor([0])
+        )
 
 
 @needs_bf16
@@ -599,32 +700,84 @@ def test_linear_and_stack_arguments_are_checked():
         cpu_ops.argmax_bf16(torch.zeros(2, 8))
     stack = cpu_ops.DecoderStack(1e-6)
     with pytest.raises(RuntimeError, match="add four linears before each layer"):
-        stack.add_layer(*[torch.ones(64).bfloat16()] * 2, None, None, *torch.zeros(2, 4, 16, 2, 32).bfloat16(), 2, 2,
-                        32, 0, 1.0, 1e-6)
+        stack.add_layer(
+            *[torch.ones(64).bfloat16()] * 2,
+            None,
+            None,
+            *torch.zeros(2, 4, 16, 2, 32).bfloat16(),
+            2,
+            2,
+            32,
+            0,
+            1.0,
+            1e-6,
+        )
     with pytest.raises(RuntimeError, match="bits must be 16, 8 or 4"):
-        stack.add_linear(torch.zeros(1, 2, 256, dtype=torch.uint8), torch.zeros(1, 1, 64).half(), None, 64, 2, 8)
+        stack.add_linear(
+            torch.zeros(1, 2, 256, dtype=torch.uint8), torch.zeros(1, 1, 64).half(), None, 64, 2, 8
+        )
     with pytest.raises(RuntimeError, match="has no layers"):
-        stack.forward(torch.zeros(1, 0).bfloat16(), torch.zeros(0).bfloat16(), torch.zeros(1, 2, 0).bfloat16(),
-                      torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                      torch.ones(1, dtype=torch.long), [1], [1])
+        stack.forward(
+            torch.zeros(1, 0).bfloat16(),
+            torch.zeros(0).bfloat16(),
+            torch.zeros(1, 2, 0).bfloat16(),
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            [1],
+            [1],
+        )
 
 
 @needs_bf16
 def test_stack_rejects_query_lengths_that_do_not_add_up():
     hidden, heads, kv_heads, d, inter = 64, 2, 2, 32, 96
     stack = cpu_ops.DecoderStack(1e-6)
-    for n, k in ((heads * d + 2 * kv_heads * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)):
-        stack.add_linear(cpu_ops.pack_linear_weight(torch.randn(n, k).bfloat16() * 0.1), None, None, n, 16, 0)
+    for n, k in (
+        (heads * d + 2 * kv_heads * d, hidden),
+        (hidden, heads * d),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ):
+        stack.add_linear(
+            cpu_ops.pack_linear_weight(torch.randn(n, k).bfloat16() * 0.1), None, None, n, 16, 0
+        )
     cache = torch.zeros(2, 4, 16, kv_heads, d).bfloat16()
-    stack.add_layer(torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16(), None, None, cache[0], cache[1], heads,
-                    kv_heads, d, 0, d**-0.5, 1e-6)
-    args = (torch.ones(hidden).bfloat16(), torch.ones(3, 2, d).bfloat16(), torch.tensor([1, 2, 3]),
-            torch.tensor([[1, 2]]), torch.tensor([3]))
+    stack.add_layer(
+        torch.ones(hidden).bfloat16(),
+        torch.ones(hidden).bfloat16(),
+        None,
+        None,
+        cache[0],
+        cache[1],
+        heads,
+        kv_heads,
+        d,
+        0,
+        d**-0.5,
+        1e-6,
+    )
+    args = (
+        torch.ones(hidden).bfloat16(),
+        torch.ones(3, 2, d).bfloat16(),
+        torch.tensor([1, 2, 3]),
+        torch.tensor([[1, 2]]),
+        torch.tensor([3]),
+    )
     with pytest.raises(RuntimeError, match="add up to 2, not 3 rows"):
         stack.forward(torch.randn(3, hidden).bfloat16(), *args, [2], [3])
     with pytest.raises(RuntimeError, match="out of range"):
-        stack.forward(torch.randn(3, hidden).bfloat16(), *args[:2], torch.tensor([1, 2, 999]), *args[3:], [3], [3])
-    out = stack.forward(torch.randn(3, hidden).bfloat16(), *args, [3], [3])  # one prefill of three tokens
+        stack.forward(
+            torch.randn(3, hidden).bfloat16(),
+            *args[:2],
+            torch.tensor([1, 2, 999]),
+            *args[3:],
+            [3],
+            [3],
+        )
+    out = stack.forward(
+        torch.randn(3, hidden).bfloat16(), *args, [3], [3]
+    )  # one prefill of three tokens
     assert out.shape == (3, hidden) and torch.isfinite(out.float()).all()
 
 
@@ -661,12 +814,21 @@ def test_rms_norm_heads_normalizes_each_head_in_place(rows):
     before = qkv.clone()
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d)
     cpu_ops.rms_norm_heads_(k, w, 1e-6)
-    expected = cpu_ops.rms_norm(before[:, heads * d : (heads + kv_heads) * d].reshape(-1, d), w, 1e-6)
+    expected = cpu_ops.rms_norm(
+        before[:, heads * d : (heads + kv_heads) * d].reshape(-1, d), w, 1e-6
+    )
     assert torch.equal(k.reshape(-1, d), expected)
     assert torch.equal(qkv[:, : heads * d], before[:, : heads * d])
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
-    torch.testing.assert_close(k, w * F.rms_norm(before[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d),
-                                                 (d,), None, 1e-6), atol=0, rtol=1 / 64)
+    torch.testing.assert_close(
+        k,
+        w
+        * F.rms_norm(
+            before[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d), (d,), None, 1e-6
+        ),
+        atol=0,
+        rtol=1 / 64,
+    )
 
 
 @needs_kernels
@@ -697,15 +859,19 @@ def test_concurrent_builds_into_one_cache_compile_once(tmp_path, monkeypatch):
         pytest.skip("no C++ compiler on this machine")
     monkeypatch.setenv("KVSERVE_CPU_OPS_DIR", str(tmp_path))
     source = tmp_path / "tiny.cpp"
-    source.write_text("extern \"C\" int tiny() { return 1; }\n")
+    source.write_text('extern "C" int tiny() { return 1; }\n')
     log = tmp_path / "compiles.log"
     compiler = tmp_path / "cxx"
-    compiler.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nsleep 0.5\nexec {shutil.which('c++') or 'g++'} \"$@\"\n")
+    compiler.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\nsleep 0.5\nexec {shutil.which("c++") or "g++"} "$@"\n'
+    )
     compiler.chmod(0o755)
     target = cpu_build.Target("tiny", tmp_path / "tiny" / "tiny.so", [source], ["-fPIC"], [])
     results = []
-    threads = [threading.Thread(target=lambda: results.extend(cpu_build.build([target], str(compiler))))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.extend(cpu_build.build([target], str(compiler))))
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

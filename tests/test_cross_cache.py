@@ -43,22 +43,41 @@ def test_encoder_output_kept_only_once_written():
 
 
 def _request(rid: str, source: tuple[int, ...]) -> Request:
-    return Request(rid, [0], SamplingParams(max_tokens=4), (1,), 4, prefix_root=prefix_root(None, source),
-                   encoder_token_ids=source)
+    return Request(
+        rid,
+        [0],
+        SamplingParams(max_tokens=4),
+        (1,),
+        4,
+        prefix_root=prefix_root(None, source),
+        encoder_token_ids=source,
+    )
 
 
 def test_admit_counts_the_encoder_in_the_budget_and_shares_a_source():
     kv, cross = make(num_blocks=9)
     source = tuple(range(10, 19))  # 9 tokens: 3 blocks
-    assert cross.admit(_request("plain", ()), budget=4, has_scheduled=True) == 0  # no source: nothing to do
-    assert cross.admit(_request("a", source), budget=9, has_scheduled=True) is None  # not beside others
+    assert (
+        cross.admit(_request("plain", ()), budget=4, has_scheduled=True) == 0
+    )  # no source: nothing to do
+    assert (
+        cross.admit(_request("a", source), budget=9, has_scheduled=True) is None
+    )  # not beside others
     assert kv.num_free_blocks == 8
-    assert cross.admit(_request("a", source), budget=9, has_scheduled=False) == 9  # alone: it runs anyway
+    assert (
+        cross.admit(_request("a", source), budget=9, has_scheduled=False) == 9
+    )  # alone: it runs anyway
     assert cross.block_ids("a") == [1, 2, 3]
-    assert cross.admit(_request("b", source), budget=9, has_scheduled=True) is None  # (the budget comes first)
-    assert cross.admit(_request("b", source), budget=64, has_scheduled=True) == 0  # shares a's blocks
+    assert (
+        cross.admit(_request("b", source), budget=9, has_scheduled=True) is None
+    )  # (the budget comes first)
+    assert (
+        cross.admit(_request("b", source), budget=64, has_scheduled=True) == 0
+    )  # shares a's blocks
     assert cross.block_ids("b") == [1, 2, 3] and kv.num_free_blocks == 5
-    assert cross.admit(_request("c", tuple(range(30, 54))), budget=64, has_scheduled=False) is None  # 6 > 5 free
+    assert (
+        cross.admit(_request("c", tuple(range(30, 54))), budget=64, has_scheduled=False) is None
+    )  # 6 > 5 free
     assert kv.num_free_blocks == 5
 
 
@@ -67,15 +86,19 @@ def test_mark_written_follows_the_steps_that_encoded():
     sampling = SamplingInputs.from_request(_request("x", (5,)))
     cross.allocate("a", 8, b"src")
     cross.allocate("b", 8, b"src")  # shares a's blocks
-    new = (NewRequestData("a", (0,), (), (4,), sampling, (1, 2), 8, (5,) * 8),
-           NewRequestData("b", (0,), (), (5,), sampling, (1, 2), 8, ()))
+    new = (
+        NewRequestData("a", (0,), (), (4,), sampling, (1, 2), 8, (5,) * 8),
+        NewRequestData("b", (0,), (), (5,), sampling, (1, 2), 8, ()),
+    )
     record = StepRecord((), (), new, ("a", "b"), (0, 0), (1, 1), {})
     cross.mark_written(record)
     cross.free("a")
     cross.free("b")
     assert cross.allocate("c", 8, b"src") is False  # kept: a's step wrote it
     cross.free("c")
-    cross.mark_written(StepRecord((), (), new, ("a", "b"), (0, 0), (1, 1), {}))  # nobody holds a any more
+    cross.mark_written(
+        StepRecord((), (), new, ("a", "b"), (0, 0), (1, 1), {})
+    )  # nobody holds a any more
     assert cross.allocate("d", 8, b"other") is True
     cross.free("d")
     assert kv.num_free_blocks == 6
@@ -94,7 +117,11 @@ def test_scheduler_with_a_cross_cache_encodes_a_source_once_and_frees_every_bloc
     plan = sched.schedule()
     a, b = plan.record.new_requests
     assert (a.encoder_token_ids, a.cross_block_ids, a.cross_len) == (source, (1, 2), 6)
-    assert (b.encoder_token_ids, b.cross_block_ids, b.cross_len) == ((), (1, 2), 6)  # shares a's encoding
+    assert (b.encoder_token_ids, b.cross_block_ids, b.cross_len) == (
+        (),
+        (1, 2),
+        6,
+    )  # shares a's encoding
     assert plan.num_batched_tokens == 6 + 1 + 1  # the source counts in the step's budget
     sched.update(plan, [7, 7])
     for rid in ("a", "b"):

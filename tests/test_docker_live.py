@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from test_docker import (
     CHECK_IMAGE,
     DF,
@@ -73,8 +74,8 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-
 # ---------------------------------------------------------------- /metrics against the dashboard
+
 
 @pytest.fixture(scope="module")
 def live_metrics(tmp_path_factory) -> str:
@@ -87,17 +88,37 @@ def live_metrics(tmp_path_factory) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
     env.update(KVSERVE_CACHE_DIR=str(tmp / "cache"), HF_HUB_OFFLINE="1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model,
-                                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvserve.server.cli",
+                "serve",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_healthy(proc, port, log, deadline_s=120)
         base = f"http://127.0.0.1:{port}"
         status, body = http("GET", f"{base}/v1/models")
         assert status == 200, body
         model_id = json.loads(body)["data"][0]["id"]
-        status, body = http("POST", f"{base}/v1/completions",
-                            {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0})
+        status, body = http(
+            "POST",
+            f"{base}/v1/completions",
+            {"model": model_id, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0},
+        )
         assert status == 200, body
         status, body = http("GET", f"{base}/metrics")
         assert status == 200, body
@@ -111,19 +132,25 @@ def test_dashboard_metrics_are_exported(live_metrics: str) -> None:
 
     # Prometheus stores samples under their sample names (foo_total, foo_bucket, foo_sum, ...),
     # and those are what PromQL names, so compare against sample names, not family names.
-    sample_type = {sample.name: family.type
-                   for family in text_string_to_metric_families(live_metrics) for sample in family.samples}
+    sample_type = {
+        sample.name: family.type
+        for family in text_string_to_metric_families(live_metrics)
+        for sample in family.samples
+    }
     exprs = dashboard_queries()
     missing = set().union(*map(promql_metric_names, exprs)) - set(sample_type)
     assert not missing, f"dashboard queries metrics kvserve does not export: {sorted(missing)}"
     for expr in exprs:
         for name in rated_metric_names(expr):  # rate() of a gauge is a silent dashboard bug
-            assert sample_type[name] in ("counter", "histogram"), f"rate() over {sample_type[name]} {name}"
+            assert sample_type[name] in ("counter", "histogram"), (
+                f"rate() over {sample_type[name]} {name}"
+            )
         for name in promql_metric_names(expr):
             assert not name.endswith("_bucket") or sample_type[name] == "histogram", name
 
 
 # ---------------------------------------------------------------- the image's install, without Docker
+
 
 class ImageRoot:
     """A directory standing in for the image's filesystem: container path /x/y is root/x/y."""
@@ -143,7 +170,9 @@ class ImageRoot:
                 shutil.copytree(path, dest_path, dirs_exist_ok=True, ignore=self._ignored)
             else:
                 assert not is_dockerignored(src), src
-                target = dest_path / path.name if dest.endswith("/") or len(sources) > 1 else dest_path
+                target = (
+                    dest_path / path.name if dest.endswith("/") or len(sources) > 1 else dest_path
+                )
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
 
@@ -166,7 +195,11 @@ def test_cpu_image_steps_install_and_serve(tmp_path: Path) -> None:
     builder, final = stage_of(instructions, "builder"), stage_of(instructions, None)
 
     workdir = "/"
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "PYTHON", "VIRTUAL_ENV"))}
+    base_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVSERVE_", "PYTHON", "VIRTUAL_ENV"))
+    }
     for ins in builder:
         if ins.cmd == "WORKDIR":
             workdir = posixpath.join(workdir, ins.args)
@@ -181,14 +214,20 @@ def test_cpu_image_steps_install_and_serve(tmp_path: Path) -> None:
             (argv,) = install_runs([ins])
             argv = [str(image(a)) if a.startswith("/") else a for a in argv]
             env = {**base_env, "TORCH_INDEX_URL": "", "PYTHON": sys.executable}
-            result = subprocess.run(argv, cwd=image(workdir), env=env, capture_output=True, text=True)
-            assert result.returncode == 0, f"{ins.args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            result = subprocess.run(
+                argv, cwd=image(workdir), env=env, capture_output=True, text=True
+            )
+            assert result.returncode == 0, (
+                f"{ins.args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            )
 
     # The runtime stage: COPY --from=builder keeps the venv where it is; the rest comes from the context.
     for sources, dest in copies(final):
         image.copy(sources, dest, "/")
     env = env_of(final, base=base_env)
-    env["PATH"] = ":".join(str(image(p)) if image(p).exists() else p for p in env["PATH"].split(":"))
+    env["PATH"] = ":".join(
+        str(image(p)) if image(p).exists() else p for p in env["PATH"].split(":")
+    )
     for key in ("HF_HOME", "KVSERVE_CACHE_DIR", "KVSERVE_CPU_OPS_DIR"):
         env[key] = str(image(env[key]))
         Path(env[key]).mkdir(parents=True, exist_ok=True)
@@ -201,14 +240,22 @@ def test_cpu_image_steps_install_and_serve(tmp_path: Path) -> None:
     executable = shutil.which(entrypoint[0], path=env["PATH"])
     assert executable and Path(executable).is_relative_to(image("/opt/venv")), executable
     health = healthcheck_cmd(final)
-    health = [shutil.which(health[0], path=env["PATH"])] + [str(image(a)) if a.startswith("/") else a
-                                                            for a in health[1:]]
-    assert subprocess.run(health, env=env, capture_output=True).returncode == 1  # nothing listening yet
+    health = [shutil.which(health[0], path=env["PATH"])] + [
+        str(image(a)) if a.startswith("/") else a for a in health[1:]
+    ]
+    assert (
+        subprocess.run(health, env=env, capture_output=True).returncode == 1
+    )  # nothing listening yet
 
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([executable, *entrypoint[1:]], cwd=image(workdir), env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [executable, *entrypoint[1:]],
+            cwd=image(workdir),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_healthy(proc, port, log, deadline_s=300)
         result = subprocess.run(health, env=env, capture_output=True, text=True)

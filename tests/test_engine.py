@@ -37,14 +37,23 @@ def hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int):
     model = hf_model(path)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
-                             min_new_tokens=max_tokens)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=max_tokens,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logits = torch.cat(out.logits).float()  # [steps, vocab]
     top2 = logits.topk(2, dim=-1).values
     ties = (top2[:, 0] - top2[:, 1] < TIE_GAP).nonzero()
-    num_trusted = int(ties[0, 0]) + 1 if len(ties) else len(tokens)  # the tied step itself is unsure
+    num_trusted = (
+        int(ties[0, 0]) + 1 if len(ties) else len(tokens)
+    )  # the tied step itself is unsure
     return tokens, torch.log_softmax(logits, -1), num_trusted - (1 if len(ties) else 0)
 
 
@@ -86,7 +95,8 @@ def test_greedy_and_logprobs_match_transformers(checkpoint_dirs, family):
         comp = out.outputs[0]
         assert comp.finish_reason == "length" and len(comp.token_ids) == MAX_TOKENS
         assert comp.cumulative_logprob == pytest.approx(
-            sum(comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)), abs=1e-4)
+            sum(comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)), abs=1e-4
+        )
         assert all(len(entry) >= 3 for entry in comp.logprobs)
     assert_no_leaks(llm)
 
@@ -110,9 +120,13 @@ def test_portable_path_matches_transformers(checkpoint_dirs, family, without_cpu
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("max_num_seqs", [256, 2])  # 2: prompt rows scored in chunks of 2 (bounded memory)
+@pytest.mark.parametrize(
+    "max_num_seqs", [256, 2]
+)  # 2: prompt rows scored in chunks of 2 (bounded memory)
 def test_prompt_logprobs_match_transformers(llama_dir, max_num_seqs):
-    llm = make_llm(llama_dir, max_num_batched_tokens=8, max_num_seqs=max_num_seqs)  # chunked prefill too
+    llm = make_llm(
+        llama_dir, max_num_batched_tokens=8, max_num_seqs=max_num_seqs
+    )  # chunked prefill too
     prompts = make_prompts(llm.engine.info.vocab_size)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     model = hf_model(llama_dir)
@@ -130,12 +144,15 @@ def test_prompt_logprobs_match_transformers(llama_dir, max_num_seqs):
             assert entry[prompt[pos]].rank == ranks
 
 
-@pytest.mark.parametrize("setting", [
-    dict(max_num_batched_tokens=5),  # chunked prefill mixed with decodes
-    dict(num_kv_blocks=16),  # so small that requests are preempted and recomputed
-    dict(max_num_seqs=2),  # requests queue and join as others finish
-    dict(enable_prefix_caching=False),
-])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(max_num_batched_tokens=5),  # chunked prefill mixed with decodes
+        dict(num_kv_blocks=16),  # so small that requests are preempted and recomputed
+        dict(max_num_seqs=2),  # requests queue and join as others finish
+        dict(enable_prefix_caching=False),
+    ],
+)
 def test_same_greedy_under_scheduling_pressure(checkpoint_dirs, setting):
     path = checkpoint_dirs["mistral"]  # sliding window makes recompute paths stricter
     llm = make_llm(path, **setting)
@@ -155,8 +172,10 @@ def test_prefix_cache_hits_give_same_output(llama_dir):
     second = llm.generate(prompts + shared, greedy(), use_tqdm=False)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits_total > 0
-    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second[:len(prompts)]]
-    assert_greedy_matches(llama_dir, shared, second[len(prompts):])
+    assert [o.outputs[0].token_ids for o in first] == [
+        o.outputs[0].token_ids for o in second[: len(prompts)]
+    ]
+    assert_greedy_matches(llama_dir, shared, second[len(prompts) :])
     assert_no_leaks(llm)
 
 
@@ -168,7 +187,9 @@ def test_a_continuation_copies_the_partly_filled_last_block(llama_dir):
     prompt = [(7 * i + 3) % llm.engine.info.vocab_size for i in range(21)]  # 21 = 5 blocks of 4 + 1
     six = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     (first,) = llm.generate([{"prompt_token_ids": prompt}], six, use_tqdm=False)
-    follow = prompt + first.outputs[0].token_ids + [3, 5]  # its first 26 tokens have K/V: 6 blocks + 2
+    follow = (
+        prompt + first.outputs[0].token_ids + [3, 5]
+    )  # its first 26 tokens have K/V: 6 blocks + 2
     before = llm.engine.prompt_tokens_computed_total
     (second,) = llm.generate([{"prompt_token_ids": follow}], greedy(), use_tqdm=False)
     assert llm.engine.prompt_tokens_computed_total - before == len(follow) - 26
@@ -184,8 +205,9 @@ def test_n_samples_share_prompt_and_match_greedy(llama_dir):
         assert [c.index for c in out.outputs] == [0, 1, 2]
         assert len({tuple(c.token_ids) for c in out.outputs}) == 1
     assert_greedy_matches(llama_dir, prompts, outs)
-    sampled = llm.generate(prompts[3], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3),
-                           use_tqdm=False)[0]
+    sampled = llm.generate(
+        prompts[3], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3), use_tqdm=False
+    )[0]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
     assert_no_leaks(llm)
 
@@ -231,12 +253,19 @@ def test_seeded_sampling_is_independent_of_the_batch(llama_dir):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
     alone = llm.generate([prompts[2]], params, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=10, seed=s) for s in range(3)] + [
-        SamplingParams(temperature=1.0, max_tokens=10)] * 2
-    batch = llm.generate(prompts[:2] + [prompts[2]] + prompts[3:] + [prompts[0]],
-                         others[:2] + [params] + others[2:], use_tqdm=False)
+        SamplingParams(temperature=1.0, max_tokens=10)
+    ] * 2
+    batch = llm.generate(
+        prompts[:2] + [prompts[2]] + prompts[3:] + [prompts[0]],
+        others[:2] + [params] + others[2:],
+        use_tqdm=False,
+    )
     assert batch[2].outputs[0].token_ids == alone
-    other_seed = llm.generate([prompts[2]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10,
-                                                           seed=99, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        [prompts[2]],
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -249,11 +278,11 @@ def test_stop_strings_and_stop_token_ids(llama_dir):
     stop = text[3:6]
     out = llm.generate([prompt], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
+    assert out.text == text[: text.index(stop)]
     stop_id = full.token_ids[4]
     out = llm.generate([prompt], greedy(stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    assert out.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     assert_no_leaks(llm)
 
 
@@ -280,13 +309,16 @@ def test_string_prompts_and_text(llama_dir):
         assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([], SamplingParams(), "empty"),
-    ("", SamplingParams(), "empty"),
-    ([10**6], SamplingParams(), "token ids"),
-    ([1] * 500, SamplingParams(max_tokens=100), "context length"),
-    ([1, 2], SamplingParams(max_tokens=10_000), "context length"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], SamplingParams(), "empty"),
+        ("", SamplingParams(), "empty"),
+        ([10**6], SamplingParams(), "token ids"),
+        ([1] * 500, SamplingParams(max_tokens=100), "context length"),
+        ([1, 2], SamplingParams(max_tokens=10_000), "context length"),
+    ],
+)
 def test_bad_requests_raise_value_error(llama_dir, prompt, params, match):
     llm = make_llm(llama_dir)
     with pytest.raises(ValueError, match=match):
@@ -300,18 +332,21 @@ def test_request_that_can_never_fit_the_kv_cache(llama_dir):
         llm.generate([[1] * 10], SamplingParams(max_tokens=10), use_tqdm=False)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(block_size=0), "block_size"),
-    (dict(max_num_seqs=-1), "max_num_seqs"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(device="tpu"), "device"),
-    (dict(max_model_len=10**6), "max_model_len"),
-    (dict(attention_backend="flash"), "attention_backend"),
-    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(enforce_eager="yes"), "enforce_eager"),
-    (dict(device="cpu", attention_backend="triton"), "triton"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=-1), "max_num_seqs"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(max_model_len=10**6), "max_model_len"),
+        (dict(attention_backend="flash"), "attention_backend"),
+        (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(enforce_eager="yes"), "enforce_eager"),
+        (dict(device="cpu", attention_backend="triton"), "triton"),
+    ],
+)
 def test_bad_engine_args(llama_dir, kwargs, match, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the Triton tests set it)
     with pytest.raises(ValueError, match=match):

@@ -15,16 +15,20 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from server_fixtures import ServerProcess
 
-from kvserve.engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
-from kvserve.engine import messages
+from kvserve.engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams, messages
 from kvserve.engine.config import RuntimeInfo
-from kvserve.engine.input_processor import ProcessedPrompt
-from kvserve.engine.outputs import EngineStats
-from kvserve.engine.sampling_params import StructuredOutputs
 from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
-from kvserve.engine.outputs import CompletionDelta, Logprob, RequestDelta, RequestMetrics
+from kvserve.engine.input_processor import ProcessedPrompt
+from kvserve.engine.outputs import (
+    CompletionDelta,
+    EngineStats,
+    Logprob,
+    RequestDelta,
+    RequestMetrics,
+)
+from kvserve.engine.sampling_params import StructuredOutputs
+from server_fixtures import ServerProcess
 
 
 def core_children(pid: int) -> list[int]:
@@ -75,39 +79,103 @@ def _one_of_each_message() -> list:
     entry = {7: Logprob(-0.5, 1, "a"), 9: Logprob(-2.25, 3, "\u00e9\u6771")}
     delta = RequestDelta(
         request_id="r-0",
-        outputs=[CompletionDelta(0, "h\u00e9", [7, 9], [entry, entry], -2.75, "stop", "</s>"),
-                 CompletionDelta(1, "", [3], None, None, "length", None),
-                 CompletionDelta(2, "x", [4], [entry], -0.5, None, 11)],
+        outputs=[
+            CompletionDelta(0, "h\u00e9", [7, 9], [entry, entry], -2.75, "stop", "</s>"),
+            CompletionDelta(1, "", [3], None, None, "length", None),
+            CompletionDelta(2, "x", [4], [entry], -0.5, None, 11),
+        ],
         finished=False,
         metrics=RequestMetrics(1.0, 1.5, 2.0, 2.5, None),
         num_cached_tokens=16,
         prompt_logprobs=[None, entry],
     )
     stats = _every_field_set(EngineStats, kv_cache_usage=0.5)
-    params = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, max_tokens=7, min_tokens=1,
-                            stop=["x"], stop_token_ids=[4], seed=3, logprobs=2, prompt_logprobs=1,
-                            repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3,
-                            logit_bias={5: 1.5}, structured_outputs=StructuredOutputs(json={"type": "object"}))
-    prompt = ProcessedPrompt(prompt="hi", prompt_token_ids=[1, 2, 3], params=params, max_tokens=7,
-                             cache_salt="tenant-a", priority=2)
-    info = RuntimeInfo(model_path="/m", architecture="LlamaForCausalLM", dtype="bfloat16", device="cpu",
-                       vocab_size=100, max_model_len=64, eos_token_ids=(0, 2), num_kv_blocks=9, block_size=4,
-                       attention_backend="cpu", cuda_graphs=True, tensor_parallel_size=2, decoder_start_token_id=3)
-    sampling = SamplingInputs(temperature=0.5, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
-                              presence_penalty=0.2, frequency_penalty=0.3, seed=3, min_tokens=1,
-                              suppressed_token_ids=(0, 2), num_logprobs=2, num_prompt_logprobs=1,
-                              logit_bias=((5, 1.5),))
-    new = NewRequestData(req_id="r-0#0", prompt_token_ids=(1, 2, 3), output_token_ids=(4,), block_ids=(1, 2),
-                         sampling=sampling, cross_block_ids=(3,), cross_len=2, encoder_token_ids=(7, 8))
-    record = StepRecord(finished_req_ids=("f",), preempted_req_ids=("p",), new_requests=(new,),
-                        req_ids=("r-0#0", "r-1#0"), num_computed_tokens=(0, 5), num_scheduled_tokens=(3, 1),
-                        new_block_ids={"r-1#0": (6,)}, spec_token_ids={"r-1#0": (9, 10)}, block_copies=((1, 2, 3),))
+    params = SamplingParams(
+        n=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        max_tokens=7,
+        min_tokens=1,
+        stop=["x"],
+        stop_token_ids=[4],
+        seed=3,
+        logprobs=2,
+        prompt_logprobs=1,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        logit_bias={5: 1.5},
+        structured_outputs=StructuredOutputs(json={"type": "object"}),
+    )
+    prompt = ProcessedPrompt(
+        prompt="hi",
+        prompt_token_ids=[1, 2, 3],
+        params=params,
+        max_tokens=7,
+        cache_salt="tenant-a",
+        priority=2,
+    )
+    info = RuntimeInfo(
+        model_path="/m",
+        architecture="LlamaForCausalLM",
+        dtype="bfloat16",
+        device="cpu",
+        vocab_size=100,
+        max_model_len=64,
+        eos_token_ids=(0, 2),
+        num_kv_blocks=9,
+        block_size=4,
+        attention_backend="cpu",
+        cuda_graphs=True,
+        tensor_parallel_size=2,
+        decoder_start_token_id=3,
+    )
+    sampling = SamplingInputs(
+        temperature=0.5,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        seed=3,
+        min_tokens=1,
+        suppressed_token_ids=(0, 2),
+        num_logprobs=2,
+        num_prompt_logprobs=1,
+        logit_bias=((5, 1.5),),
+    )
+    new = NewRequestData(
+        req_id="r-0#0",
+        prompt_token_ids=(1, 2, 3),
+        output_token_ids=(4,),
+        block_ids=(1, 2),
+        sampling=sampling,
+        cross_block_ids=(3,),
+        cross_len=2,
+        encoder_token_ids=(7, 8),
+    )
+    record = StepRecord(
+        finished_req_ids=("f",),
+        preempted_req_ids=("p",),
+        new_requests=(new,),
+        req_ids=("r-0#0", "r-1#0"),
+        num_computed_tokens=(0, 5),
+        num_scheduled_tokens=(3, 1),
+        new_block_ids={"r-1#0": (6,)},
+        spec_token_ids={"r-1#0": (9, 10)},
+        block_copies=((1, 2, 3),),
+    )
     return [
         messages.AddRequest("r-0", prompt, 12.5),
         messages.AbortRequest("r-0"),
         messages.Stop(),
         messages.Ready(info, stats),
-        messages.StartFailed(error_type="builtins.ValueError", message="bad checkpoint", traceback="Traceback ..."),
+        messages.StartFailed(
+            error_type="builtins.ValueError", message="bad checkpoint", traceback="Traceback ..."
+        ),
         messages.StepOutputs([delta], stats),
         messages.Stats(stats),
         messages.Rejected("r-0", "structured_outputs.regex is empty"),
@@ -121,7 +189,9 @@ def _one_of_each_message() -> list:
 
 def test_codec_round_trips_every_message_and_field():
     sent = _one_of_each_message()
-    assert {type(m) for m in sent} == set(messages.MESSAGE_TYPES)   # a new message type needs a case here
+    assert {type(m) for m in sent} == set(
+        messages.MESSAGE_TYPES
+    )  # a new message type needs a case here
     assert len({type(m).__struct_config__.tag for m in sent}) == len(sent)
     for message in sent:
         assert messages.decode(messages.encode(message)) == message
@@ -131,12 +201,19 @@ class _NotAnError:  # a type the receiving side must never import
     pass
 
 
-@pytest.mark.parametrize(("error", "expected_type", "text"), [
-    (ValueError("bad"), ValueError, "bad"),
-    (FileNotFoundError("no such file"), FileNotFoundError, "no such file"),
-    (EngineDeadError("gone"), EngineDeadError, "gone"),
-    (json.JSONDecodeError("Expecting value", "x", 0), RuntimeError, "JSONDecodeError: Expecting value"),
-])
+@pytest.mark.parametrize(
+    ("error", "expected_type", "text"),
+    [
+        (ValueError("bad"), ValueError, "bad"),
+        (FileNotFoundError("no such file"), FileNotFoundError, "no such file"),
+        (EngineDeadError("gone"), EngineDeadError, "gone"),
+        (
+            json.JSONDecodeError("Expecting value", "x", 0),
+            RuntimeError,
+            "JSONDecodeError: Expecting value",
+        ),
+    ],
+)
 def test_start_failed_carries_an_error_as_text(error, expected_type, text):
     try:
         raise error
@@ -151,15 +228,18 @@ def test_start_failed_carries_an_error_as_text(error, expected_type, text):
     assert type(odd) is RuntimeError and str(odd) == "_NotAnError: x"
 
 
-@pytest.mark.parametrize("frame", [
-    pickle.dumps(("step", [], None)),                                   # not MessagePack
-    msgspec.msgpack.encode(("step", [], None)),                          # an unknown tag
-    msgspec.msgpack.encode({"abort": "r-0"}),                            # not an array
-    msgspec.msgpack.encode(("abort",)),                                  # a field missing
-    msgspec.msgpack.encode(("abort", "r-0", "extra")),                   # a field too many
-    msgspec.msgpack.encode(("abort", 7)),                                # a field of the wrong type
-    msgspec.msgpack.encode(("stats", [1, 0, 0.5, 9, 8, 10, 5, 0, 0, "0"])),   # deep inside
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pickle.dumps(("step", [], None)),  # not MessagePack
+        msgspec.msgpack.encode(("step", [], None)),  # an unknown tag
+        msgspec.msgpack.encode({"abort": "r-0"}),  # not an array
+        msgspec.msgpack.encode(("abort",)),  # a field missing
+        msgspec.msgpack.encode(("abort", "r-0", "extra")),  # a field too many
+        msgspec.msgpack.encode(("abort", 7)),  # a field of the wrong type
+        msgspec.msgpack.encode(("stats", [1, 0, 0.5, 9, 8, 10, 5, 0, 0, "0"])),  # deep inside
+    ],
+)
 def test_codec_refuses_anything_but_a_message(frame):
     with pytest.raises(TypeError, match="not a kvserve message"):
         messages.decode(frame)
@@ -185,23 +265,40 @@ def engine(llama_dir):
 
 
 def test_every_output_field_matches_the_in_process_engine(engine, llama_dir):
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, logprobs=3, prompt_logprobs=2,
-                            stop_token_ids=[17], min_tokens=2)
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=12,
+        logprobs=3,
+        prompt_logprobs=2,
+        stop_token_ids=[17],
+        min_tokens=2,
+    )
     prompt = "The quick brown fox"
 
     async def run():
         return [out async for out in engine.generate(prompt, params, "all-fields")]
 
     streamed = asyncio.run(run())
-    ref = LLM(llama_dir, dtype="float32", device="cpu", block_size=4).generate(prompt, params, use_tqdm=False)[0]
+    ref = LLM(llama_dir, dtype="float32", device="cpu", block_size=4).generate(
+        prompt, params, use_tqdm=False
+    )[0]
     final = streamed[-1]
     assert final.finished and not any(o.finished for o in streamed[:-1])
     assert final.prompt_token_ids == ref.prompt_token_ids and final.prompt == ref.prompt
     assert final.prompt_logprobs == ref.prompt_logprobs and final.prompt_logprobs[0] is None
     for got, want in zip(final.outputs, ref.outputs, strict=True):
-        assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
-            (want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason)
-        assert got.logprobs == want.logprobs and got.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+        assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.index,
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        )
+        assert got.logprobs == want.logprobs and got.cumulative_logprob == pytest.approx(
+            want.cumulative_logprob
+        )
         # the deltas of all outputs add up to the final one
         assert "".join(o.outputs[got.index].delta_text for o in streamed) == got.text
         assert [t for o in streamed for t in o.outputs[got.index].delta_token_ids] == got.token_ids
@@ -259,8 +356,17 @@ def test_start_up_errors_reach_the_caller(tmp_path):
 def stream_lines(url: str, max_tokens: int):
     """An open streaming completion: (response, line iterator)."""
     client = httpx.Client(timeout=60)
-    request = client.build_request("POST", url + "/v1/completions", json={
-        "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True})
+    request = client.build_request(
+        "POST",
+        url + "/v1/completions",
+        json={
+            "prompt": [5, 6, 7],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     response = client.send(request, stream=True)
     return client, response, response.iter_lines()
 
@@ -300,9 +406,14 @@ def test_sigterm_drains_streams_then_stops_the_core(server_checkpoint):
         os.kill(core, signal.SIGTERM)
         rest = data_events(lines)
         client.close()
-        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        assert (
+            rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        )
         srv.proc.wait(15)
-        assert srv.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has stopped
+        assert srv.proc.returncode in (
+            0,
+            -signal.SIGTERM,
+        )  # uvicorn re-raises the signal once it has stopped
         wait_until(lambda: not is_alive(core), 5, "the core to exit")
     finally:
         srv.stop()
@@ -325,4 +436,3 @@ def server_checkpoint(tmp_path_factory):
 
 if sys.platform != "linux":  # /proc is how these tests find the core process
     pytestmark = pytest.mark.skip("needs Linux /proc")
-

@@ -15,18 +15,18 @@ import random
 import pytest
 import torch
 import transformers
-from gguf_files import make_gguf
-from gemma_checkpoints import SLIDING_WINDOW, gemma_config, gemma_tensors, make_gemma_checkpoint
-from test_engine import MAX_TOKENS, assert_greedy_matches, assert_no_leaks, greedy, make_llm
-from test_engine import make_prompts as engine_prompts
-from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
+from gemma_checkpoints import SLIDING_WINDOW, gemma_config, gemma_tensors, make_gemma_checkpoint
+from gguf_files import make_gguf
 from kvserve.models.attention import Attention
 from kvserve.models.checkpoint_writer import write_checkpoint
 from kvserve.models.gemma import GemmaRMSNorm
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.loader import get_max_model_len, load_model, resolve_model_path
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES
+from test_engine import MAX_TOKENS, assert_greedy_matches, assert_no_leaks, greedy, make_llm
+from test_engine import make_prompts as engine_prompts
+from test_models import PagedRunner, assert_close, hf_logits, make_prompts
 
 FAMILIES = ("gemma2", "gemma3")
 PROMPT_LENS = [1, 3, 9, 17, 26]  # most longer than the window (8)
@@ -39,12 +39,16 @@ def gemma_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def hf_eager(model_dir: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
-@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in ("cpu", "torch")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(f, b) for f in FAMILIES for b in ("cpu", "torch")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def gemma_models(request, gemma_dirs):
     family, backend = request.param
     config = load_hf_config(gemma_dirs[family])
@@ -54,14 +58,23 @@ def gemma_models(request, gemma_dirs):
 
 
 def test_layers_follow_the_config(gemma_dirs):
-    g2 = load_model(gemma_dirs["gemma2"], load_hf_config(gemma_dirs["gemma2"]), torch.float32, "cpu")
+    g2 = load_model(
+        gemma_dirs["gemma2"], load_hf_config(gemma_dirs["gemma2"]), torch.float32, "cpu"
+    )
     attn = [m for m in g2.modules() if isinstance(m, Attention)]
     assert [a.sliding_window for a in attn] == [SLIDING_WINDOW, None, SLIDING_WINDOW]
     assert {a.logit_softcap for a in attn} == {2.0} and g2.final_logit_softcap == 8.0
-    assert attn[0].scale == pytest.approx(24 ** -0.5)  # query_pre_attn_scalar, not head_dim
-    g3 = load_model(gemma_dirs["gemma3"], load_hf_config(gemma_dirs["gemma3"]), torch.float32, "cpu")
+    assert attn[0].scale == pytest.approx(24**-0.5)  # query_pre_attn_scalar, not head_dim
+    g3 = load_model(
+        gemma_dirs["gemma3"], load_hf_config(gemma_dirs["gemma3"]), torch.float32, "cpu"
+    )
     attn = [m for m in g3.modules() if isinstance(m, Attention)]
-    assert [a.sliding_window for a in attn] == [SLIDING_WINDOW, SLIDING_WINDOW, None, SLIDING_WINDOW]
+    assert [a.sliding_window for a in attn] == [
+        SLIDING_WINDOW,
+        SLIDING_WINDOW,
+        None,
+        SLIDING_WINDOW,
+    ]
     assert attn[0].rotary is attn[1].rotary is not attn[2].rotary  # local and global rotary tables
     assert {a.logit_softcap for a in attn} == {None}
 
@@ -69,7 +82,9 @@ def test_layers_follow_the_config(gemma_dirs):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_whole_prompts(gemma_models, block_size):
     model, prompts, want = gemma_models
-    assert_close(PagedRunner(model, block_size).step([(i, p, 0) for i, p in enumerate(prompts)]), want)
+    assert_close(
+        PagedRunner(model, block_size).step([(i, p, 0) for i, p in enumerate(prompts)]), want
+    )
 
 
 def test_prefill_after_cached_prefix(gemma_models):
@@ -77,9 +92,12 @@ def test_prefill_after_cached_prefix(gemma_models):
     runner = PagedRunner(model, block_size=4, seed=1)
     cut = [max(1, len(p) * 2 // 3) for p in prompts]
     first = runner.step([(i, p[: cut[i]], 0) for i, p in enumerate(prompts)])
-    rest = [(i, p[cut[i]:], cut[i]) for i, p in enumerate(prompts) if len(p) > cut[i]]
+    rest = [(i, p[cut[i] :], cut[i]) for i, p in enumerate(prompts) if len(p) > cut[i]]
     second = dict(zip([r[0] for r in rest], runner.step(rest)))
-    assert_close([torch.cat([first[i]] + ([second[i]] if i in second else [])) for i in range(len(prompts))], want)
+    assert_close(
+        [torch.cat([first[i]] + ([second[i]] if i in second else [])) for i in range(len(prompts))],
+        want,
+    )
 
 
 def test_mixed_decode_and_chunked_prefill(gemma_models):
@@ -90,7 +108,7 @@ def test_mixed_decode_and_chunked_prefill(gemma_models):
     while any(d < len(p) for d, p in zip(done, prompts)):
         order = [i for i in range(len(prompts)) if done[i] < len(prompts[i])]
         random.Random(sum(done)).shuffle(order)
-        chunks = [(i, prompts[i][done[i]: done[i] + sizes[i]], done[i]) for i in order]
+        chunks = [(i, prompts[i][done[i] : done[i] + sizes[i]], done[i]) for i in order]
         for (i, tokens, _), logits in zip(chunks, runner.step(chunks)):
             got[i].append(logits)
             done[i] += len(tokens)
@@ -98,11 +116,15 @@ def test_mixed_decode_and_chunked_prefill(gemma_models):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("setting", [
-    dict(),
-    dict(max_num_batched_tokens=5),  # chunked prefill mixed with decodes
-    dict(num_kv_blocks=16),  # so small that requests are preempted and recomputed
-], ids=["plain", "chunked", "preempted"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(),
+        dict(max_num_batched_tokens=5),  # chunked prefill mixed with decodes
+        dict(num_kv_blocks=16),  # so small that requests are preempted and recomputed
+    ],
+    ids=["plain", "chunked", "preempted"],
+)
 def test_engine_greedy_and_logprobs(gemma_dirs, family, setting):
     path = gemma_dirs[family]
     llm = make_llm(path, **setting)
@@ -121,7 +143,10 @@ def test_prefix_cache_hits(gemma_dirs, family):
     llm = make_llm(path)
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, llm.engine.info.vocab_size, (20,), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, llm.engine.info.vocab_size, (n,), generator=g).tolist() for n in (3, 11)]
+    prompts = [
+        prefix + torch.randint(3, llm.engine.info.vocab_size, (n,), generator=g).tolist()
+        for n in (3, 11)
+    ]
     first = llm.generate(prompts[:1], greedy(), use_tqdm=False)
     second = llm.generate(prompts, greedy(logprobs=2), use_tqdm=False)
     assert llm.engine.stats().prefix_cache_hits_total > 0
@@ -149,7 +174,8 @@ def test_bf16_cpu_kernels_close_to_fp32(tmp_path, family):
     config = load_hf_config(path)
     prompts = make_prompts(config.vocab_size, [3, 17, 26])
     want = PagedRunner(load_model(path, config, torch.float32, "cpu"), 4).step(
-        [(i, p, 0) for i, p in enumerate(prompts)])
+        [(i, p, 0) for i, p in enumerate(prompts)]
+    )
     model = load_model(path, config, torch.bfloat16, "cpu", attention_backend="cpu")
     assert next(m for m in model.modules() if isinstance(m, Attention)).backend.paged_kernels
     got = PagedRunner(model, 4).step([(i, p, 0) for i, p in enumerate(prompts)])
@@ -164,23 +190,34 @@ def test_bf16_cpu_kernels_close_to_fp32(tmp_path, family):
 def test_gguf_file_loads_the_checkpoints_weights_exactly(tmp_path, family, dtype):
     """An F32 file written as llama.cpp's converter writes it (norm weights stored as 1 + w) gives
     the safetensors checkpoint's parameters bit for bit, the same layer set-up, the same logits."""
-    path = make_gguf(tmp_path, family, "F32", dtype=dtype, query_pre_attn_scalar=32)  # llama.cpp: head_dim
+    path = make_gguf(
+        tmp_path, family, "F32", dtype=dtype, query_pre_attn_scalar=32
+    )  # llama.cpp: head_dim
     models = []
     for model_path in (resolve_model_path(str(path)), str(tmp_path / "hf")):
         config = load_hf_config(model_path)
-        assert config.architectures == [{"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]]
+        assert config.architectures == [
+            {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+        ]
         models.append(load_model(model_path, config, torch.float32, "cpu", quantization="none"))
     from_gguf, from_safetensors = models
     want = dict(from_safetensors.named_parameters())
     for name, param in from_gguf.named_parameters():
         assert torch.equal(param, want[name]), name
-    for a, b in zip(*[[m for m in model.modules() if isinstance(m, Attention)] for model in models], strict=True):
-        assert (a.sliding_window, a.scale, a.logit_softcap) == (b.sliding_window, pytest.approx(b.scale),
-                                                                 b.logit_softcap)
+    for a, b in zip(
+        *[[m for m in model.modules() if isinstance(m, Attention)] for model in models], strict=True
+    ):
+        assert (a.sliding_window, a.scale, a.logit_softcap) == (
+            b.sliding_window,
+            pytest.approx(b.scale),
+            b.logit_softcap,
+        )
         assert a.rotary.params == b.rotary.params
     assert from_gguf.final_logit_softcap == from_safetensors.final_logit_softcap
     prompts = make_prompts(from_gguf.config.vocab_size, [3, 17])
-    got, want_logits = [PagedRunner(m, 4).step([(i, p, 0) for i, p in enumerate(prompts)]) for m in models]
+    got, want_logits = [
+        PagedRunner(m, 4).step([(i, p, 0) for i, p in enumerate(prompts)]) for m in models
+    ]
     for g, w in zip(got, want_logits):
         assert torch.equal(g, w)
 
@@ -192,13 +229,24 @@ def _multimodal_checkpoint(path, hf_naming_v4: bool) -> tuple[str, torch.nn.Modu
     tokenizer = train_tokenizer()
     text = gemma_config("gemma3", tokenizer.get_vocab_size())
     text.pop("architectures")
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval()
     text_values = dict(gemma_tensors(text))
-    with torch.no_grad():  # the text part as the text-only checkpoint has it (random norms, scaled matrices)
+    with (
+        torch.no_grad()
+    ):  # the text part as the text-only checkpoint has it (random norms, scaled matrices)
         for name, param in hf.model.language_model.named_parameters():
             param.copy_(text_values[f"model.{name}"])
     tensors = []
@@ -206,8 +254,9 @@ def _multimodal_checkpoint(path, hf_naming_v4: bool) -> tuple[str, torch.nn.Modu
         if name == "lm_head.weight":
             continue  # tied
         if hf_naming_v4:  # as checkpoints written by transformers 4 name them
-            name = name.replace("model.language_model.", "language_model.model.").replace("model.vision_tower.",
-                                                                                       "vision_tower.")
+            name = name.replace("model.language_model.", "language_model.model.").replace(
+                "model.vision_tower.", "vision_tower."
+            )
             name = name.replace("model.multi_modal_projector.", "multi_modal_projector.")
         tensors.append((name, t.contiguous()))
     out = config.to_dict()
@@ -216,11 +265,16 @@ def _multimodal_checkpoint(path, hf_naming_v4: bool) -> tuple[str, torch.nn.Modu
     return str(path), hf
 
 
-@pytest.mark.parametrize("hf_naming_v4", [False, True], ids=["transformers5-names", "transformers4-names"])
+@pytest.mark.parametrize(
+    "hf_naming_v4", [False, True], ids=["transformers5-names", "transformers4-names"]
+)
 def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path, caplog, hf_naming_v4):
     path, hf = _multimodal_checkpoint(tmp_path / "mm", hf_naming_v4)
     config = load_hf_config(path)
-    assert config.architectures == ["Gemma3ForConditionalGeneration"] and config.vocab_size == hf.config.text_config.vocab_size
+    assert (
+        config.architectures == ["Gemma3ForConditionalGeneration"]
+        and config.vocab_size == hf.config.text_config.vocab_size
+    )
     assert get_max_model_len(config) == 512
     with caplog.at_level(logging.INFO, logger="kvserve.models.gemma"):
         model = load_model(path, config, torch.float32, "cpu")
@@ -235,13 +289,17 @@ def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path, caplog, hf_nami
 def test_bidirectional_config_is_refused():
     from kvserve.models.gemma import Gemma3ForCausalLM
 
-    config = transformers.Gemma3TextConfig(**{**gemma_config("gemma3", 100), "use_bidirectional_attention": True})
+    config = transformers.Gemma3TextConfig(
+        **{**gemma_config("gemma3", 100), "use_bidirectional_attention": True}
+    )
     with torch.device("meta"), pytest.raises(ValueError, match="use_bidirectional_attention"):
         Gemma3ForCausalLM(config)
 
 
 def test_registered():
-    assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"} <= set(SUPPORTED_ARCHITECTURES)
+    assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"} <= set(
+        SUPPORTED_ARCHITECTURES
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -266,8 +324,13 @@ def test_int8_quantized_at_load(gemma_dirs, family):
     prompt = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     tokens = []
     for quantization in (None, "int8"):
-        llm = LLM(gemma_dirs[family], dtype="bfloat16", device="cpu", block_size=4, quantization=quantization,
-                  quantization_group_size=32)
-        tokens.append(llm.generate(prompt, greedy(), use_tqdm=False)[0]
-                      .outputs[0].token_ids[:4])
+        llm = LLM(
+            gemma_dirs[family],
+            dtype="bfloat16",
+            device="cpu",
+            block_size=4,
+            quantization=quantization,
+            quantization_group_size=32,
+        )
+        tokens.append(llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids[:4])
     assert tokens[0] == tokens[1]

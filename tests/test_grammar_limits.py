@@ -21,15 +21,22 @@ pytest.importorskip("xgrammar")
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import EngineArgs  # noqa: E402
-from kvserve.engine.structured_output.limits import GrammarLimits, check_limits  # noqa: E402
-from kvserve.engine.structured_output.schema import walk_schema  # noqa: E402
 from kvserve.engine.errors import EngineOverloadedError  # noqa: E402
 from kvserve.engine.sampling_params import StructuredOutputs  # noqa: E402
+from kvserve.engine.structured_output.limits import GrammarLimits, check_limits  # noqa: E402
+from kvserve.engine.structured_output.schema import walk_schema  # noqa: E402
 from server_fixtures import ServerProcess, metric, scrape, server_checkpoint  # noqa: E402,F401
 
-LIMITS = dict(max_schema_properties=2500, max_schema_depth=6, max_schema_enum_values=4,
-              max_schema_string_chars=50_000, max_regex_chars=20, max_grammar_chars=40, max_choices=3,
-              max_choice_chars=20)
+LIMITS = dict(
+    max_schema_properties=2500,
+    max_schema_depth=6,
+    max_schema_enum_values=4,
+    max_schema_string_chars=50_000,
+    max_regex_chars=20,
+    max_grammar_chars=40,
+    max_choices=3,
+    max_choice_chars=20,
+)
 
 
 def _nested(depth: int) -> dict:
@@ -40,17 +47,32 @@ def _nested(depth: int) -> dict:
 
 
 def _props(n: int, name_len: int = 4) -> dict:
-    return {"type": "object", "properties": {f"p{i}".ljust(name_len, "x"): {"type": "string"} for i in range(n)}}
+    return {
+        "type": "object",
+        "properties": {f"p{i}".ljust(name_len, "x"): {"type": "string"} for i in range(n)},
+    }
 
 
 # (spec, the option its error names, the value it reports)
 OVER_LIMIT = [
     (StructuredOutputs(json=_props(2501)), "max_schema_properties=2500", "2501 object properties"),
     (StructuredOutputs(json=_nested(7)), "max_schema_depth=6", "more than 6 levels"),
-    (StructuredOutputs(json={"enum": ["a", "b", "c", "d", "e"]}), "max_schema_enum_values=4", "5 enum values"),
-    (StructuredOutputs(json=_props(2, 25_001)), "max_schema_string_chars=50000", "50002 characters"),
+    (
+        StructuredOutputs(json={"enum": ["a", "b", "c", "d", "e"]}),
+        "max_schema_enum_values=4",
+        "5 enum values",
+    ),
+    (
+        StructuredOutputs(json=_props(2, 25_001)),
+        "max_schema_string_chars=50000",
+        "50002 characters",
+    ),
     (StructuredOutputs(regex="a" * 21), "max_regex_chars=20", "21 characters"),
-    (StructuredOutputs(grammar='root ::= "' + "a" * 40 + '"'), "max_grammar_chars=40", "51 characters"),
+    (
+        StructuredOutputs(grammar='root ::= "' + "a" * 40 + '"'),
+        "max_grammar_chars=40",
+        "51 characters",
+    ),
     (StructuredOutputs(choice=["a", "b", "c", "d"]), "max_choices=3", "4 strings"),
     (StructuredOutputs(choice=["a" * 11, "b" * 10]), "max_choice_chars=20", "21 characters"),
 ]
@@ -58,7 +80,9 @@ OVER_LIMIT = [
 
 @pytest.mark.parametrize("spec, option, value", OVER_LIMIT)
 def test_each_limit_is_a_value_error(spec, option, value):
-    with pytest.raises(ValueError, match=rf"^structured_outputs\.{spec.kind}: .*{value}.*\({option}\)"):
+    with pytest.raises(
+        ValueError, match=rf"^structured_outputs\.{spec.kind}: .*{value}.*\({option}\)"
+    ):
         check_limits(spec, GrammarLimits(**LIMITS))
     check_limits(spec, GrammarLimits(**{**LIMITS, option.split("=")[0]: 10**6}))  # that limit alone
 
@@ -66,10 +90,16 @@ def test_each_limit_is_a_value_error(spec, option, value):
 def test_deep_schemas_never_recurse():
     deep = _nested(50_000)  # far past Python's recursion limit
     spec = StructuredOutputs(json=deep)  # the keyword walk is iterative
-    with pytest.raises(ValueError, match=r"nested more than 32 levels deep, at #/\.\.\./.*properties/a \("):
+    with pytest.raises(
+        ValueError, match=r"nested more than 32 levels deep, at #/\.\.\./.*properties/a \("
+    ):
         check_limits(spec, GrammarLimits())
-    with pytest.raises(ValueError, match="unsupported JSON Schema keyword 'not' at #/properties/a/properties/a"):
-        StructuredOutputs(json={"type": "object", "properties": {"a": {"properties": {"a": {"not": {}}}}}})
+    with pytest.raises(
+        ValueError, match="unsupported JSON Schema keyword 'not' at #/properties/a/properties/a"
+    ):
+        StructuredOutputs(
+            json={"type": "object", "properties": {"a": {"properties": {"a": {"not": {}}}}}}
+        )
     assert walk_schema(_nested(3)).max_depth == 3
     with pytest.raises(ValueError, match="nested too deeply to parse"):
         StructuredOutputs(json="[" * 100_000 + "]" * 100_000)
@@ -77,8 +107,15 @@ def test_deep_schemas_never_recurse():
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    engine = LLM(llama_dir, dtype="float32", device="cpu", grammar_compile_threads=1, max_grammar_queue=2,
-                 grammar_compile_timeout_s=0.3, **LIMITS)
+    engine = LLM(
+        llama_dir,
+        dtype="float32",
+        device="cpu",
+        grammar_compile_threads=1,
+        max_grammar_queue=2,
+        grammar_compile_timeout_s=0.3,
+        **LIMITS,
+    )
     yield engine
     engine.shutdown()
 
@@ -129,8 +166,11 @@ def test_timeout_fails_cleanly_and_others_go_on(llm):
     engine, manager = llm.engine, llm.engine.structured
     free_blocks = engine.kv_cache_manager.num_free_blocks
     with Gate(manager) as gate:
-        engine.add_request("slow", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="x+"),
-                                                        max_tokens=4))
+        engine.add_request(
+            "slow",
+            "hi",
+            SamplingParams(structured_outputs=StructuredOutputs(regex="x+"), max_tokens=4),
+        )
         engine.add_request("other", "hi", SamplingParams(max_tokens=8, ignore_eos=True))
         _wait_for(lambda: gate.started)
         assert engine.stats().num_compiling == 1  # the gauge's source, while the compile is held
@@ -140,10 +180,15 @@ def test_timeout_fails_cleanly_and_others_go_on(llm):
                 finished += [o.request_id for o in engine.step() if o.finished]
             except ValueError as e:
                 error = str(e)
-        assert error is not None and "could not be compiled within 0.3 s (grammar_compile_timeout_s=0.3)" in error
+        assert (
+            error is not None
+            and "could not be compiled within 0.3 s (grammar_compile_timeout_s=0.3)" in error
+        )
         assert finished == ["other"]
         stats = engine.stats()
-        assert stats.num_compiling == 0 and stats.num_grammars_compiling == 1  # abandoned, still running
+        assert (
+            stats.num_compiling == 0 and stats.num_grammars_compiling == 1
+        )  # abandoned, still running
     _wait_for(lambda: manager._sweep() or manager.num_jobs == 0)  # it finished and was cached
     assert engine.kv_cache_manager.num_free_blocks == free_blocks
 
@@ -151,9 +196,13 @@ def test_timeout_fails_cleanly_and_others_go_on(llm):
 def test_abort_cancels_queued_and_abandons_running_compiles(llm):
     engine, manager = llm.engine, llm.engine.structured
     with Gate(manager) as gate:
-        engine.add_request("running", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="r+")))
+        engine.add_request(
+            "running", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="r+"))
+        )
         _wait_for(lambda: len(gate.started) == 1)
-        engine.add_request("queued", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="q+")))
+        engine.add_request(
+            "queued", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="q+"))
+        )
         queued_job = manager._pending["queued"].job
         running_job = manager._pending["running"].job
         engine.abort("queued")
@@ -162,7 +211,9 @@ def test_abort_cancels_queued_and_abandons_running_compiles(llm):
         assert running_job.is_abandoned and not running_job.future.done()
         assert not engine.has_unfinished_requests() and not manager.has_pending
         # a new compile does not wait for the abandoned one: a fresh thread takes it
-        engine.add_request("next", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="n+")))
+        engine.add_request(
+            "next", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="n+"))
+        )
         _wait_for(lambda: len(gate.started) == 2)  # while the abandoned one is still held
         engine.abort("next")
     _wait_for(lambda: manager.num_jobs == 0)  # both finish once released
@@ -178,19 +229,30 @@ def test_compile_queue_bound(llm):
     engine, manager = llm.engine, llm.engine.structured
     with Gate(manager):
         for i in range(2):
-            engine.add_request(f"q{i}", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex=f"{i}+")))
+            engine.add_request(
+                f"q{i}", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex=f"{i}+"))
+            )
         # a spec already compiling shares its job and is admitted
-        engine.add_request("shared", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="0+")))
-        with pytest.raises(EngineOverloadedError, match=r"2 grammars are compiling or queued \(max_grammar_queue=2\)"):
-            engine.add_request("over", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="9+")))
+        engine.add_request(
+            "shared", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="0+"))
+        )
+        with pytest.raises(
+            EngineOverloadedError,
+            match=r"2 grammars are compiling or queued \(max_grammar_queue=2\)",
+        ):
+            engine.add_request(
+                "over", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="9+"))
+            )
         assert "over" not in engine.output_processor.parents
     assert len(_drain(engine)) == 3
 
 
 def test_engine_args_check_the_grammar_options():
-    for kwargs, message in [({"grammar_compile_timeout_s": 0}, "grammar_compile_timeout_s"),
-                            ({"max_grammar_queue": 0}, "max_grammar_queue"),
-                            ({"max_schema_depth": 0}, "max_schema_depth")]:
+    for kwargs, message in [
+        ({"grammar_compile_timeout_s": 0}, "grammar_compile_timeout_s"),
+        ({"max_grammar_queue": 0}, "max_grammar_queue"),
+        ({"max_schema_depth": 0}, "max_schema_depth"),
+    ]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(**kwargs).validate()
 
@@ -203,14 +265,27 @@ SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for 
 @pytest.fixture(scope="module")
 def limited_server(server_checkpoint):
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    srv = ServerProcess(server_checkpoint, *args, "--max-tools", "2", "--grammar-compile-timeout-s", "2",
-                        "--max-grammar-queue", "1", "--grammar-compile-threads", "1").wait_ready()
+    srv = ServerProcess(
+        server_checkpoint,
+        *args,
+        "--max-tools",
+        "2",
+        "--grammar-compile-timeout-s",
+        "2",
+        "--max-grammar-queue",
+        "1",
+        "--grammar-compile-threads",
+        "1",
+    ).wait_ready()
     yield srv
     srv.stop()
 
 
 def _tool(name: str, parameters: dict | None = None) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": parameters or {"type": "object"}},
+    }
 
 
 def _chat(url: str, **body) -> httpx.Response:
@@ -219,8 +294,15 @@ def _chat(url: str, **body) -> httpx.Response:
 
 
 def _guided(spec: StructuredOutputs) -> dict:
-    field = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar", "choice": "guided_choice"}
-    return {field[spec.kind]: list(spec.choice) if spec.kind == "choice" else getattr(spec, spec.kind)}
+    field = {
+        "json": "guided_json",
+        "regex": "guided_regex",
+        "grammar": "guided_grammar",
+        "choice": "guided_choice",
+    }
+    return {
+        field[spec.kind]: list(spec.choice) if spec.kind == "choice" else getattr(spec, spec.kind)
+    }
 
 
 @pytest.mark.parametrize("spec, option, value", OVER_LIMIT)
@@ -237,10 +319,15 @@ def test_http_tools_limits(limited_server):
     r = _chat(url, tools=[_tool(f"f{i}") for i in range(3)])
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "3 tools; at most 2 are allowed (--max-tools 2)" in r.json()["error"]["message"]
-    r = _chat(url, tools=[_tool("f", _nested(7))], tool_choice="required")  # the call wraps it 3 levels deeper
+    r = _chat(
+        url, tools=[_tool("f", _nested(7))], tool_choice="required"
+    )  # the call wraps it 3 levels deeper
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "max_schema_depth=6" in r.json()["error"]["message"]
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": list("abcde")}}}
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"enum": list("abcde")}},
+    }
     r = _chat(url, response_format=schema)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert "max_schema_enum_values=4" in r.json()["error"]["message"]
@@ -266,7 +353,10 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
     threads[1].start()
     r = _chat(url, guided_regex="[0-9]+")  # another grammar: the queue (1) is full
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert r.json()["error"]["code"] == "server_overloaded" and "max_grammar_queue=1" in r.json()["error"]["message"]
+    assert (
+        r.json()["error"]["code"] == "server_overloaded"
+        and "max_grammar_queue=1" in r.json()["error"]["message"]
+    )
     r = _chat(url, max_tokens=3)  # no grammar: unaffected
     assert r.status_code == 200
     for t in threads:
@@ -274,7 +364,10 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
     slow_response = results["slow"]
     assert slow_response.status_code == 400
     assert slow_response.json()["error"]["param"] == "guided_json"
-    assert "could not be compiled within 2 s (grammar_compile_timeout_s=2)" in slow_response.json()["error"]["message"]
+    assert (
+        "could not be compiled within 2 s (grammar_compile_timeout_s=2)"
+        in slow_response.json()["error"]["message"]
+    )
     assert results["stream"][-1] == "data: [DONE]"
     assert json.loads(results["stream"][-2][6:])["choices"][0]["finish_reason"] == "length"
     samples = scrape(url)
@@ -287,7 +380,11 @@ def test_http_timeout_queue_bound_and_gauge(limited_server):
 
 def test_offline_generate_refused_by_the_queue_leaves_nothing(llm):
     engine = llm.engine
-    specs = [StructuredOutputs(regex=f"{c}+") for c in "uvw"]  # three new grammars, the queue holds two
+    specs = [
+        StructuredOutputs(regex=f"{c}+") for c in "uvw"
+    ]  # three new grammars, the queue holds two
     with Gate(engine.structured), pytest.raises(EngineOverloadedError):
-        llm.generate(["hi"] * 3, [SamplingParams(structured_outputs=s) for s in specs], use_tqdm=False)
+        llm.generate(
+            ["hi"] * 3, [SamplingParams(structured_outputs=s) for s in specs], use_tqdm=False
+        )
     assert not engine.has_unfinished_requests() and engine.output_processor.parents == {}

@@ -13,8 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "models", "server", "loadtest")
-ALLOWED_EDGES = {("models.attention.backend", f"models.attention.{name}")
-                 for name in ("layer", "torch_ref", "cpu", "triton")}
+ALLOWED_EDGES = {
+    ("models.attention.backend", f"models.attention.{name}")
+    for name in ("layer", "torch_ref", "cpu", "triton")
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -39,7 +41,7 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             base = base.removeprefix("kvserve.") if base != "kvserve" else ""
             if node.level:
                 anchor = name.split(".")
-                anchor = anchor[:len(anchor) - node.level + (1 if is_package else 0)]
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
                 base = ".".join(anchor + ([base] if base else []))
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
@@ -58,7 +60,10 @@ def import_graph() -> dict[str, set[str]]:
     graph = {name: imported_modules(name, path, known) for name, path in files.items()}
     for name in graph:  # importing a.b.c runs a/__init__ and a/b/__init__: not an edge we design
         graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
-    return {name: {t for t in targets if (name, t) not in ALLOWED_EDGES} for name, targets in graph.items()}
+    return {
+        name: {t for t in targets if (name, t) not in ALLOWED_EDGES}
+        for name, targets in graph.items()
+    }
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -68,8 +73,10 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if start in index:
             continue
         work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter[0]; counter[0] += 1
-        stack.append(start); on_stack.add(start)
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
         while work:
             node, children = work[-1]
             child = next(children, None)
@@ -80,14 +87,18 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if low[node] == index[node]:
                     scc = []
                     while True:
-                        top = stack.pop(); on_stack.discard(top); scc.append(top)
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        scc.append(top)
                         if top == node:
                             break
                     if len(scc) > 1:
                         sccs.append(sorted(scc))
             elif child not in index:
-                index[child] = low[child] = counter[0]; counter[0] += 1
-                stack.append(child); on_stack.add(child)
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
                 work.append((child, iter(sorted(graph.get(child, ())))))
             elif child in on_stack:
                 low[node] = min(low[node], index[child])
@@ -97,4 +108,5 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles (each line one strongly connected set):\n" + "\n".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )

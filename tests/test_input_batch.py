@@ -17,13 +17,13 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import SchedulerConfig
-from kvserve.engine.worker.input_batch import InputBatch
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.request import Request, RequestStatus
-from kvserve.engine.worker.sampler import Sampler, apply_penalty_state, penalty_state
-from sampling_inputs import build_sampling_tensors
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.core.step_record import NewRequestData, SamplingInputs, StepRecord
+from kvserve.engine.worker.input_batch import InputBatch
+from kvserve.engine.worker.sampler import Sampler, apply_penalty_state, penalty_state
+from sampling_inputs import build_sampling_tensors
 
 VOCAB = 40
 EOS = 0
@@ -40,12 +40,19 @@ class Harness:
         self.rng = random.Random(0)
         self.num_prompts = 0
 
-    def add(self, rid: str, prompt_len: int = 6, max_tokens: int = 8, seed: int | None = None,
-            **params) -> Request:
+    def add(
+        self, rid: str, prompt_len: int = 6, max_tokens: int = 8, seed: int | None = None, **params
+    ) -> Request:
         prompt = [self.rng.randrange(1, VOCAB) for _ in range(prompt_len)]
         params.setdefault("temperature", 0.0)
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=seed, **params), (EOS,),
-                      max_tokens, seed=seed)
+        req = Request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, seed=seed, **params),
+            (EOS,),
+            max_tokens,
+            seed=seed,
+        )
         self.sched.add(req)
         return req
 
@@ -78,11 +85,11 @@ class Harness:
         assert batch.row_of == {r: i for i, r in enumerate(running_ids)}
         for row, rid in enumerate(running_ids):
             req = self.sched.requests[rid]
-            assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == req.all_token_ids
+            assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == req.all_token_ids
             assert batch.num_prompt_tokens[row] == req.num_prompt_tokens
             block_ids = self.bm.block_ids(rid)
-            assert batch.block_table[row, :len(block_ids)].tolist() == block_ids
-            assert not batch.block_table[row, len(block_ids):].any()
+            assert batch.block_table[row, : len(block_ids)].tolist() == block_ids
+            assert not batch.block_table[row, len(block_ids) :].any()
 
     def run(self, max_steps=200, pick=None):
         for _ in range(max_steps):
@@ -112,8 +119,18 @@ def _walk(obj, path="record"):
 
 def test_step_record_is_plain_data_and_pickles():
     h = Harness(num_blocks=10, budget=8)
-    h.add("a", prompt_len=10, seed=3, temperature=0.7, top_k=5, min_tokens=2, stop_token_ids=[7],
-          logprobs=2, prompt_logprobs=1, repetition_penalty=1.2)
+    h.add(
+        "a",
+        prompt_len=10,
+        seed=3,
+        temperature=0.7,
+        top_k=5,
+        min_tokens=2,
+        stop_token_ids=[7],
+        logprobs=2,
+        prompt_logprobs=1,
+        repetition_penalty=1.2,
+    )
     h.add("b", prompt_len=3)
     records = []
     for _ in range(12):
@@ -126,9 +143,19 @@ def test_step_record_is_plain_data_and_pickles():
         assert pickle.loads(pickle.dumps(record)) == record
     first = records[0].new_requests[0]
     assert first.sampling == SamplingInputs(
-        temperature=0.7, top_k=5, top_p=1.0, min_p=0.0, repetition_penalty=1.2, presence_penalty=0.0,
-        frequency_penalty=0.0, seed=3, min_tokens=2, suppressed_token_ids=(7, EOS), num_logprobs=2,
-        num_prompt_logprobs=1)
+        temperature=0.7,
+        top_k=5,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.2,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=3,
+        min_tokens=2,
+        suppressed_token_ids=(7, EOS),
+        num_logprobs=2,
+        num_prompt_logprobs=1,
+    )
 
 
 def test_rows_compacted_after_finish_abort_and_preempt():
@@ -177,8 +204,11 @@ def test_block_table_rows_updated_in_place():
         plan, _ = h.step()
         assert h.batch.block_table is table
         changed = set(zip(*np.nonzero(before != table)))
-        expected = {(h.batch.row_of[rid], int(h.batch.num_blocks[h.batch.row_of[rid]]) - len(ids) + j)
-                    for rid, ids in plan.record.new_block_ids.items() for j in range(len(ids))}
+        expected = {
+            (h.batch.row_of[rid], int(h.batch.num_blocks[h.batch.row_of[rid]]) - len(ids) + j)
+            for rid, ids in plan.record.new_block_ids.items()
+            for j in range(len(ids))
+        }
         assert changed == expected
 
 
@@ -206,7 +236,13 @@ def test_sampling_matches_the_from_scratch_builder_over_many_steps():
     through joins, finishes at different times, aborts, preemptions and resumes."""
     h = Harness(num_blocks=16, budget=16, max_num_seqs=6)
     kinds = [
-        dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, temperature=0.9, seed=1),
+        dict(
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+            temperature=0.9,
+            seed=1,
+        ),
         dict(temperature=0.0, min_tokens=4, stop_token_ids=[5]),
         dict(temperature=1.0, top_k=7, logprobs=3),
         dict(repetition_penalty=0.8, temperature=0.0, min_tokens=2),
@@ -214,7 +250,12 @@ def test_sampling_matches_the_from_scratch_builder_over_many_steps():
         dict(frequency_penalty=-0.5, temperature=1.2, top_p=0.8),
     ]
     for i in range(12):
-        h.add(f"r{i}", prompt_len=3 + (5 * i) % 11, max_tokens=4 + (3 * i) % 9, **kinds[i % len(kinds)])
+        h.add(
+            f"r{i}",
+            prompt_len=3 + (5 * i) % 11,
+            max_tokens=4 + (3 * i) % 9,
+            **kinds[i % len(kinds)],
+        )
     sampler = Sampler()
     gen = torch.Generator().manual_seed(0)
     for num_steps in range(300):
@@ -230,27 +271,52 @@ def test_sampling_matches_the_from_scratch_builder_over_many_steps():
         num_reqs = len(record.req_ids)
         new = batch.sampling_tensors(num_reqs)
         old = _reference(plan)
-        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             assert torch.equal(getattr(new, name), getattr(old, name)), name
-        for name in ("max_num_logprobs", "all_greedy", "all_random", "no_top_k", "no_top_p", "no_min_p",
-                     "no_penalties", "max_top_k", "needs_logprobs", "top_p_rows_have_top_k"):
+        for name in (
+            "max_num_logprobs",
+            "all_greedy",
+            "all_random",
+            "no_top_k",
+            "no_top_p",
+            "no_min_p",
+            "no_penalties",
+            "max_top_k",
+            "needs_logprobs",
+            "top_p_rows_have_top_k",
+        ):
             assert getattr(new, name) == getattr(old, name), name
         assert (new.suppressed_token_ids is None) == (old.suppressed_token_ids is None)
         if old.suppressed_token_ids is not None:
+
             def banned(t):
                 return [set(row) - {VOCAB} for row in t.suppressed_token_ids.tolist()]
+
             assert banned(new) == banned(old)
         if old.seeded_rows is not None:
             rows = old.seeded_rows
             assert torch.equal(new.seeded_rows, rows)
-            assert torch.equal(new.seeds[rows], old.seeds[rows]) and torch.equal(new.steps[rows], old.steps[rows])
+            assert torch.equal(new.seeds[rows], old.seeds[rows]) and torch.equal(
+                new.steps[rows], old.steps[rows]
+            )
         logits = torch.randn(num_reqs, VOCAB, generator=gen) * 3
         if not old.no_penalties:
-            old_mask, old_counts = penalty_state(old.prompt_token_ids, old.output_token_ids, num_reqs, VOCAB, CPU)
+            old_mask, old_counts = penalty_state(
+                old.prompt_token_ids, old.output_token_ids, num_reqs, VOCAB, CPU
+            )
             args = (old.repetition_penalty, old.presence_penalty, old.frequency_penalty)
-            assert torch.equal(apply_penalty_state(logits, new.prompt_mask, new.output_counts, *args),
-                               apply_penalty_state(logits, old_mask, old_counts, *args))
+            assert torch.equal(
+                apply_penalty_state(logits, new.prompt_mask, new.output_counts, *args),
+                apply_penalty_state(logits, old_mask, old_counts, *args),
+            )
         torch.manual_seed(num_steps)
         new_out = sampler(logits, new)
         torch.manual_seed(num_steps)
@@ -277,7 +343,9 @@ def _llm(path: str, **kw) -> LLM:
 
 def test_prompt_logprobs_under_chunked_prefill_and_preemption(llama_dir):
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([30, 11, 23, 2])]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2, logprobs=1
+    )
     calm = _llm(llama_dir).generate(prompts, params, use_tqdm=False)
     llm = _llm(llama_dir, max_num_batched_tokens=7, num_kv_blocks=14)
     pressed = llm.generate(prompts, params, use_tqdm=False)
@@ -286,14 +354,25 @@ def test_prompt_logprobs_under_chunked_prefill_and_preemption(llama_dir):
         assert len(b.prompt_logprobs) == len(prompt) and b.prompt_logprobs[0] is None
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.keys() == y.keys()
-            assert [v.logprob for v in x.values()] == pytest.approx([v.logprob for v in y.values()], abs=1e-4)
+            assert [v.logprob for v in x.values()] == pytest.approx(
+                [v.logprob for v in y.values()], abs=1e-4
+            )
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_penalties_seeds_and_min_tokens_survive_preemption(llama_dir):
     prompts = [list(range(5, 5 + n)) for n in (9, 14, 6)]
-    params = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=12, min_tokens=6, repetition_penalty=1.5,
-                            frequency_penalty=0.7, presence_penalty=0.3, logprobs=2)
+    params = SamplingParams(
+        n=2,
+        temperature=0.8,
+        seed=5,
+        max_tokens=12,
+        min_tokens=6,
+        repetition_penalty=1.5,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+        logprobs=2,
+    )
     calm = _llm(llama_dir).generate(prompts, params, use_tqdm=False)
     llm = _llm(llama_dir, num_kv_blocks=12, max_num_batched_tokens=8)
     pressed = llm.generate(prompts, params, use_tqdm=False)

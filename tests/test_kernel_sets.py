@@ -24,7 +24,10 @@ from kvserve.models import cpu_isa
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "models" / "csrc"
 DRIVER = ROOT / "tests" / "csrc" / "kernel_check.cpp"
-BASE_FLAGS = ["-O2", "-std=c++17"]  # -O2: the sets' kernels are intrinsics, -O3 only compiles longer
+BASE_FLAGS = [
+    "-O2",
+    "-std=c++17",
+]  # -O2: the sets' kernels are intrinsics, -O3 only compiles longer
 CROSS_CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 TIMEOUT_S = 240
@@ -44,8 +47,17 @@ def _build(compiler: str, isa: str, tmp_path: Path, link_flags: list[str]) -> Pa
     for source in [DRIVER, *_set_sources(isa)]:
         obj = tmp_path / f"{source.parent.name}_{source.stem}.o"
         objects.append(obj)
-        procs.append((source, subprocess.Popen([compiler, *flags, "-c", str(source), "-o", str(obj)],
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        procs.append(
+            (
+                source,
+                subprocess.Popen(
+                    [compiler, *flags, "-c", str(source), "-o", str(obj)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+            )
+        )
     errors = []
     for source, proc in procs:
         out = proc.communicate(timeout=TIMEOUT_S)[0]
@@ -54,10 +66,16 @@ def _build(compiler: str, isa: str, tmp_path: Path, link_flags: list[str]) -> Pa
     if errors:
         pytest.fail(f"compiling the {isa} set with the driver failed:\n" + "\n".join(errors))
     exe = tmp_path / f"kernel_check_{isa}"
-    link = subprocess.run([compiler, *link_flags, "-pthread", *map(str, objects), "-o", str(exe)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    link = subprocess.run(
+        [compiler, *link_flags, "-pthread", *map(str, objects), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     if link.returncode:  # e.g. a kernel the set's table names but no source defines
-        pytest.fail(f"linking the {isa} set with the driver failed:\n{link.stdout[-3000:]}{link.stderr[-3000:]}")
+        pytest.fail(
+            f"linking the {isa} set with the driver failed:\n{link.stdout[-3000:]}{link.stderr[-3000:]}"
+        )
     return exe
 
 
@@ -68,7 +86,9 @@ def _run(cmd: list[str], isa: str, emulated: bool = False) -> None:
         # natively, cpu_isa said this CPU runs the set: its entry point disagreeing is a bug
         if emulated:
             pytest.skip(f"{QEMU}'s CPU lacks the {isa} set's instructions (an older qemu?)")
-        pytest.fail(f"cpu_isa.missing_flags({isa!r}) finds nothing missing, but the set refuses the CPU:\n{report}")
+        pytest.fail(
+            f"cpu_isa.missing_flags({isa!r}) finds nothing missing, but the set refuses the CPU:\n{report}"
+        )
     assert result.returncode == 0, f"the {isa} kernel set fails its checks:\n{report[-8000:]}"
     assert "0 failed" in report  # the summary line: the driver ran to the end
 
@@ -92,7 +112,9 @@ def test_x86_set_matches_the_references(isa, tmp_path):
 
 def test_neon_set_matches_the_references(tmp_path):
     _set_sources("neon")
-    if cpu_isa.machine_arch() == "arm64":  # natively, where the CPU has the dot-product instructions
+    if (
+        cpu_isa.machine_arch() == "arm64"
+    ):  # natively, where the CPU has the dot-product instructions
         missing = cpu_isa.missing_flags("neon")
         if missing:
             pytest.skip(f"this CPU lacks {', '.join(missing)} (the neon set's instructions)")

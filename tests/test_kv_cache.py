@@ -145,7 +145,10 @@ def test_partly_filled_last_block_is_kept_for_continuations():
     follow = tokens + [77, 78]
     assert bm.find_cached_prefix("b", follow) == held[:2]
     assert bm.find_partial_block("b", follow, 2) == (held[2], 2)
-    inside = tokens[:9] + [99, 100]  # parts within the block: its first slot only would fit, not kept
+    inside = tokens[:9] + [
+        99,
+        100,
+    ]  # parts within the block: its first slot only would fit, not kept
     assert bm.find_cached_prefix("c", inside) == held[:2]
     assert bm.find_partial_block("c", inside, 2) == (0, 0)
     assert bm.find_cached_prefix("d", tokens) == held[:2]

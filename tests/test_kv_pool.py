@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvserve.engine.worker import kv_pool
 from kvserve.engine.config import CacheConfig, SchedulerConfig
+from kvserve.engine.worker import kv_pool
 from kvserve.models import hugepages
 from kvserve.models.timing import PhaseTimer, phase
 
@@ -33,8 +33,14 @@ def big_ram(monkeypatch):
     monkeypatch.setattr(kv_pool, "kv_cache_budget_bytes", lambda device: 2**40)
 
 
-@pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((2, 300, 16, 2, 64), torch.bfloat16),
-                                          ((2, 4096, 16, 3, 64), torch.float16)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((3, 5), torch.float32),
+        ((2, 300, 16, 2, 64), torch.bfloat16),
+        ((2, 4096, 16, 3, 64), torch.float16),
+    ],
+)
 def test_hugepages_zeros_reads_zero_without_a_write(shape, dtype):
     x = hugepages.zeros(shape, dtype)
     assert x.shape == shape and x.dtype == dtype and x.is_contiguous()
@@ -49,18 +55,23 @@ def test_hugepages_zeros_is_aligned_for_huge_pages():
 
 
 def test_default_cpu_pool_is_32k_tokens(big_ram):
-    num_blocks = kv_pool.num_blocks_for(cache(), sched(), max_model_len=2048, block_bytes=1024, device=CPU)
+    num_blocks = kv_pool.num_blocks_for(
+        cache(), sched(), max_model_len=2048, block_bytes=1024, device=CPU
+    )
     assert num_blocks == kv_pool.DEFAULT_CPU_KV_TOKENS // 16 + 1  # + the null block
 
 
 def test_default_cpu_pool_holds_one_full_length_sequence(big_ram):
-    num_blocks = kv_pool.num_blocks_for(cache(), sched(), max_model_len=131072, block_bytes=1024, device=CPU)
+    num_blocks = kv_pool.num_blocks_for(
+        cache(), sched(), max_model_len=131072, block_bytes=1024, device=CPU
+    )
     assert num_blocks == 131072 // 16 + 1
 
 
 def test_default_never_exceeds_what_max_num_seqs_can_fill(big_ram):
-    num_blocks = kv_pool.num_blocks_for(cache(), sched(max_num_seqs=2), max_model_len=1000, block_bytes=1024,
-                                        device=CPU)
+    num_blocks = kv_pool.num_blocks_for(
+        cache(), sched(max_num_seqs=2), max_model_len=1000, block_bytes=1024, device=CPU
+    )
     assert num_blocks == 2 * 63 + 1
 
 
@@ -69,27 +80,46 @@ def test_default_is_capped_by_the_ram_share(monkeypatch):
     assert kv_pool.num_blocks_for(cache(), sched(), 2048, block_bytes=1024, device=CPU) == 100
 
 
-@pytest.mark.parametrize("config, expected", [(cache(num_kv_blocks=100_000), 100_000),
-                                              (cache(kv_cache_memory=10 * 2**30), 10 * 2**30 // 4096),
-                                              (cache(num_kv_blocks=7, kv_cache_memory=2**30), 7)])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (cache(num_kv_blocks=100_000), 100_000),
+        (cache(kv_cache_memory=10 * 2**30), 10 * 2**30 // 4096),
+        (cache(num_kv_blocks=7, kv_cache_memory=2**30), 7),
+    ],
+)
 def test_explicit_sizes_are_kept(monkeypatch, config, expected):
     monkeypatch.setattr(kv_pool, "kv_cache_budget_bytes", lambda device: 0)  # never consulted
-    assert kv_pool.num_blocks_for(config, sched(max_num_seqs=1), 64, block_bytes=4096, device=CPU) == expected
+    assert (
+        kv_pool.num_blocks_for(config, sched(max_num_seqs=1), 64, block_bytes=4096, device=CPU)
+        == expected
+    )
 
 
 def test_too_small_a_pool_raises():
     with pytest.raises(ValueError, match="KV cache too small: 1 blocks"):
-        kv_pool.num_blocks_for(cache(kv_cache_memory=5000), sched(), 64, block_bytes=4096, device=CPU)
+        kv_pool.num_blocks_for(
+            cache(kv_cache_memory=5000), sched(), 64, block_bytes=4096, device=CPU
+        )
 
 
 def test_allocate_gives_each_layer_a_zero_cache(caplog):
-    layers = [SimpleNamespace(num_kv_heads=2, head_dim=32, kv_cache=None),
-              SimpleNamespace(num_kv_heads=1, head_dim=64, kv_cache=None)]
+    layers = [
+        SimpleNamespace(num_kv_heads=2, head_dim=32, kv_cache=None),
+        SimpleNamespace(num_kv_heads=1, head_dim=64, kv_cache=None),
+    ]
     with caplog.at_level(logging.INFO, logger="kvserve.engine.worker.kv_pool"):
-        num_blocks = kv_pool.allocate_kv_pool(layers, cache(num_kv_blocks=9, block_size=4), sched(), 64,
-                                              torch.bfloat16, CPU)
+        num_blocks = kv_pool.allocate_kv_pool(
+            layers, cache(num_kv_blocks=9, block_size=4), sched(), 64, torch.bfloat16, CPU
+        )
     assert num_blocks == 9
-    assert layers[0].kv_cache.shape == (2, 9, 4, 2, 32) and layers[1].kv_cache.shape == (2, 9, 4, 1, 64)
+    assert layers[0].kv_cache.shape == (2, 9, 4, 2, 32) and layers[1].kv_cache.shape == (
+        2,
+        9,
+        4,
+        1,
+        64,
+    )
     assert all(not layer.kv_cache.any() for layer in layers)
     assert "KV cache: 8 blocks x 4 tokens = 32 tokens" in caplog.text
     assert kv_pool.bytes_per_block(layers, 4, torch.bfloat16) == 2 * 4 * (2 * 32 + 64) * 2
@@ -115,15 +145,27 @@ def test_engine_logs_its_start_up_phases_and_default_pool(llama_dir, caplog):
 
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         engine = LLMEngine(EngineArgs(model=llama_dir, device="cpu", max_num_seqs=4))
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up"))
-    assert re.match(r"engine start-up \d+\.\d\d s: (\w[\w+ ]* \d+\.\d\d, )*other \d+\.\d\d", line), line
-    assert engine.info.num_kv_blocks == 4 * (engine.info.max_model_len // 16) + 1  # 4 full-length sequences
+    line = next(
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up")
+    )
+    assert re.match(
+        r"engine start-up \d+\.\d\d s: (\w[\w+ ]* \d+\.\d\d, )*other \d+\.\d\d", line
+    ), line
+    assert (
+        engine.info.num_kv_blocks == 4 * (engine.info.max_model_len // 16) + 1
+    )  # 4 full-length sequences
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings and madvise are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="anonymous mappings and madvise are Linux's"
+)
 def test_populate_faults_pages_in_and_keeps_zeros():
     def rss_anon_kib() -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+        line = next(
+            x
+            for x in Path("/proc/self/status").read_text().splitlines()
+            if x.startswith("RssAnon:")
+        )
         return int(line.split()[1])
 
     pool = hugepages.zeros((64, 1024, 1024), torch.uint8)  # 64 MiB, not touched yet

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.loadtest import cli
 from benchmarks.procs import free_port, running_server
+from kvserve.loadtest import cli
 
 pytestmark = pytest.mark.slow  # real servers; a minute or so on 2 CPU cores
 
@@ -32,7 +32,15 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def baseline_url(tiny_checkpoint, tmp_path_factory):
     port = free_port()
-    cmd = [sys.executable, "-m", "benchmarks.baseline_server", "--model", tiny_checkpoint, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.baseline_server",
+        "--model",
+        tiny_checkpoint,
+        "--port",
+        str(port),
+    ]
     log = tmp_path_factory.mktemp("baseline_log") / "server.log"
     with running_server(cmd, port, log, timeout_s=120) as url:  # always stopped on exit
         yield url
@@ -40,10 +48,24 @@ def baseline_url(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kvserve_url(tiny_checkpoint, tmp_path_factory):
-    pytest.importorskip("kvserve.server.app", reason="kvserve server (server/app.py) not available yet")
+    pytest.importorskip(
+        "kvserve.server.app", reason="kvserve server (server/app.py) not available yet"
+    )
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
-           "--dtype", "float32", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.server.cli",
+        "serve",
+        "--model",
+        tiny_checkpoint,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     log = tmp_path_factory.mktemp("kvserve_log") / "server.log"
     with running_server(cmd, port, log, timeout_s=180) as url:
         yield url
@@ -77,9 +99,25 @@ def check_plots(out: Path, names: tuple[str, ...]) -> None:
 
 
 def test_baseline_server_run(baseline_url, tmp_path):
-    doc = run_bench(baseline_url, tmp_path, "--num-prompts", "12", "--input-len", "16", "--output-len", "8",
-                    "--range-ratio", "0.5", "--max-concurrency", "4", "--disconnect-fraction", "0.25",
-                    "--goodput", "ttft:600000", "e2el:600000")
+    doc = run_bench(
+        baseline_url,
+        tmp_path,
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        "--max-concurrency",
+        "4",
+        "--disconnect-fraction",
+        "0.25",
+        "--goodput",
+        "ttft:600000",
+        "e2el:600000",
+    )
     check_consistent(doc, 12)
     s = doc["summary"]
     assert s["disconnected"] == 3 and s["completed"] == 9
@@ -91,15 +129,37 @@ def test_baseline_server_run(baseline_url, tmp_path):
 
 
 def test_baseline_chat_endpoint(baseline_url, tmp_path):
-    doc = run_bench(baseline_url, tmp_path, "--endpoint", "chat", "--num-prompts", "4", "--input-len", "12",
-                    "--output-len", "6", "--request-rate", "50")
+    doc = run_bench(
+        baseline_url,
+        tmp_path,
+        "--endpoint",
+        "chat",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "12",
+        "--output-len",
+        "6",
+        "--request-rate",
+        "50",
+    )
     check_consistent(doc, 4)
     assert doc["summary"]["completed"] == 4
 
 
 def test_baseline_duration_mode_closed_loop(baseline_url, tmp_path):
-    doc = run_bench(baseline_url, tmp_path, "--duration", "2", "--max-concurrency", "2", "--input-len", "8",
-                    "--output-len", "4")
+    doc = run_bench(
+        baseline_url,
+        tmp_path,
+        "--duration",
+        "2",
+        "--max-concurrency",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+    )
     s = doc["summary"]
     check_consistent(doc, s["num_sent"])
     assert s["num_sent"] >= 2 and s["peak_concurrency"] <= 2
@@ -107,9 +167,24 @@ def test_baseline_duration_mode_closed_loop(baseline_url, tmp_path):
 
 
 def test_kvserve_run_with_disconnects_frees_kv_cache(kvserve_url, tmp_path):
-    doc = run_bench(kvserve_url, tmp_path, "--num-prompts", "24", "--input-len", "32", "--output-len", "16",
-                    "--request-rate", "40", "--burstiness", "0.5", "--disconnect-fraction", "0.5",
-                    "--metrics-interval", "0.05")
+    doc = run_bench(
+        kvserve_url,
+        tmp_path,
+        "--num-prompts",
+        "24",
+        "--input-len",
+        "32",
+        "--output-len",
+        "16",
+        "--request-rate",
+        "40",
+        "--burstiness",
+        "0.5",
+        "--disconnect-fraction",
+        "0.5",
+        "--metrics-interval",
+        "0.05",
+    )
     check_consistent(doc, 24)
     s, server = doc["summary"], doc["server_metrics"]
     # 12 clients plan to hang up after k chunks; a stream with fewer chunks (a busy
@@ -132,10 +207,34 @@ def test_kvserve_run_with_disconnects_frees_kv_cache(kvserve_url, tmp_path):
 
 
 def test_kvserve_sweep_and_prefix_cache(kvserve_url, tmp_path):
-    assert cli.main(["serve", "--base-url", kvserve_url, "--out", str(tmp_path), "--no-progress",
-                     "--dataset", "prefix-repetition", "--prefix-len", "48", "--num-prefix-groups", "2",
-                     "--input-len", "8", "--output-len", "4", "--num-prompts", "8",
-                     "--max-concurrency", "1", "4"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--base-url",
+                kvserve_url,
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+                "--dataset",
+                "prefix-repetition",
+                "--prefix-len",
+                "48",
+                "--num-prefix-groups",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--num-prompts",
+                "8",
+                "--max-concurrency",
+                "1",
+                "4",
+            ]
+        )
+        == 0
+    )
     points = json.loads((tmp_path / "sweep.json").read_text())
     assert [p["label"] for p in points] == ["rate-inf_conc-1", "rate-inf_conc-4"]
     for p in points:

@@ -14,7 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
-from kvserve.loadtest.arrivals import arrival_offsets, arrival_offsets_for_duration, inter_arrival_gaps
+from kvserve.loadtest.arrivals import (
+    arrival_offsets,
+    arrival_offsets_for_duration,
+    inter_arrival_gaps,
+)
 from kvserve.loadtest.bench import plan_disconnects
 from kvserve.loadtest.cli import build_parser
 from kvserve.loadtest.client import (
@@ -30,10 +34,10 @@ from kvserve.loadtest.client import (
 from kvserve.loadtest.datasets import (
     BenchRequest,
     prefix_repetition_requests,
-    translation_requests,
     random_requests,
     sample_lengths,
     sharegpt_requests,
+    translation_requests,
 )
 from kvserve.loadtest.metrics_scraper import MetricsSample, parse_metrics, summarize_samples
 from kvserve.loadtest.report import (
@@ -101,15 +105,29 @@ def test_plan_disconnects_picks_exact_share():
 
 def _record(i: int, ttft: float, e2e: float, tokens: int, status: str = OK, **kw) -> RequestRecord:
     itl = [(e2e - ttft) / (tokens - 1)] * (tokens - 1) if status == OK else []
-    return RequestRecord(index=i, prompt_len=10, max_tokens=tokens, scheduled_s=i * 0.1, sent_s=i * 0.1,
-                         status=status, ttft_s=ttft, e2e_s=e2e, itl_s=itl, output_tokens=tokens,
-                         prompt_tokens=10, has_usage=True, **kw)
+    return RequestRecord(
+        index=i,
+        prompt_len=10,
+        max_tokens=tokens,
+        scheduled_s=i * 0.1,
+        sent_s=i * 0.1,
+        status=status,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        itl_s=itl,
+        output_tokens=tokens,
+        prompt_tokens=10,
+        has_usage=True,
+        **kw,
+    )
 
 
 def _synthetic_records() -> list[RequestRecord]:
     rng = np.random.default_rng(0)
-    records = [_record(i, float(rng.uniform(0.01, 0.5)), float(rng.uniform(0.6, 3.0)), 11)
-               for i in range(100)]
+    records = [
+        _record(i, float(rng.uniform(0.01, 0.5)), float(rng.uniform(0.6, 3.0)), 11)
+        for i in range(100)
+    ]
     records.append(_record(100, None, 0.01, 0, status=FAILED, error="HTTP 400: too long"))
     records.append(_record(101, None, 0.02, 0, status=FAILED, error="HTTP 400: too long"))
     records.append(_record(102, 0.1, 0.3, 3, status=DISCONNECTED))
@@ -129,7 +147,9 @@ def test_summary_counts_throughput_and_ordering():
         assert stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"]
     ok = [r for r in records if r.status == OK]
     assert s["ttft"]["mean_ms"] == pytest.approx(1000 * np.mean([r.ttft_s for r in ok]))
-    assert s["tpot"]["p50_ms"] == pytest.approx(1000 * np.median([(r.e2e_s - r.ttft_s) / 10 for r in ok]))
+    assert s["tpot"]["p50_ms"] == pytest.approx(
+        1000 * np.median([(r.e2e_s - r.ttft_s) / 10 for r in ok])
+    )
     assert s["goodput"] is None
 
 
@@ -164,7 +184,11 @@ def test_peak_concurrency_and_markdown_table():
     s = summarize(records, 3.5, {})
     server = {"peak_kv_cache_usage": 0.5, "prefix_cache_hit_rate": 0.25}
     table = markdown_table([{"label": "rate-inf", "summary": s, "server": server}])
-    assert table.count("\n") == 2 and "| rate-inf | 4 / 0 / 0 |" in table and "| 50.0 | 25.0 |" in table
+    assert (
+        table.count("\n") == 2
+        and "| rate-inf | 4 / 0 / 0 |" in table
+        and "| 50.0 | 25.0 |" in table
+    )
     assert len({line.count("|") for line in table.splitlines()}) == 1  # header, rule, rows align
 
 
@@ -180,7 +204,10 @@ def test_spread_itl_and_distribute_tokens():
 
 
 def test_error_reason_formats():
-    assert error_reason(400, b'{"error": {"message": "prompt too long"}}') == "HTTP 400: prompt too long"
+    assert (
+        error_reason(400, b'{"error": {"message": "prompt too long"}}')
+        == "HTTP 400: prompt too long"
+    )
     assert error_reason(422, b'{"detail": "bad"}') == "HTTP 422: bad"
     assert error_reason(503, b"overloaded") == "HTTP 503: overloaded"
 
@@ -198,13 +225,17 @@ def _completion_stream(texts: list[str], usage: int | None) -> bytes:
     return _sse(chunks)
 
 
-def _run_client(body: bytes, status: int = 200, endpoint: str = "completions", **record_kw) -> RequestRecord:
+def _run_client(
+    body: bytes, status: int = 200, endpoint: str = "completions", **record_kw
+) -> RequestRecord:
     transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
     record = RequestRecord(index=0, prompt_len=4, max_tokens=6, scheduled_s=0.0, **record_kw)
 
     async def go() -> RequestRecord:
         async with httpx.AsyncClient(transport=transport) as client:
-            return await send_request(client, "http://test/v1/completions", {}, record, endpoint, 0.0)
+            return await send_request(
+                client, "http://test/v1/completions", {}, record, endpoint, 0.0
+            )
 
     return asyncio.run(go())
 
@@ -224,9 +255,11 @@ def test_client_counts_chunks_without_usage():
 
 
 def test_client_chat_ignores_role_only_chunk():
-    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
-              {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}]
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}},
+    ]
     r = _run_client(_sse(chunks), endpoint="chat")
     assert r.status == OK and r.num_chunks == 1 and r.output_tokens == 1 and r.tpot_s is None
 
@@ -273,8 +306,9 @@ def test_sample_lengths_bounds():
 
 @pytest.mark.parametrize("as_text", [False, True])
 def test_random_requests_exact_lengths(as_text):
-    reqs = random_requests(CharTokens(), 50, input_len=40, output_len=8, range_ratio=0.25, seed=1,
-                           as_text=as_text)
+    reqs = random_requests(
+        CharTokens(), 50, input_len=40, output_len=8, range_ratio=0.25, seed=1, as_text=as_text
+    )
     assert len(reqs) == 50
     for r in reqs:
         assert isinstance(r.prompt, str if as_text else list)
@@ -290,8 +324,9 @@ def test_random_requests_with_shared_prefix():
 
 
 def test_prefix_repetition_groups_share_prefixes():
-    reqs = prefix_repetition_requests(CharTokens(), 40, prefix_len=32, suffix_len=8, output_len=4,
-                                      num_groups=4, seed=3)
+    reqs = prefix_repetition_requests(
+        CharTokens(), 40, prefix_len=32, suffix_len=8, output_len=4, num_groups=4, seed=3
+    )
     groups: dict[int, list[BenchRequest]] = {}
     for r in reqs:
         groups.setdefault(r.prefix_group, []).append(r)
@@ -301,7 +336,9 @@ def test_prefix_repetition_groups_share_prefixes():
     assert all(len(p) == 1 for p in prefixes.values())  # one prefix per group
     assert len(set().union(*prefixes.values())) == 4  # and the groups differ
     assert len({tuple(r.prompt[32:]) for r in reqs}) == 40  # suffixes are unique
-    assert [r.prefix_group for r in reqs[:8]] != sorted(r.prefix_group for r in reqs[:8])  # interleaved
+    assert [r.prefix_group for r in reqs[:8]] != sorted(
+        r.prefix_group for r in reqs[:8]
+    )  # interleaved
 
 
 def test_prefix_repetition_text_mode_shares_prefix_text():
@@ -314,22 +351,46 @@ def test_prefix_repetition_text_mode_shares_prefix_text():
 
 def test_sharegpt_parsing(tmp_path):
     data = [
-        {"id": "a", "conversations": [{"from": "human", "value": "What is a paged KV cache?"},
-                                      {"from": "gpt", "value": "Blocks of keys and values."}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "What is a paged KV cache?"},
+                {"from": "gpt", "value": "Blocks of keys and values."},
+            ],
+        },
         {"id": "b", "conversations": [{"from": "human", "value": "only a question"}]},  # no reply
-        {"id": "c", "conversations": [{"from": "system", "value": "be brief"},
-                                      {"from": "human", "value": "Say hi please"},
-                                      {"from": "gpt", "value": "Hi there!"}]},
-        {"id": "d", "conversations": [{"from": "human", "value": "Hey"},  # prompt too short
-                                      {"from": "gpt", "value": "Hello, how can I help?"}]},
-        {"id": "e", "messages": [{"role": "user", "content": "Role/content format works?"},
-                                 {"role": "assistant", "content": "Yes it does."}]},
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "Say hi please"},
+                {"from": "gpt", "value": "Hi there!"},
+            ],
+        },
+        {
+            "id": "d",
+            "conversations": [
+                {"from": "human", "value": "Hey"},  # prompt too short
+                {"from": "gpt", "value": "Hello, how can I help?"},
+            ],
+        },
+        {
+            "id": "e",
+            "messages": [
+                {"role": "user", "content": "Role/content format works?"},
+                {"role": "assistant", "content": "Yes it does."},
+            ],
+        },
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     reqs = sharegpt_requests(path, CharTokens(), num_requests=3, seed=0)
     got = {r.prompt: r.output_len for r in reqs}
-    assert got == {"What is a paged KV cache?": 26, "Say hi please": 9, "Role/content format works?": 12}
+    assert got == {
+        "What is a paged KV cache?": 26,
+        "Say hi please": 9,
+        "Role/content format works?": 12,
+    }
     assert all(r.prompt_len == len(r.prompt) for r in reqs)
     more = sharegpt_requests(path, CharTokens(), num_requests=7, seed=0, output_len=5)
     assert len(more) == 7 and {r.output_len for r in more} == {5}  # repeats, override applied
@@ -345,7 +406,6 @@ def test_fallback_token_source_keeps_token_prompts_exact():
 
 def test_local_tokenizer_text_prompts_are_close(tmp_path):
     from checkpoints import save_tokenizer
-
     from kvserve.loadtest.token_source import LocalTokenSource
 
     save_tokenizer(tmp_path)
@@ -394,14 +454,21 @@ kvserve:time_to_first_token_seconds_sum{model_name="m"} 0.7
 
 def test_parse_metrics_canned_text():
     assert parse_metrics(CANNED_METRICS) == {
-        "num_running": 3.0, "num_waiting": 1.0, "kv_cache_usage": 0.25, "prefix_cache_queries": 1000.0,
-        "prefix_cache_hits": 250.0, "num_preemptions": 2.0, "generation_tokens": 5000.0,
+        "num_running": 3.0,
+        "num_waiting": 1.0,
+        "kv_cache_usage": 0.25,
+        "prefix_cache_queries": 1000.0,
+        "prefix_cache_hits": 250.0,
+        "num_preemptions": 2.0,
+        "generation_tokens": 5000.0,
     }
     assert parse_metrics("# no kvserve here\nup 1\n") == {}
 
 
 def test_parse_metrics_aggregates_over_models():
-    two = CANNED_METRICS + CANNED_METRICS.replace('model_name="m"', 'model_name="n"').replace("0.25", "0.5")
+    two = CANNED_METRICS + CANNED_METRICS.replace('model_name="m"', 'model_name="n"').replace(
+        "0.25", "0.5"
+    )
     parsed = parse_metrics("\n".join(line for line in two.splitlines() if not line.startswith("#")))
     assert parsed["kv_cache_usage"] == 0.5 and parsed["num_running"] == 6.0
 
@@ -409,12 +476,23 @@ def test_parse_metrics_aggregates_over_models():
 def test_summarize_samples_uses_deltas_over_the_run():
     before = parse_metrics(CANNED_METRICS)
     during = {**before, "kv_cache_usage": 0.75, "num_running": 8.0, "num_waiting": 5.0}
-    after = {**before, "kv_cache_usage": 0.0, "num_running": 0.0, "num_waiting": 0.0,
-             "prefix_cache_queries": 1400.0, "prefix_cache_hits": 550.0, "num_preemptions": 5.0,
-             "generation_tokens": 6000.0}
+    after = {
+        **before,
+        "kv_cache_usage": 0.0,
+        "num_running": 0.0,
+        "num_waiting": 0.0,
+        "prefix_cache_queries": 1400.0,
+        "prefix_cache_hits": 550.0,
+        "num_preemptions": 5.0,
+        "generation_tokens": 6000.0,
+    }
     samples = [MetricsSample(0.0, before), MetricsSample(1.0, during), MetricsSample(2.0, after)]
     s = summarize_samples(samples, kv_back_to_zero=True, drain_s=0.1)
-    assert s["peak_kv_cache_usage"] == 0.75 and s["peak_num_running"] == 8.0 and s["peak_num_waiting"] == 5.0
+    assert (
+        s["peak_kv_cache_usage"] == 0.75
+        and s["peak_num_running"] == 8.0
+        and s["peak_num_waiting"] == 5.0
+    )
     assert s["prefix_cache_hit_rate"] == pytest.approx(300 / 400)
     assert s["num_preemptions"] == 3.0 and s["generation_tokens"] == 1000.0
     assert s["kv_cache_back_to_zero"] is True
@@ -425,12 +503,28 @@ def test_summarize_samples_uses_deltas_over_the_run():
 
 
 def test_cli_parses_sweeps_and_inf():
-    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--request-rate", "1", "inf",
-                                      "--max-concurrency", "1", "4", "--goodput", "ttft:500", "tpot:50"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--base-url",
+            "http://x",
+            "--request-rate",
+            "1",
+            "inf",
+            "--max-concurrency",
+            "1",
+            "4",
+            "--goodput",
+            "ttft:500",
+            "tpot:50",
+        ]
+    )
     assert args.request_rate == [1.0, math.inf] and args.max_concurrency == [1, 4]
     assert args.goodput == ["ttft:500", "tpot:50"] and args.dataset == "random"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--base-url", "u", "--num-prompts", "3", "--duration", "5"])
+        build_parser().parse_args(
+            ["serve", "--base-url", "u", "--num-prompts", "3", "--duration", "5"]
+        )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--base-url", "u", "--request-rate", "0"])
 
@@ -440,13 +534,23 @@ def test_plots_from_a_result_document(tmp_path):
 
     records = _synthetic_records()
     summary = summarize(records, 10.0, {})
-    series = [{"t_s": t, "kv_cache_usage": u, "num_running": 2.0, "num_waiting": 0.0, "generation_tokens": g}
-              for t, u, g in ((0.0, 0.0, 0.0), (0.5, 0.4, 80.0), (1.0, 0.0, 160.0))]
+    series = [
+        {
+            "t_s": t,
+            "kv_cache_usage": u,
+            "num_running": 2.0,
+            "num_waiting": 0.0,
+            "generation_tokens": g,
+        }
+        for t, u, g in ((0.0, 0.0, 0.0), (0.5, 0.4, 80.0), (1.0, 0.0, 160.0))
+    ]
     doc = {"summary": summary, "metrics_series": series, "requests": [r.to_dict() for r in records]}
     paths = plot_run(json.loads(json.dumps(doc)), tmp_path)
     assert sorted(p.name for p in paths) == ["kv_cache.png", "latency_cdf.png", "timeline.png"]
-    sweep = plot_sweep([{"label": "a", "summary": summary}, {"label": "b", "summary": summary}],
-                       tmp_path / "sweep.png")
+    sweep = plot_sweep(
+        [{"label": "a", "summary": summary}, {"label": "b", "summary": summary}],
+        tmp_path / "sweep.png",
+    )
     for p in [*paths, sweep]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -475,14 +579,16 @@ def test_result_files_are_strict_json(tmp_path):
 
 
 def test_cli_reports_an_unreachable_server():
-    from kvserve.loadtest.cli import main
     from benchmarks.procs import free_port
+    from kvserve.loadtest.cli import main
 
     assert main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 2
 
 
 def test_translation_targets_follow_their_sources():
-    reqs = translation_requests(CharTokens(), 50, source_len=40, target_ratio=1.2, range_ratio=0.5, seed=3)
+    reqs = translation_requests(
+        CharTokens(), 50, source_len=40, target_ratio=1.2, range_ratio=0.5, seed=3
+    )
     assert len({r.prompt_len for r in reqs}) > 10  # lengths vary (uniform in 20..60)
     for r in reqs:
         assert 20 <= r.prompt_len <= 60 and r.output_len == max(1, round(1.2 * r.prompt_len))
@@ -494,10 +600,34 @@ def test_translation_targets_follow_their_sources():
 def test_translation_dataset_refuses_an_output_len():
     from kvserve.loadtest.cli import build_parser, build_requests
 
-    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--dataset", "translation",
-                                      "--output-len", "8", "--num-prompts", "2"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--base-url",
+            "http://x",
+            "--dataset",
+            "translation",
+            "--output-len",
+            "8",
+            "--num-prompts",
+            "2",
+        ]
+    )
     with pytest.raises(ValueError, match="target-ratio"):
         build_requests(args, CharTokens(), 0)
-    args = build_parser().parse_args(["serve", "--base-url", "http://x", "--dataset", "translation",
-                                      "--input-len", "10", "--target-ratio", "2", "--num-prompts", "3"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--base-url",
+            "http://x",
+            "--dataset",
+            "translation",
+            "--input-len",
+            "10",
+            "--target-ratio",
+            "2",
+            "--num-prompts",
+            "3",
+        ]
+    )
     assert [r.output_len for r in build_requests(args, CharTokens(), 0)] == [20, 20, 20]

@@ -24,7 +24,9 @@ from tests.checkpoints import make_checkpoint
 
 # peft is imported where it is used: it imports triton, which tests/test_triton_*.py must import first
 # (after setting TRITON_INTERPRET) when one process runs them all
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="peft is not installed"
+)
 
 TIE_GAP = 1e-4
 MAX_TOKENS = 8
@@ -36,8 +38,13 @@ def make_adapter(base: str, out: Path, r: int, seed: int, targets: list[str], **
     import peft
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    lora = peft.LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r), target_modules=targets,
-                           lora_dropout=0.0, **config)
+    lora = peft.LoraConfig(
+        r=r,
+        lora_alpha=config.pop("lora_alpha", 2 * r),
+        target_modules=targets,
+        lora_dropout=0.0,
+        **config,
+    )
     wrapped = peft.get_peft_model(model, lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -55,8 +62,15 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     return {
         "base": base,
         "a": make_adapter(base, root / "a", 8, seed=1, targets=ALL_TARGETS),
-        "b": make_adapter(base, root / "b", 4, seed=2, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True,
-                          lora_alpha=3),
+        "b": make_adapter(
+            base,
+            root / "b",
+            4,
+            seed=2,
+            targets=["q_proj", "v_proj", "down_proj"],
+            use_rslora=True,
+            lora_alpha=3,
+        ),
     }
 
 
@@ -75,26 +89,40 @@ def reference_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]):
     """(tokens, per-step logprobs [steps, V], steps free of near-ties) from the merged model."""
     with torch.no_grad():
         out = reference_model(base, adapter).generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     logits = torch.cat(out.logits).float()
     top2 = logits.topk(2, dim=-1).values
     ties = (top2[:, 0] - top2[:, 1] < TIE_GAP).nonzero()
     trusted = int(ties[0, 0]) if len(ties) else MAX_TOKENS
-    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(logits, -1), trusted
+    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(logits, -1), trusted
 
 
 def assert_matches(dirs, prompts, adapters, outs) -> None:
     num_trusted = 0
     for prompt, adapter, out in zip(prompts, adapters, outs):
-        tokens, logprobs, trusted = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+        tokens, logprobs, trusted = reference_greedy(
+            dirs["base"], dirs[adapter] if adapter else None, tuple(prompt)
+        )
         got = out.outputs[0]
         num_trusted += trusted
         assert got.token_ids[:trusted] == tokens[:trusted], (adapter, len(prompt))
         for step in range(trusted):
             for token_id, lp in got.logprobs[step].items():
-                assert lp.logprob == pytest.approx(logprobs[step, token_id].item(), abs=1e-4), (adapter, step)
-    assert num_trusted >= len(prompts) * MAX_TOKENS // 2  # near-ties are rare: the comparison is not vacuous
+                assert lp.logprob == pytest.approx(logprobs[step, token_id].item(), abs=1e-4), (
+                    adapter,
+                    step,
+                )
+    assert (
+        num_trusted >= len(prompts) * MAX_TOKENS // 2
+    )  # near-ties are rare: the comparison is not vacuous
 
 
 def requests(dirs) -> dict[str | None, LoRARequest | None]:
@@ -120,8 +148,11 @@ def greedy() -> SamplingParams:
 MIXED = [None, "a", "b", "a", "b", None]
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"attention_backend": "torch"}],
-                         ids=["default", "chunked-prefill", "torch-attention"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 16}, {"attention_backend": "torch"}],
+    ids=["default", "chunked-prefill", "torch-attention"],
+)
 def test_batch_mixing_adapters_and_base_matches_merged_peft(dirs, kw):
     llm = make_llm(dirs, **kw)
     prompts = make_prompts([1, 3, 7, 17, 30, 9])
@@ -129,7 +160,10 @@ def test_batch_mixing_adapters_and_base_matches_merged_peft(dirs, kw):
     outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED])
     assert_matches(dirs, prompts, MIXED, outs)
     # the adapters change the output: the comparison is not vacuous
-    assert outs[1].outputs[0].token_ids != llm.generate(prompts[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        outs[1].outputs[0].token_ids
+        != llm.generate(prompts[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    )
 
 
 def test_more_adapters_than_slots_wait_their_turn(dirs):
@@ -160,7 +194,9 @@ def test_preemption_recomputes_under_the_same_adapter(dirs):
     prompts = make_prompts([9, 10, 11, 12], seed=4)
     adapters = ["a", "b", "a", None]
     loras = requests(dirs)
-    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in adapters])
+    outs = llm.generate(
+        prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in adapters]
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     assert_matches(dirs, prompts, adapters, outs)
 
@@ -172,13 +208,26 @@ def test_preemption_recomputes_under_the_same_adapter(dirs):
 def dirs32(tmp_path_factory) -> dict[str, str]:
     """As `dirs`, on a base with head_dim 32 (the paged attention kernels' smallest: the stack runs it)."""
     root = tmp_path_factory.mktemp("lora32")
-    base = make_checkpoint(root / "base", "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           initializer_range=0.1)
+    base = make_checkpoint(
+        root / "base",
+        "llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
     return {
         "base": base,
         "a": make_adapter(base, root / "a", 8, seed=1, targets=ALL_TARGETS),
-        "b": make_adapter(base, root / "b", 4, seed=2, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True,
-                          lora_alpha=3),
+        "b": make_adapter(
+            base,
+            root / "b",
+            4,
+            seed=2,
+            targets=["q_proj", "v_proj", "down_proj"],
+            use_rslora=True,
+            lora_alpha=3,
+        ),
     }
 
 
@@ -186,9 +235,20 @@ def generate_bf16(dirs, quantization: str | None, eager: bool):
     """Mixed adapters and base rows through chunked prefill, preemption and (second round) prefix hits."""
     from kvserve.models.lora_cpu import CpuLoRALinear
 
-    llm = LLM(dirs["base"], dtype="bfloat16", device="cpu", block_size=4, enable_lora=True, max_loras=2,
-              max_lora_rank=8, quantization=quantization, enforce_eager=eager, max_num_batched_tokens=16,
-              num_kv_blocks=12, max_num_seqs=4)
+    llm = LLM(
+        dirs["base"],
+        dtype="bfloat16",
+        device="cpu",
+        block_size=4,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        quantization=quantization,
+        enforce_eager=eager,
+        max_num_batched_tokens=16,
+        num_kv_blocks=12,
+        max_num_seqs=4,
+    )
     runner = llm.engine.runner
     assert (runner.cpu_stack is None) == eager  # LoRA keeps the stack on; eager: the Python forward
     assert all(isinstance(w, CpuLoRALinear) for w in runner.lora.wrappers.values())
@@ -196,8 +256,12 @@ def generate_bf16(dirs, quantization: str | None, eager: bool):
     prompts = make_prompts([1, 3, 7, 17, 30, 9], seed=7)
     outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED])
     before = llm.engine.prompt_tokens_cached_total
-    outs += llm.generate(prompts[3:], greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED[3:]])
-    assert llm.engine.prompt_tokens_cached_total > before and llm.engine.scheduler.num_preemptions > 0
+    outs += llm.generate(
+        prompts[3:], greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED[3:]]
+    )
+    assert (
+        llm.engine.prompt_tokens_cached_total > before and llm.engine.scheduler.num_preemptions > 0
+    )
     return prompts + prompts[3:], MIXED + MIXED[3:], outs
 
 
@@ -206,9 +270,13 @@ def assert_near_peft(dirs, prompts, adapters, outs) -> None:
     reference's leader is clear (bf16 may swap closer ones)."""
     num_clear = 0
     for prompt, adapter, out in zip(prompts, adapters, outs):
-        tokens, logprobs, _ = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+        tokens, logprobs, _ = reference_greedy(
+            dirs["base"], dirs[adapter] if adapter else None, tuple(prompt)
+        )
         first = out.outputs[0].logprobs[0]
-        assert first[tokens[0]].logprob == pytest.approx(logprobs[0, tokens[0]].item(), abs=0.15), adapter
+        assert first[tokens[0]].logprob == pytest.approx(logprobs[0, tokens[0]].item(), abs=0.15), (
+            adapter
+        )
         top2 = logprobs[0].topk(2).values
         if top2[0] - top2[1] > 0.3:
             num_clear += 1
@@ -223,11 +291,16 @@ def test_bf16_stack_runs_the_adapters_with_the_python_forwards_bits(dirs32, quan
     token for token and logprob for logprob, and stays near PEFT's fp32 merged model."""
     prompts, adapters, outs = generate_bf16(dirs32, quantization, eager=False)
     _, _, eager_outs = generate_bf16(dirs32, quantization, eager=True)
-    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == \
-        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_outs]
-    if quantization is None:  # (int8 weights alone move these logits further from PEFT's fp32 model)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eager_outs
+    ]
+    if (
+        quantization is None
+    ):  # (int8 weights alone move these logits further from PEFT's fp32 model)
         assert_near_peft(dirs32, prompts, adapters, outs)
-    adapted = outs[1].outputs[0].token_ids  # the adapters change the output: the comparison is not vacuous
+    adapted = (
+        outs[1].outputs[0].token_ids
+    )  # the adapters change the output: the comparison is not vacuous
     assert adapted != next(o for o, a in zip(outs, adapters) if a is None).outputs[0].token_ids
 
 
@@ -248,20 +321,39 @@ def test_cpu_lora_op_matches_the_torch_reference(max_rank):
     g = torch.Generator().manual_seed(0)
     base = PackedLinear(64, [96, 40, 40], shard_ids=["q", "k", "v"])
     batch = LoRABatch()
-    wrapper = CpuLoRALinear(base.to(torch.bfloat16), 3, max_rank, batch, lora_apply_torch, torch.bfloat16,
-                            torch.device("cpu"))
+    wrapper = CpuLoRALinear(
+        base.to(torch.bfloat16),
+        3,
+        max_rank,
+        batch,
+        lora_apply_torch,
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
     for slot, rank in ((0, max_rank), (2, 3)):
-        shards = {i: (torch.randn(rank, 64, generator=g), torch.randn(n, rank, generator=g))
-                  for i, n in enumerate([96, 40, 40]) if (i, slot) != (1, 2)}  # slot 2 leaves k out
+        shards = {
+            i: (torch.randn(rank, 64, generator=g), torch.randn(n, rank, generator=g))
+            for i, n in enumerate([96, 40, 40])
+            if (i, slot) != (1, 2)
+        }  # slot 2 leaves k out
         wrapper.set_slot(slot, {i: (a.bfloat16(), b.bfloat16()) for i, (a, b) in shards.items()})
     row_slots, query_lens = np.array([2, -1, 0, 2]), np.array([3, 2, 1, 4])
     batch.meta = group_tokens(row_slots, query_lens, torch.device("cpu"))
     x = torch.randn(10, 64, generator=g).bfloat16()
     y = torch.randn(10, 176, generator=g).bfloat16()
     got = y.clone()
-    rows = (batch.meta.token_order, batch.meta.seg_starts, batch.meta.seg_lens, batch.meta.seg_slots)
-    cpu_ops.lora_apply_(got, x, wrapper.packed_a, wrapper.packed_b, wrapper.shard_n, wrapper.rank_pad, rows)
-    want = lora_apply_torch(y.float(), x.float(), wrapper.lora_a.float(), wrapper.lora_b.float(), batch.meta)
+    rows = (
+        batch.meta.token_order,
+        batch.meta.seg_starts,
+        batch.meta.seg_lens,
+        batch.meta.seg_slots,
+    )
+    cpu_ops.lora_apply_(
+        got, x, wrapper.packed_a, wrapper.packed_b, wrapper.shard_n, wrapper.rank_pad, rows
+    )
+    want = lora_apply_torch(
+        y.float(), x.float(), wrapper.lora_a.float(), wrapper.lora_b.float(), batch.meta
+    )
     assert torch.equal(got[3:5], y[3:5])  # the base rows are untouched
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
 
@@ -284,13 +376,16 @@ def llm(dirs) -> LLM:
     return make_llm(dirs, max_lora_rank=4)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
-    ({"r": 8}, "r=8"),
-    ({"use_dora": True}, "use_dora"),
-    ({"bias": "all"}, "bias"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
+        ({"r": 8}, "r=8"),
+        ({"use_dora": True}, "use_dora"),
+        ({"bias": "all"}, "bias"),
+    ],
+)
 def test_refused_adapter_config_names_the_field(dirs, llm, tmp_path, change, field):
     path = _edit_config(dirs["b"], tmp_path / "bad", **change)
     with pytest.raises(ValueError, match=field):
@@ -301,16 +396,24 @@ def test_refused_adapter_config_names_the_field(dirs, llm, tmp_path, change, fie
 
 def test_refused_adapters_leave_the_engine_serving(dirs, llm, tmp_path):
     with pytest.raises(ValueError, match="max_lora_rank"):  # adapter a has r=8
-        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, dirs["a"]))
+        llm.generate(
+            [1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, dirs["a"])
+        )
     other = make_checkpoint(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
     wrong = make_adapter(other, tmp_path / "wrong", 4, seed=3, targets=["q_proj"])
     with pytest.raises(ValueError, match="base model expects"):
-        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("wrong", 3, wrong))
+        llm.generate(
+            [1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("wrong", 3, wrong)
+        )
     with pytest.raises(ValueError, match="adapter_config.json"):
-        llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("none", 4, str(tmp_path)))
+        llm.generate(
+            [1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("none", 4, str(tmp_path))
+        )
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, dirs["b"])
-    out = llm.generate([1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+    out = llm.generate(
+        [1, 2, 3], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"])
+    )
     assert_matches(dirs, [[1, 2, 3]], ["b"], out)
 
 
@@ -322,13 +425,19 @@ def test_remove_frees_the_id_for_another_adapter(dirs, llm):
     assert engine.remove_lora(7) and not engine.remove_lora(7)
     other = _edit_config(dirs["b"], Path(dirs["b"]).parent / "b-alpha", lora_alpha=9)
     out = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b2", 7, other))
-    base = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
-    assert out[0].outputs[0].logprobs != base[0].outputs[0].logprobs  # the new adapter's scaling, not the old
+    base = llm.generate(
+        prompt, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"])
+    )
+    assert (
+        out[0].outputs[0].logprobs != base[0].outputs[0].logprobs
+    )  # the new adapter's scaling, not the old
 
 
 def test_lora_request_needs_enable_lora(dirs):
     plain = LLM(dirs["base"], dtype="float32", device="cpu", block_size=4)
     with pytest.raises(ValueError, match="enable_lora"):
-        plain.generate([1, 2], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"]))
+        plain.generate(
+            [1, 2], greedy(), use_tqdm=False, lora_request=LoRARequest("b", 2, dirs["b"])
+        )
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(dirs["base"], device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=1)

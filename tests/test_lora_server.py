@@ -12,7 +12,9 @@ import pytest
 from tests.server_fixtures import ServerProcess, metric, scrape
 from tests.test_lora import ALL_TARGETS, MAX_TOKENS, make_adapter, make_prompts, reference_greedy
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="peft is not installed"
+)
 KEY = "lora-key"
 
 
@@ -22,27 +24,57 @@ def lora_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora_server")
     base = make_checkpoint(root / "base", "llama")
-    dirs = {"base": base, "a": make_adapter(base, root / "a", 8, seed=1, targets=ALL_TARGETS),
-            "b": make_adapter(base, root / "b", 4, seed=2, targets=["q_proj", "v_proj"], use_rslora=True)}
-    srv = ServerProcess(base, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-                        "--max-lora-rank", "8", "--lora-modules", f"a={dirs['a']}", "--allow-runtime-lora-updating",
-                        "--api-key", KEY, "--block-size", "4").wait_ready()
+    dirs = {
+        "base": base,
+        "a": make_adapter(base, root / "a", 8, seed=1, targets=ALL_TARGETS),
+        "b": make_adapter(
+            base, root / "b", 4, seed=2, targets=["q_proj", "v_proj"], use_rslora=True
+        ),
+    }
+    srv = ServerProcess(
+        base,
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"a={dirs['a']}",
+        "--allow-runtime-lora-updating",
+        "--api-key",
+        KEY,
+        "--block-size",
+        "4",
+    ).wait_ready()
     yield srv, dirs, root
     srv.stop()
 
 
 def completion_logprobs(client: openai.OpenAI, model: str, prompt: list[int]) -> list[float]:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     assert out.model == model
     return out.choices[0].logprobs.token_logprobs
 
 
 def assert_like_reference(dirs, adapter: str | None, prompt: list[int], got: list[float]) -> None:
-    tokens, logprobs, trusted = reference_greedy(dirs["base"], dirs[adapter] if adapter else None, tuple(prompt))
+    tokens, logprobs, trusted = reference_greedy(
+        dirs["base"], dirs[adapter] if adapter else None, tuple(prompt)
+    )
     assert trusted >= MAX_TOKENS // 2
     for step in range(trusted):
-        assert got[step] == pytest.approx(logprobs[step, tokens[step]].item(), abs=1e-4), (adapter, step)
+        assert got[step] == pytest.approx(logprobs[step, tokens[step]].item(), abs=1e-4), (
+            adapter,
+            step,
+        )
 
 
 def test_model_picks_the_adapter_and_runtime_updates(lora_server):
@@ -60,19 +92,30 @@ def test_model_picks_the_adapter_and_runtime_updates(lora_server):
 
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"lora_name": "b", "lora_path": dirs["b"]}
-    assert httpx.post(srv.url + "/v1/load_lora_adapter", json=body).status_code == 401  # behind the key
+    assert (
+        httpx.post(srv.url + "/v1/load_lora_adapter", json=body).status_code == 401
+    )  # behind the key
     r = httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers=auth)
     assert r.status_code == 200, r.text
-    assert httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers=auth).status_code == 400  # twice
+    assert (
+        httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers=auth).status_code == 400
+    )  # twice
     assert [m.id for m in client.models.list().data] == ["tiny", "a", "b"]
     assert_like_reference(dirs, "b", prompt, completion_logprobs(client, "b", prompt))
-    chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    chat = client.chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert chat.model == "b"
     assert metric(scrape(srv.url, auth), "kvserve:lora_requests_running", lora_name="b") == 0
 
     r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth)
     assert r.status_code == 200, r.text
-    assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth).status_code == 404
+    assert (
+        httpx.post(
+            srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth
+        ).status_code
+        == 404
+    )
     with pytest.raises(openai.NotFoundError):
         completion_logprobs(client, "b", prompt)
 
@@ -87,26 +130,45 @@ def test_bad_adapters_are_400_naming_the_field(lora_server):
     shutil.copytree(dirs["b"], bad)
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}, headers=auth)
+    r = httpx.post(
+        srv.url + "/v1/load_lora_adapter",
+        json={"lora_name": "bad", "lora_path": str(bad)},
+        headers=auth,
+    )
     assert r.status_code == 400 and "max_lora_rank" in r.json()["error"]["message"]
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "nope")},
-                   headers=auth)
+    r = httpx.post(
+        srv.url + "/v1/load_lora_adapter",
+        json={"lora_name": "x", "lora_path": str(root / "nope")},
+        headers=auth,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": dirs["b"]},
-                   headers=auth)
+    r = httpx.post(
+        srv.url + "/v1/load_lora_adapter",
+        json={"lora_name": "tiny", "lora_path": dirs["b"]},
+        headers=auth,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     # weights that do not fit the base model: found when the engine reads them, a 400 for that request
     from tests.checkpoints import make_checkpoint
 
     other = make_checkpoint(root / "other", "llama", hidden_size=32, intermediate_size=64)
     wrong = make_adapter(other, root / "wrong", 4, seed=3, targets=["q_proj"])
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "wrong", "lora_path": wrong}, headers=auth)
+    r = httpx.post(
+        srv.url + "/v1/load_lora_adapter",
+        json={"lora_name": "wrong", "lora_path": wrong},
+        headers=auth,
+    )
     assert r.status_code == 200
-    r = httpx.post(srv.base_url + "/completions", json={"model": "wrong", "prompt": [1, 2], "max_tokens": 2},
-                   headers=auth)
+    r = httpx.post(
+        srv.base_url + "/completions",
+        json={"model": "wrong", "prompt": [1, 2], "max_tokens": 2},
+        headers=auth,
+    )
     assert r.status_code == 400 and "base model expects" in r.json()["error"]["message"]
     client = openai.OpenAI(base_url=srv.base_url, api_key=KEY)
-    assert_like_reference(dirs, "a", [1, 2, 3], completion_logprobs(client, "a", [1, 2, 3]))  # still serving
+    assert_like_reference(
+        dirs, "a", [1, 2, 3], completion_logprobs(client, "a", [1, 2, 3])
+    )  # still serving
 
 
 def test_lora_flags(monkeypatch):
@@ -115,8 +177,19 @@ def test_lora_flags(monkeypatch):
 
     for name in ("KVSERVE_LORA_MODULES", "KVSERVE_ENABLE_LORA"):
         monkeypatch.delenv(name, raising=False)
-    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x", "b=/y",
-                                      "--lora-modules", "c=/z"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--enable-lora",
+            "--max-loras",
+            "3",
+            "--lora-modules",
+            "a=/x",
+            "b=/y",
+            "--lora-modules",
+            "c=/z",
+        ]
+    )
     config = load_config(args)
     assert config.lora_modules == ["a=/x", "b=/y", "c=/z"] and config.max_loras == 3
 

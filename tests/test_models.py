@@ -16,15 +16,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from checkpoints import FAMILIES, make_checkpoint
 from safetensors.torch import load_file, save_file
 
-from kvserve.models.attention import torch_ref
-from kvserve.models.loader import get_eos_token_ids, get_max_model_len, load_model
-from kvserve.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
-from kvserve.models.attention import Attention, AttentionMetadata, forward_context, get_forward_context
+from checkpoints import FAMILIES, make_checkpoint
+from kvserve.models.attention import (
+    Attention,
+    AttentionMetadata,
+    forward_context,
+    get_forward_context,
+    torch_ref,
+)
 from kvserve.models.hf_config import CheckpointConfig, load_hf_config
-from kvserve.models.loader import resolve_model_path
+from kvserve.models.loader import (
+    get_eos_token_ids,
+    get_max_model_len,
+    load_model,
+    resolve_model_path,
+)
+from kvserve.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 ATOL = 1e-4
 # Mixed prompt lengths: 1 token up to several blocks, some beyond Mistral's sliding window (24).
@@ -70,17 +79,35 @@ class PagedRunner:
             seq_lens.append(seq_len)
             tables.append(table)
         max_blocks = max(len(t) for t in tables) + 1  # + 1: trailing null-block padding
-        meta = make_meta(self.model, query_lens, seq_lens, slots, positions,
-                         [t + [0] * (max_blocks - len(t)) for t in tables], bs, self.device)
+        meta = make_meta(
+            self.model,
+            query_lens,
+            seq_lens,
+            slots,
+            positions,
+            [t + [0] * (max_blocks - len(t)) for t in tables],
+            bs,
+            self.device,
+        )
         with torch.inference_mode(), forward_context(meta):
-            hidden = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device))
+            hidden = self.model(
+                torch.tensor(input_ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+            )
             logits = self.model.compute_logits(hidden).float().cpu()
         return list(logits.split(query_lens))
 
 
-def make_meta(model, query_lens: list[int], seq_lens: list[int], slots: list[int], positions: list[int],
-              tables: list[list[int]], block_size: int, device: str = "cpu") -> AttentionMetadata:
+def make_meta(
+    model,
+    query_lens: list[int],
+    seq_lens: list[int],
+    slots: list[int],
+    positions: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: str = "cpu",
+) -> AttentionMetadata:
     """The runner's metadata, in the index dtype of the model's attention backend."""
     index = next(m for m in model.modules() if isinstance(m, Attention)).backend.index_dtype
 
@@ -88,10 +115,17 @@ def make_meta(model, query_lens: list[int], seq_lens: list[int], slots: list[int
         return torch.tensor(values, dtype=index, device=device)
 
     return AttentionMetadata(
-        slot_mapping=t(slots), positions=torch.tensor(positions, device=device),
-        cu_seqlens_q=t([0] + query_lens).cumsum(0).to(index), seq_lens=t(seq_lens), block_table=t(tables),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=block_size,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+        slot_mapping=t(slots),
+        positions=torch.tensor(positions, device=device),
+        cu_seqlens_q=t([0] + query_lens).cumsum(0).to(index),
+        seq_lens=t(seq_lens),
+        block_table=t(tables),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
 
 
 def make_prompts(vocab_size: int, lens: list[int] = PROMPT_LENS, seed: int = 0) -> list[list[int]]:
@@ -106,21 +140,30 @@ def hf_logits(hf_model, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 def load_pair(path: Path, family: str, **overrides):
     model_dir = make_checkpoint(path, family, **overrides)
-    config = load_hf_config(model_dir)  # as the engine reads it (transformers' AutoConfig for what it cannot)
+    config = load_hf_config(
+        model_dir
+    )  # as the engine reads it (transformers' AutoConfig for what it cannot)
     model = load_model(model_dir, config, torch.float32, "cpu")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     return model, hf_model, config
 
 
-@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in ("cpu", "torch")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(f, b) for f in FAMILIES for b in ("cpu", "torch")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def family_models(request, checkpoint_dirs):
     """(family, attention backend): the CPU kernels' backend and the portable torch reference."""
     family, backend = request.param
     model_dir = checkpoint_dirs[family]  # conftest.py: one tiny checkpoint per family
     config = load_hf_config(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend=backend)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     prompts = make_prompts(config.vocab_size)
     return family, model, config, prompts, hf_logits(hf_model, prompts)
 
@@ -144,11 +187,15 @@ def test_prefill_after_cached_prefix(family_models):
     first = runner.step([(i, p[: cut[i]], 0) for i, p in enumerate(prompts)])
     rest = [(i, p[cut[i] :], cut[i]) for i, p in enumerate(prompts) if len(p) > cut[i]]
     second = dict(zip([r[0] for r in rest], runner.step(rest)))
-    got = [torch.cat([first[i]] + ([second[i]] if i in second else [])) for i in range(len(prompts))]
+    got = [
+        torch.cat([first[i]] + ([second[i]] if i in second else [])) for i in range(len(prompts))
+    ]
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("cpu_chunk_bytes", [None, 1, 3000], ids=["one-sdpa", "row-per-chunk", "few-rows-per-chunk"])
+@pytest.mark.parametrize(
+    "cpu_chunk_bytes", [None, 1, 3000], ids=["one-sdpa", "row-per-chunk", "few-rows-per-chunk"]
+)
 def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkeypatch):
     """Every step mixes 1-token rows with 5-token prefill chunks; requests drop out as they finish.
 
@@ -174,8 +221,18 @@ def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkey
 @pytest.mark.parametrize(
     "family,overrides",
     [
-        ("llama", dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                         high_freq_factor=4.0, original_max_position_embeddings=64))),
+        (
+            "llama",
+            dict(
+                rope_scaling=dict(
+                    rope_type="llama3",
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=64,
+                )
+            ),
+        ),
         ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0), rope_theta=500000.0)),
         ("llama", dict(tie_word_embeddings=True)),
         ("llama", dict(num_key_value_heads=1)),  # MQA
@@ -183,7 +240,15 @@ def test_mixed_decode_and_chunked_prefill(family_models, cpu_chunk_bytes, monkey
         ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
         ("gpt2", dict(tie_word_embeddings=False, scale_attn_by_inverse_layer_idx=True)),
     ],
-    ids=["llama3-rope", "linear-rope", "llama-tied", "mqa", "qwen2-tied", "qwen2-sliding-layers", "gpt2-untied"],
+    ids=[
+        "llama3-rope",
+        "linear-rope",
+        "llama-tied",
+        "mqa",
+        "qwen2-tied",
+        "qwen2-sliding-layers",
+        "gpt2-untied",
+    ],
 )
 def test_config_variants(tmp_path, family, overrides):
     model, hf_model, config = load_pair(tmp_path, family, **overrides)
@@ -191,12 +256,20 @@ def test_config_variants(tmp_path, family, overrides):
     prompts = make_prompts(config.vocab_size, [2, 11, 30])
     want = hf_logits(hf_model, prompts)
     runner = PagedRunner(model, block_size=4)
-    assert_close(runner.step([(i, p[:-1], 0) for i, p in enumerate(prompts)]), [w[:-1] for w in want])
-    assert_close(runner.step([(i, p[-1:], len(p) - 1) for i, p in enumerate(prompts)]), [w[-1:] for w in want])
+    assert_close(
+        runner.step([(i, p[:-1], 0) for i, p in enumerate(prompts)]), [w[:-1] for w in want]
+    )
+    assert_close(
+        runner.step([(i, p[-1:], len(p) - 1) for i, p in enumerate(prompts)]),
+        [w[-1:] for w in want],
+    )
     if family == "llama" and "rope_scaling" in overrides:
         torch.testing.assert_close(
             model.model.rotary_emb.cos_sin_cache[:, 0, : config.head_dim // 2],
-            (torch.arange(config.max_position_embeddings)[:, None] * hf_model.model.rotary_emb.inv_freq).cos(),
+            (
+                torch.arange(config.max_position_embeddings)[:, None]
+                * hf_model.model.rotary_emb.inv_freq
+            ).cos(),
         )
 
 
@@ -219,8 +292,13 @@ def test_unsupported_architecture_lists_supported():
         get_model_class(config)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
-    assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                              "Qwen3ForCausalLM", "GPT2LMHeadModel"}
+    assert set(SUPPORTED_ARCHITECTURES) >= {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GPT2LMHeadModel",
+    }
 
 
 def _rewrite_weights(src: str, dst: Path, edit) -> str:
@@ -235,7 +313,9 @@ def _rewrite_weights(src: str, dst: Path, edit) -> str:
 
 
 def test_missing_weight_raises_with_name(llama_dir, tmp_path):
-    model_dir = _rewrite_weights(llama_dir, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    model_dir = _rewrite_weights(
+        llama_dir, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
+    )
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"missing .*model\.layers\.1\.self_attn\.k_proj\.weight"):
         load_model(model_dir, config, torch.float32, "cpu")
@@ -252,7 +332,9 @@ def test_misshaped_weight_raises_with_shapes(llama_dir, tmp_path):
 
 
 def test_unexpected_weight_raises(llama_dir, tmp_path):
-    model_dir = _rewrite_weights(llama_dir, tmp_path / "m", lambda t: t.update(extra=torch.zeros(2)))
+    model_dir = _rewrite_weights(
+        llama_dir, tmp_path / "m", lambda t: t.update(extra=torch.zeros(2))
+    )
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with pytest.raises(ValueError, match="extra"):
         load_model(model_dir, config, torch.float32, "cpu")
@@ -269,7 +351,10 @@ def test_pickle_checkpoint_refused(llama_dir, tmp_path):
 def test_sharded_checkpoint_loads(llama_dir, tmp_path):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
-    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    assert (
+        len(list(tmp_path.glob("*.safetensors"))) > 1
+        and (tmp_path / "model.safetensors.index.json").exists()
+    )
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     model = load_model(str(tmp_path), config, torch.float32, "cpu")
     prompts = make_prompts(config.vocab_size, [7])
@@ -281,7 +366,9 @@ def test_load_in_bf16(llama_dir):
     model = load_model(llama_dir, config, torch.bfloat16, "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in model.parameters())
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        llama_dir, dtype=torch.bfloat16
+    ).eval()
     prompts = make_prompts(config.vocab_size, [6, 13])
     got = PagedRunner(model, 4).step([(i, p, 0) for i, p in enumerate(prompts)])
     for g, w in zip(got, hf_logits(hf_model, prompts)):
@@ -313,23 +400,33 @@ def test_paged_attention_cuda(tmp_path, family, backend):
     model_dir = make_checkpoint(tmp_path, family)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.float32, "cuda", attention_backend=backend)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     prompts = make_prompts(config.vocab_size)
     want = hf_logits(hf_model, prompts)
     runner = PagedRunner(model, 4, device="cuda")
     first = runner.step([(i, p[:-1], 0) for i, p in enumerate(prompts) if len(p) > 1])
     last = runner.step([(i, p[-1:], len(p) - 1) for i, p in enumerate(prompts)])
-    got = [torch.cat(([first.pop(0)] if len(p) > 1 else []) + [last[i]]) for i, p in enumerate(prompts)]
+    got = [
+        torch.cat(([first.pop(0)] if len(p) > 1 else []) + [last[i]]) for i, p in enumerate(prompts)
+    ]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=0)  # TF32 may be on for matmuls
 
 
 def test_default_model_is_deterministic_cached_and_loads(tmp_path):
-    from kvserve.models.default_model import DEFAULT_MODEL_NAME, build_default_model, ensure_default_model
+    from kvserve.models.default_model import (
+        DEFAULT_MODEL_NAME,
+        build_default_model,
+        ensure_default_model,
+    )
 
     model_dir = Path(ensure_default_model(str(tmp_path / "cache")))
     assert model_dir == tmp_path / "cache" / DEFAULT_MODEL_NAME
-    assert [p.name for p in model_dir.parent.iterdir()] == [DEFAULT_MODEL_NAME]  # temp dir renamed away
+    assert [p.name for p in model_dir.parent.iterdir()] == [
+        DEFAULT_MODEL_NAME
+    ]  # temp dir renamed away
     mtime = (model_dir / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model(str(tmp_path / "cache")) == str(model_dir)  # cached: not rebuilt
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == mtime
@@ -345,15 +442,18 @@ def test_default_model_is_deterministic_cached_and_loads(tmp_path):
     assert len(tokenizer) == config.vocab_size
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert get_eos_token_ids(str(model_dir), config) == [tokenizer.eos_token_id, im_end]
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     text = "The fox jumped over the moon."
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert len(tokenizer.encode(text)) < len(text) / 2  # real merges, not bytes
 
     model = load_model(str(model_dir), config, torch.float32, "cpu")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     prompt = tokenizer.encode("The lion and the mouse")
     assert_close(PagedRunner(model, 16).step([(0, prompt, 0)]), hf_logits(hf_model, [prompt]))
     # A bigram model of the corpus: after "The" it should continue with a word from it.
@@ -383,17 +483,30 @@ def test_prefill_before_kv_cache_is_assigned(llama_dir):
     config = transformers.AutoConfig.from_pretrained(llama_dir)
     model = load_model(llama_dir, config, torch.float32, "cpu")
     prompts = make_prompts(config.vocab_size, [5, 9])
-    want = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32), prompts)
+    want = hf_logits(
+        transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32), prompts
+    )
 
     def meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
-        return make_meta(model, query_lens, seq_lens, [0] * sum(query_lens), positions,
-                         [[0] * 4] * len(seq_lens), 4)
+        return make_meta(
+            model,
+            query_lens,
+            seq_lens,
+            [0] * sum(query_lens),
+            positions,
+            [[0] * 4] * len(seq_lens),
+            4,
+        )
 
     with torch.inference_mode(), forward_context(meta([5, 9], [5, 9])):
         hidden = model(torch.tensor(prompts[0] + prompts[1]), torch.tensor([*range(5), *range(9)]))
         assert_close(list(model.compute_logits(hidden).split([5, 9])), want)
-    with torch.inference_mode(), forward_context(meta([1], [6])), pytest.raises(RuntimeError, match="kv_cache"):
+    with (
+        torch.inference_mode(),
+        forward_context(meta([1], [6])),
+        pytest.raises(RuntimeError, match="kv_cache"),
+    ):
         model(torch.tensor([1]), torch.tensor([5]))
 
 

@@ -24,22 +24,29 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from checkpoints import make_checkpoint
 from gguf_files import make_gguf
-from safetensors.torch import save_file
-from test_models import PagedRunner, make_prompts
-
 from kvserve import LLM, SamplingParams
 from kvserve.engine.config import EngineArgs
 from kvserve.models import cpu_ops
 from kvserve.models import loader as loader_module
-from kvserve.models.loader import load_model
 from kvserve.models.attention import Attention
 from kvserve.models.gguf_loader import _unpermute, iter_gguf_tensors
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.layers import Linear, VocabEmbedding
-from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequantize, has_kernels,
-                                         quantize_int4, quantize_int8, reference_linear)
+from kvserve.models.loader import load_model
+from kvserve.models.quantization import (
+    QuantizedLinear,
+    QuantizedWeight,
+    dequantize,
+    has_kernels,
+    quantize_int4,
+    quantize_int8,
+    reference_linear,
+)
+from test_models import PagedRunner, make_prompts
 
 KERNELS = cpu_ops.load() and has_kernels()
 needs_kernels = pytest.mark.usefixtures("kernel_set")  # once per CPU kernel set this machine runs
@@ -79,12 +86,20 @@ def weight_cases() -> list[np.ndarray]:
     cases = [rng.standard_normal((37, 256)).astype(np.float32) * s for s in (0.02, 1.0, 300.0)]
     with_zero = rng.standard_normal((3, 128)).astype(np.float32)
     with_zero[1, 32:64] = 0  # a zero group (scale 0)
-    with_zero[2, :32] = rng.uniform(-1, 1, 32) * 1e-5  # a tiny group: its scale is an fp16 subnormal
+    with_zero[2, :32] = (
+        rng.uniform(-1, 1, 32) * 1e-5
+    )  # a tiny group: its scale is an fp16 subnormal
     cases.append(with_zero)
     # int8 ties: max |w| 127 makes d = 1 and w / d = w, so a half-integer w is an exact tie
     # (half away from zero: 2.5 -> 3, -2.5 -> -3); d = 0.25 likewise with w = (k + 0.5) / 4.
     halves = np.arange(-126.5, 127.0, 1.0, dtype=np.float32)
-    near = np.concatenate([halves, np.nextafter(halves, np.float32(np.inf)), np.nextafter(halves, np.float32(-np.inf))])
+    near = np.concatenate(
+        [
+            halves,
+            np.nextafter(halves, np.float32(np.inf)),
+            np.nextafter(halves, np.float32(-np.inf)),
+        ]
+    )
     # (the two values 0.49999997 and -0.49999997 are left to test_int8_just_below_half)
     near = near[np.abs(near) != np.nextafter(np.float32(0.5), np.float32(0))]
     near = np.concatenate([near, np.zeros(-len(near) % 31, np.float32)])
@@ -92,15 +107,35 @@ def weight_cases() -> list[np.ndarray]:
     int8_ties = np.concatenate([np.full((len(groups), 1), 127.0, np.float32), groups], axis=1)
     int8_ties[1::2, 0] = -127.0
     cases.append(int8_ties)
-    cases.append(np.concatenate([np.full((len(groups), 1), 31.75, np.float32), groups / 4], axis=1).reshape(-1, 32))
+    cases.append(
+        np.concatenate([np.full((len(groups), 1), 31.75, np.float32), groups / 4], axis=1).reshape(
+            -1, 32
+        )
+    )
     # int4 ties: the extreme -8 makes d = 1 (and +8: d = -1), w / d + 8.5 is whole at w = k + 0.5,
     # and 7.5 lands on 16, clipped to 15.
     fours = np.arange(-7.5, 8.0, 1.0, dtype=np.float32)
-    fours = np.concatenate([fours, np.nextafter(fours, np.float32(np.inf)), np.nextafter(fours, np.float32(-np.inf)),
-                            [0.0, 0.0]]).astype(np.float32).reshape(-1, 25)
+    fours = (
+        np.concatenate(
+            [
+                fours,
+                np.nextafter(fours, np.float32(np.inf)),
+                np.nextafter(fours, np.float32(-np.inf)),
+                [0.0, 0.0],
+            ]
+        )
+        .astype(np.float32)
+        .reshape(-1, 25)
+    )
     for extreme in (-8.0, 8.0):
-        rows = np.concatenate([np.full((2, 1), extreme, np.float32), fours, np.full((2, 6), -extreme / 2, np.float32)],
-                              axis=1)
+        rows = np.concatenate(
+            [
+                np.full((2, 1), extreme, np.float32),
+                fours,
+                np.full((2, 6), -extreme / 2, np.float32),
+            ],
+            axis=1,
+        )
         cases.append(rows)
     return cases
 
@@ -115,7 +150,9 @@ def test_formats_are_gguf_blocks_bit_for_bit(bits):
         q, d = quantize(torch.from_numpy(w), 32)
         assert_same_bits(q, want_q, f"case {i}: q")
         assert_same_bits(d, want_d, f"case {i}: d")
-        assert int(q.min()) >= (-127 if bits == 8 else -8) and int(q.max()) <= (127 if bits == 8 else 7)
+        assert int(q.min()) >= (-127 if bits == 8 else -8) and int(q.max()) <= (
+            127 if bits == 8 else 7
+        )
         values = gguf.quants.dequantize(raw, qtype)
         assert torch.equal(dequantize(q, d, 32), torch.from_numpy(values)), f"case {i}"
         # a file's values quantize back to its blocks (what makes serving a GGUF file exact);
@@ -142,7 +179,10 @@ def test_format_rounding_rules_at_ties():
 
 def test_int8_just_below_half():
     w = np.zeros((1, 32), np.float32)
-    w[0, 0], w[0, 1] = 127.0, np.nextafter(np.float32(0.5), np.float32(0))  # d = 1: w / d = 0.49999997
+    w[0, 0], w[0, 1] = (
+        127.0,
+        np.nextafter(np.float32(0.5), np.float32(0)),
+    )  # d = 1: w / d = 0.49999997
     want_q, _ = parse_blocks(gguf.quants.quantize(w, Q8_0), Q8_0, 1, 32)
     q, _ = quantize_int8(torch.from_numpy(w))
     assert q[0, 1].item() == want_q[0, 1].item() == 0
@@ -157,14 +197,18 @@ def q4_0_any_group(w: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tenso
         inv = np.where(d == 0, 0, 1 / d)
     u = np.trunc((blocks * inv) + np.float32(8.5), dtype=np.float32).astype(np.uint8).clip(0, 15)
     q = u.astype(np.int8) - 8
-    return torch.from_numpy(q.reshape(w.shape)), torch.from_numpy(d.astype(np.float16).reshape(w.shape[0], -1))
+    return torch.from_numpy(q.reshape(w.shape)), torch.from_numpy(
+        d.astype(np.float16).reshape(w.shape[0], -1)
+    )
 
 
 def q8_0_any_group(w: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gguf's own Q8_0 `quantize_blocks` on blocks of `group` (it does not depend on 32)."""
     raw = gguf.quants.Q8_0.quantize_blocks(w.reshape(-1, group))
     q = raw[:, 2:].copy().view(np.int8).reshape(w.shape)
-    return torch.from_numpy(q), torch.from_numpy(raw[:, :2].copy().view(np.float16).reshape(w.shape[0], -1))
+    return torch.from_numpy(q), torch.from_numpy(
+        raw[:, :2].copy().view(np.float16).reshape(w.shape[0], -1)
+    )
 
 
 @pytest.mark.parametrize("group", [16, 32, 48, 64, 128])
@@ -179,11 +223,13 @@ def test_formats_any_group(group):
         assert_same_bits(q, want_q, f"int{bits} q")
         assert_same_bits(d, want_d, f"int{bits} d")
         if group == 32:  # the Q4_0 copy above is gguf's, exactly
-            assert_same_bits(want_q, parse_blocks(gguf.quants.quantize(w, QTYPE[bits]), QTYPE[bits], 11, 384)[0])
+            assert_same_bits(
+                want_q, parse_blocks(gguf.quants.quantize(w, QTYPE[bits]), QTYPE[bits], 11, 384)[0]
+            )
         # half a step (int4: a whole step where w / d passes 7.5 and clips), plus q times d's fp16 rounding
         # (q is rounded with the fp32 scale, as llama.cpp does)
         err = (dequantize(q, d, group) - torch.from_numpy(w)).abs()
-        bound = 0.5 + 127 * 2.0 ** -11 if bits == 8 else 1 + 8 * 2.0 ** -11
+        bound = 0.5 + 127 * 2.0**-11 if bits == 8 else 1 + 8 * 2.0**-11
         assert bool((err <= d.float().abs().repeat_interleave(group, 1) * bound).all())
 
 
@@ -195,7 +241,9 @@ def test_format_refuses_a_group_that_does_not_divide():
 # ---- packing --------------------------------------------------------------------------------------------
 
 
-def random_int(bits: int, n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_int(
+    bits: int, n: int, k: int, group: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lo, hi = (-127, 128) if bits == 8 else (-8, 8)
     q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
@@ -212,9 +260,14 @@ def test_packed_layout_round_trips(bits, n, k, group):
     q, d = random_int(bits, n, k, group, seed=n + k)
     packed = QuantizedWeight.from_int(q, d, bits, group, packed=True)
     plain = QuantizedWeight.from_int(q, d, bits, group, packed=False)
-    assert packed.packed and not plain.packed and (packed.n, packed.k) == (plain.n, plain.k) == (n, k)
+    assert (
+        packed.packed and not plain.packed and (packed.n, packed.k) == (plain.n, plain.k) == (n, k)
+    )
     blocks = -(-n // 64)
-    assert packed.data.shape == (blocks, k // 4, 256 if bits == 8 else 128) and packed.data.dtype == torch.uint8
+    assert (
+        packed.data.shape == (blocks, k // 4, 256 if bits == 8 else 128)
+        and packed.data.dtype == torch.uint8
+    )
     assert packed.scales.shape == (blocks, k // group, 64) and packed.scales.dtype == torch.float16
     assert packed.nbytes == blocks * 64 * (k * bits // 8 + k // group * 2)
     for weight in (packed, plain):
@@ -266,7 +319,7 @@ def assert_matches_reference(y: torch.Tensor, ref: torch.Tensor) -> None:
     """fp32: within 1e-5 of the output's largest magnitude; bf16: within one bf16 rounding."""
     scale = ref.abs().max().item() if ref.numel() else 0.0
     err = (y.double() - ref).abs()
-    bound = 1e-5 * scale + (2.0 ** -8 * ref.abs() if y.dtype == torch.bfloat16 else 0.0)
+    bound = 1e-5 * scale + (2.0**-8 * ref.abs() if y.dtype == torch.bfloat16 else 0.0)
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g} (output max {scale:.3g})"
 
 
@@ -301,7 +354,7 @@ def test_kernel_matches_reference(m, n, k, group, bits, bias):
     # each row is its own: the same bits whatever the batch around it
     y = lin(xb)
     for i in sorted({0, m // 2, m - 1}):
-        assert torch.equal(lin(xb[i:i + 1])[0], y[i])
+        assert torch.equal(lin(xb[i : i + 1])[0], y[i])
 
 
 @needs_kernels
@@ -319,7 +372,9 @@ def test_kernel_empty_strided_and_3d_inputs():
         x3 = make_x(12, 128).to(dtype).view(3, 4, 128)
         y3 = lin(x3)
         assert y3.shape == (3, 4, 100) and torch.equal(y3, lin(x3.reshape(12, 128)).view(3, 4, 100))
-        assert_matches_reference(y3.reshape(12, 100), reference_linear(x3.reshape(12, 128), lin.weight, b))
+        assert_matches_reference(
+            y3.reshape(12, 100), reference_linear(x3.reshape(12, 128), lin.weight, b)
+        )
 
 
 @needs_kernels
@@ -328,15 +383,23 @@ def test_kernel_refuses_mismatched_input():
     with pytest.raises(RuntimeError, match="features"):
         lin(torch.zeros(2, 96))
     with pytest.raises(RuntimeError, match="bf16 or float32"):
-        cpu_ops.quant_linear(torch.zeros(2, 128, dtype=torch.float16), lin.weight.data, lin.weight.scales, None, 64, 8,
-                             32)
+        cpu_ops.quant_linear(
+            torch.zeros(2, 128, dtype=torch.float16),
+            lin.weight.data,
+            lin.weight.scales,
+            None,
+            64,
+            8,
+            32,
+        )
     y = lin(torch.ones(2, 128, dtype=torch.float16))  # fp16 goes through fp32
     assert y.dtype == torch.float16 and torch.equal(y, lin(torch.ones(2, 128)).half())
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m,n,k,group,bias",
-                         [(1, 100, 96, 32, True), (5, 130, 256, 64, False), (40, 64, 144, 48, True)])
+@pytest.mark.parametrize(
+    "m,n,k,group,bias", [(1, 100, 96, 32, True), (5, 130, 256, 64, False), (40, 64, 144, 48, True)]
+)
 def test_portable_path_is_weight_only(bits, m, n, k, group, bias):
     """packed=False (no VNNI, CUDA): x @ dequantized W.T (+ bias), no activation rounding."""
     lin, b = make_linear(n, k, group, bits, bias, packed=False)
@@ -362,9 +425,15 @@ PROMPT_LENS = [1, 2, 5, 9, 17, 33, 50]
 
 @pytest.fixture(scope="module")
 def model_dirs(checkpoint_dirs, tmp_path_factory) -> dict[str, str]:
-    tied = make_checkpoint(tmp_path_factory.mktemp("quant") / "llama-tied", "llama", tie_word_embeddings=True)
-    return {"llama": checkpoint_dirs["llama"], "llama-tied": tied, "qwen3": checkpoint_dirs["qwen3"],
-            "gpt2": checkpoint_dirs["gpt2"]}
+    tied = make_checkpoint(
+        tmp_path_factory.mktemp("quant") / "llama-tied", "llama", tie_word_embeddings=True
+    )
+    return {
+        "llama": checkpoint_dirs["llama"],
+        "llama-tied": tied,
+        "qwen3": checkpoint_dirs["qwen3"],
+        "gpt2": checkpoint_dirs["gpt2"],
+    }
 
 
 def load(path: str, dtype: torch.dtype, quantization: str | None, **kw) -> torch.nn.Module:
@@ -374,17 +443,25 @@ def load(path: str, dtype: torch.dtype, quantization: str | None, **kw) -> torch
 def logits_of(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     """Logits at every prompt position [positions, vocab] (the prompts in one batch)."""
     runner = PagedRunner(model, block_size=4)
-    for module in model.modules():  # PagedRunner takes the first parameter's dtype: a quantized one may be fp32
+    for module in (
+        model.modules()
+    ):  # PagedRunner takes the first parameter's dtype: a quantized one may be fp32
         if isinstance(module, Attention):
             module.kv_cache = module.kv_cache.to(dtype)
     return torch.cat(runner.step([(i, p, 0) for i, p in enumerate(prompts)])).float()
 
 
 def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedWeight]:
-    held = {name: m.packed.weight for name, m in model.named_modules()
-            if isinstance(m, Linear) and isinstance(m.packed, QuantizedLinear)}
-    held |= {name: m.quantized for name, m in model.named_modules()
-             if isinstance(m, VocabEmbedding) and m.quantized is not None}
+    held = {
+        name: m.packed.weight
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and isinstance(m.packed, QuantizedLinear)
+    }
+    held |= {
+        name: m.quantized
+        for name, m in model.named_modules()
+        if isinstance(m, VocabEmbedding) and m.quantized is not None
+    }
     return held
 
 
@@ -407,7 +484,9 @@ def test_quantized_models_stay_close(model_dirs, family):
     for method in ("int8", "int4"):
         model = load(path, torch.bfloat16, method)
         held = quantized_layers(model)
-        num_matrices = len([m for m in model.modules() if isinstance(m, Linear)]) + (family in ("llama-tied", "gpt2"))
+        num_matrices = len([m for m in model.modules() if isinstance(m, Linear)]) + (
+            family in ("llama-tied", "gpt2")
+        )
         assert len(held) == num_matrices == model.weights_report.quantized_layers
         for name, weight in held.items():  # the LM head (or the tied embedding) is int8 under both
             head = name.endswith("lm_head") or name.endswith(("embed_tokens", "wte"))
@@ -443,7 +522,10 @@ def test_fp8_model_is_fp8_everywhere_and_stays_close(model_dirs, family, caplog)
     assert report.method == "fp8" and "LM head fp8" in report.describe()
     assert report.weight_bytes < 0.7 * ref_model.weights_report.weight_bytes
     kl = kl_divergence(ref, logits_of(model, prompts, torch.bfloat16))
-    assert 0 < kl.mean().item() < 2e-3 and kl.max().item() < 5e-3, (kl.mean().item(), kl.max().item())
+    assert 0 < kl.mean().item() < 2e-3 and kl.max().item() < 5e-3, (
+        kl.mean().item(),
+        kl.max().item(),
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -486,8 +568,12 @@ def test_other_group_sizes_serve(tmp_path):
 # ---- GGUF -----------------------------------------------------------------------------------------------
 
 
-LLAMA_BLOCK = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
-               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+LLAMA_BLOCK = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -537,10 +623,14 @@ def test_gguf_is_held_as_its_own_blocks(gguf_files, tensor_type):
         assert_same_bits(got, expected)
     emb = model.model.embed_tokens.weight
     values = gguf.quants.dequantize(file["token_embd.weight"].data, qtype).copy()
-    assert emb.dtype == torch.bfloat16 and torch.equal(emb, torch.from_numpy(values).to(torch.bfloat16))
+    assert emb.dtype == torch.bfloat16 and torch.equal(
+        emb, torch.from_numpy(values).to(torch.bfloat16)
+    )
 
 
-@pytest.mark.parametrize("tensor_type,method", [("Q4_K_M", "int4"), ("Q6_K", "int8"), ("Q5_0", "int8")])
+@pytest.mark.parametrize(
+    "tensor_type,method", [("Q4_K_M", "int4"), ("Q6_K", "int8"), ("Q5_0", "int8")]
+)
 def test_k_quant_file_is_held_with_at_least_its_bits(tmp_path, tensor_type, method):
     """Served as it comes, a Q4_K_M file is int4 but its Q6_K matrices (value, FFN down, head) stay
     int8; Q6_K and Q5_0 files are int8. The held weights are re-quantized from the file's exact
@@ -552,13 +642,19 @@ def test_k_quant_file_is_held_with_at_least_its_bits(tmp_path, tensor_type, meth
     values = dict(iter_gguf_tensors(path))  # the file's exact values under HF names
     held = quantized_layers(model)
     wide = {"self_attn.qkv_proj", "mlp.down_proj"} if tensor_type == "Q4_K_M" else set(LLAMA_BLOCK)
-    parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-             "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+    parts = {
+        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "self_attn.o_proj": ("o_proj",),
+        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+        "mlp.down_proj": ("down_proj",),
+    }
     for i in range(2):
         for module, names in parts.items():
             weight = held[f"model.layers.{i}.{module}"]
             assert weight.bits == (8 if module in wide or method == "int8" else 4), module
-            want = torch.cat([values[f"model.layers.{i}.{module.split('.')[0]}.{n}.weight"] for n in names])
+            want = torch.cat(
+                [values[f"model.layers.{i}.{module.split('.')[0]}.{n}.weight"] for n in names]
+            )
             q, d = weight.unpack()
             step = d.float().abs().repeat_interleave(weight.group, dim=1)
             error = (q.float() * d.float().repeat_interleave(weight.group, dim=1) - want).abs()
@@ -576,7 +672,10 @@ def checkpoint_of_file_values(gguf_path: Path, hf_dir: Path, out: Path) -> str:
     for f in hf_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
-    save_file({name: w.contiguous() for name, w in iter_gguf_tensors(gguf_path)}, str(out / "model.safetensors"))
+    save_file(
+        {name: w.contiguous() for name, w in iter_gguf_tensors(gguf_path)},
+        str(out / "model.safetensors"),
+    )
     return str(out)
 
 
@@ -585,14 +684,21 @@ def generate(path: str, prompts: list[list[int]], **kw):
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return llm.engine.info, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
-                                                           for step in o.outputs[0].logprobs]) for o in outs]
+        return llm.engine.info, [
+            (
+                o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("tensor_type,method", [("Q8_0", "int8"), ("Q4_0", "int4")])
-def test_gguf_serves_what_its_values_serve_from_safetensors(gguf_files, tmp_path, tensor_type, method):
+def test_gguf_serves_what_its_values_serve_from_safetensors(
+    gguf_files, tmp_path, tensor_type, method
+):
     """fp32: the file served as it comes == a safetensors copy of its values with quantization=method,
     token for token and logprob for logprob."""
     path = gguf_files[tensor_type]
@@ -602,8 +708,10 @@ def test_gguf_serves_what_its_values_serve_from_safetensors(gguf_files, tmp_path
     info_st, want = generate(copy, prompts, dtype="float32", quantization=method)
     assert info_gguf.quantization == info_st.quantization == method
     assert got == want
-    assert torch.equal(logits_of(load(str(path), torch.float32, None), prompts, torch.float32),
-                       logits_of(load(copy, torch.float32, method), prompts, torch.float32))
+    assert torch.equal(
+        logits_of(load(str(path), torch.float32, None), prompts, torch.float32),
+        logits_of(load(copy, torch.float32, method), prompts, torch.float32),
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
@@ -616,11 +724,15 @@ def test_q8_0_gguf_equals_int8_of_its_checkpoint(tmp_path, family):
     path = make_gguf(tmp_path, family, "Q8_0", **overrides)
     prompts = make_prompts(384, [1, 6, 21], seed=5)
     from_file = logits_of(load(str(path), torch.float32, None), prompts, torch.float32)
-    from_checkpoint = logits_of(load(str(tmp_path / "hf"), torch.float32, "int8"), prompts, torch.float32)
+    from_checkpoint = logits_of(
+        load(str(tmp_path / "hf"), torch.float32, "int8"), prompts, torch.float32
+    )
     assert torch.equal(from_file, from_checkpoint)
     if family == "llama":  # end to end as well
-        assert generate(str(path), prompts, dtype="float32")[1] == \
-            generate(str(tmp_path / "hf"), prompts, dtype="float32", quantization="int8")[1]
+        assert (
+            generate(str(path), prompts, dtype="float32")[1]
+            == generate(str(tmp_path / "hf"), prompts, dtype="float32", quantization="int8")[1]
+        )
 
 
 def test_resolve_quantization(gguf_files, tmp_path, llama_dir):
@@ -630,10 +742,16 @@ def test_resolve_quantization(gguf_files, tmp_path, llama_dir):
     assert loader_module.resolve_quantization("int4", str(gguf_files["Q8_0"])) == "int4"
     assert loader_module.resolve_quantization("none", str(gguf_files["Q8_0"])) == "none"
     for tensor_type in ("F32", "F16", "BF16"):
-        assert loader_module.resolve_quantization(None, str(make_gguf(tmp_path / tensor_type, "llama", tensor_type))) \
+        assert (
+            loader_module.resolve_quantization(
+                None, str(make_gguf(tmp_path / tensor_type, "llama", tensor_type))
+            )
             == "none"
+        )
     for tensor_type, method in (("Q6_K", "int8"), ("Q4_K", "int4")):  # 256-wide blocks
-        path = make_gguf(tmp_path / tensor_type, "llama", tensor_type, hidden_size=256, intermediate_size=256)
+        path = make_gguf(
+            tmp_path / tensor_type, "llama", tensor_type, hidden_size=256, intermediate_size=256
+        )
         assert loader_module.resolve_quantization(None, str(path)) == method
 
 
@@ -642,7 +760,9 @@ def test_gguf_with_quantization_none_is_unquantized(gguf_files):
     model = load(str(path), torch.bfloat16, "none")
     assert model.weights_report.method == "none" and not quantized_layers(model)
     file = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    values = torch.from_numpy(gguf.quants.dequantize(file["blk.0.ffn_down.weight"].data, Q8_0).copy())
+    values = torch.from_numpy(
+        gguf.quants.dequantize(file["blk.0.ffn_down.weight"].data, Q8_0).copy()
+    )
     fp32 = load(str(path), torch.float32, "none")  # fp32 keeps the plain weight (bf16 repacks it)
     assert torch.equal(fp32.model.layers[0].mlp.down_proj.weight, values)
     info, _ = generate(str(path), [[5, 6, 7]], dtype="bfloat16", quantization="none")
@@ -656,7 +776,9 @@ def test_gguf_with_quantization_none_is_unquantized(gguf_files):
 
 @pytest.mark.parametrize("value", ["int3", "fp4", "INT8", ""])
 def test_unknown_method_is_refused_by_name(value, llama_dir):
-    with pytest.raises(ValueError, match=f"quantization '{value}' is not supported.*none, int8, int4, fp8"):
+    with pytest.raises(
+        ValueError, match=f"quantization '{value}' is not supported.*none, int8, int4, fp8"
+    ):
         EngineArgs(model=llama_dir, quantization=value).validate()
     with pytest.raises(ValueError, match=f"'{value}'"):
         LLM(model=llama_dir, quantization=value, device="cpu")
@@ -664,7 +786,10 @@ def test_unknown_method_is_refused_by_name(value, llama_dir):
 
 @pytest.mark.parametrize("group", [0, 24, -32, 8, True, 32.0])
 def test_bad_group_size_is_refused(group, llama_dir):
-    with pytest.raises(ValueError, match=f"quantization_group_size must be a positive multiple of 16, got {group!r}"):
+    with pytest.raises(
+        ValueError,
+        match=f"quantization_group_size must be a positive multiple of 16, got {group!r}",
+    ):
         EngineArgs(quantization="int8", quantization_group_size=group).validate()
     with pytest.raises(ValueError, match="quantization_group_size"):
         LLM(model=llama_dir, quantization="int8", quantization_group_size=group, device="cpu")
@@ -673,7 +798,9 @@ def test_bad_group_size_is_refused(group, llama_dir):
 def test_cli_flags_reach_engine_args_and_are_checked():
     from test_cli_options import _config_from, _serve_subparser
 
-    config = _config_from(_serve_subparser(), ["--quantization", "int4", "--quantization-group-size", "64"])
+    config = _config_from(
+        _serve_subparser(), ["--quantization", "int4", "--quantization-group-size", "64"]
+    )
     args = EngineArgs(**config.engine_kwargs())
     assert (args.quantization, args.quantization_group_size) == ("int4", 64)
     with pytest.raises(ValueError, match="--quantization"):
@@ -682,28 +809,43 @@ def test_cli_flags_reach_engine_args_and_are_checked():
         _config_from(_serve_subparser(), ["--quantization-group-size", "24"])
 
 
-@pytest.mark.parametrize("overrides,layer,features", [
-    (dict(), "model.layers.0.self_attn.qkv_proj", 64),
-    (dict(hidden_size=96, intermediate_size=128), "model.layers.0.mlp.down_proj", 128),
-])
-def test_group_that_does_not_divide_is_refused_before_weights_load(tmp_path, monkeypatch, overrides, layer, features):
+@pytest.mark.parametrize(
+    "overrides,layer,features",
+    [
+        (dict(), "model.layers.0.self_attn.qkv_proj", 64),
+        (dict(hidden_size=96, intermediate_size=128), "model.layers.0.mlp.down_proj", 128),
+    ],
+)
+def test_group_that_does_not_divide_is_refused_before_weights_load(
+    tmp_path, monkeypatch, overrides, layer, features
+):
     path = make_checkpoint(tmp_path / "m", "llama", **overrides)
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read before the group size was checked")
 
     monkeypatch.setattr(loader_module, "load_weights", no_weights)
-    with pytest.raises(ValueError, match=rf"cannot quantize {layer} in groups of 48: it has {features} input features"):
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot quantize {layer} in groups of 48: it has {features} input features",
+    ):
         LLM(model=path, quantization="int4", quantization_group_size=48, device="cpu")
-    with pytest.raises(AssertionError, match="weights were read"):  # unquantized, the group is not used
+    with pytest.raises(
+        AssertionError, match="weights were read"
+    ):  # unquantized, the group is not used
         LLM(model=path, quantization_group_size=48, device="cpu")
 
 
 def test_gguf_with_unsupported_tensor_type_still_errors(tmp_path):
-    path = make_gguf(tmp_path, "llama", "MXFP4")  # a type the gguf package writes and kvserve does not read
+    path = make_gguf(
+        tmp_path, "llama", "MXFP4"
+    )  # a type the gguf package writes and kvserve does not read
     assert loader_module.resolve_quantization(None, str(path)) == "none"
     for method in (None, "int8"):
-        with pytest.raises(ValueError, match=r"GGUF tensor '[a-z_.0-9]+weight' has type MXFP4.*supported tensor types"):
+        with pytest.raises(
+            ValueError,
+            match=r"GGUF tensor '[a-z_.0-9]+weight' has type MXFP4.*supported tensor types",
+        ):
             LLM(model=str(path), quantization=method, device="cpu")
 
 
@@ -715,8 +857,11 @@ def test_float16_model_with_quantization(llama_dir):
         assert "float16" in str(e)
         return
     try:
-        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0),
-                           use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": [1, 2, 3]}],
+            SamplingParams(max_tokens=3, temperature=0),
+            use_tqdm=False,
+        )
     finally:
         llm.shutdown()
     assert len(out[0].outputs[0].token_ids) == 3
@@ -744,8 +889,15 @@ def test_prefix_cache_and_preemption_keep_greedy_outputs(llama_dir, method):
     finally:
         llm.shutdown()
     assert again == first
-    llm = LLM(model=llama_dir, quantization=method, dtype="bfloat16", device="cpu", block_size=4, num_kv_blocks=16,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=llama_dir,
+        quantization=method,
+        dtype="bfloat16",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=16,
+        enable_prefix_caching=False,
+    )
     try:
         preempted = tokens(llm.generate(prompts, params, use_tqdm=False))
         assert llm.engine.stats().num_preemptions_total > 0
@@ -758,16 +910,35 @@ def test_structured_outputs_on_int8(llama_dir):
     pytest.importorskip("xgrammar")
     from kvserve.engine.sampling_params import StructuredOutputs
 
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
-                                               "size": {"type": "integer", "minimum": 0, "maximum": 3}},
-              "required": ["color"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green"]},
+            "size": {"type": "integer", "minimum": 0, "maximum": 3},
+        },
+        "required": ["color"],
+    }
     choices = ["yes", "no", "Zürich 東京"]
     llm = LLM(model=llama_dir, quantization="int8", dtype="bfloat16", device="cpu")
     try:
-        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
-                                 structured_outputs=StructuredOutputs(json=schema)) for s in range(4)]
-        params += [SamplingParams(temperature=1.0, seed=s, max_tokens=20,
-                                  structured_outputs=StructuredOutputs(choice=choices)) for s in range(4)]
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=s,
+                max_tokens=60,
+                structured_outputs=StructuredOutputs(json=schema),
+            )
+            for s in range(4)
+        ]
+        params += [
+            SamplingParams(
+                temperature=1.0,
+                seed=s,
+                max_tokens=20,
+                structured_outputs=StructuredOutputs(choice=choices),
+            )
+            for s in range(4)
+        ]
         outs = llm.generate(["The quick brown fox"] * len(params), params, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -784,21 +955,33 @@ def test_server_serves_a_quantized_gguf_and_reports_its_weights(tmp_path):
     """`kvserve serve --model file.gguf` (a Q4_0 file: held as int4): completions stream, chat
     answers, and /metrics and the start-up log give the format and the weights' bytes."""
     import httpx
+
     from server_fixtures import ServerProcess, metric, scrape
 
     path = make_gguf(tmp_path, "llama", "Q4_0")
-    server = ServerProcess(str(path), "--served-model-name", "q4", "--dtype", "bfloat16").wait_ready()
+    server = ServerProcess(
+        str(path), "--served-model-name", "q4", "--dtype", "bfloat16"
+    ).wait_ready()
     try:
-        body = {"model": "q4", "prompt": "Once upon", "max_tokens": 5, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "q4",
+            "prompt": "Once upon",
+            "max_tokens": 5,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=180) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         # (deltas may be merged: a random model's tokens often end mid-character)
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 5
-        chat = httpx.post(server.base_url + "/chat/completions", timeout=180, json={
-            "model": "q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert json.loads(events[-2][len("data: ") :])["usage"]["completion_tokens"] == 5
+        chat = httpx.post(
+            server.base_url + "/chat/completions",
+            timeout=180,
+            json={"model": "q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["completion_tokens"] == 4
         samples = scrape(server.url)

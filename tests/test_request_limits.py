@@ -10,12 +10,12 @@ import random
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
-from test_server_unit import FakeEngine
 
 from kvserve.server.config import ServerConfig
 from kvserve.server.json_depth import MAX_JSON_DEPTH, json_depth
 from kvserve.server.protocol import replace_lone_surrogates
+from server_fixtures import server, server_checkpoint  # noqa: F401  (pytest fixtures)
+from test_server_unit import FakeEngine
 
 MSG = [{"role": "user", "content": "hi"}]
 TOO_DEEP = (MAX_JSON_DEPTH + 1, 470, 500, 985, 1000)
@@ -31,16 +31,21 @@ def _depth(value) -> int:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             best = max(best, depth)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+            stack.extend(
+                (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+            )
     return best
 
 
 def _random_json(rng: random.Random, depth: int = 0):
     if depth > 30 or rng.random() < 0.2:
-        return rng.choice(["", 'a"b', "[{", "\\", "\\\"[", "\u00e9]}", 1, 2.5, None, True])
+        return rng.choice(["", 'a"b', "[{", "\\", '\\"[', "\u00e9]}", 1, 2.5, None, True])
     if rng.random() < 0.5:
         return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    return {rng.choice(["k", "[", '"{', "\\"]) + str(i): _random_json(rng, depth + 1) for i in range(rng.randint(0, 3))}
+    return {
+        rng.choice(["k", "[", '"{', "\\"]) + str(i): _random_json(rng, depth + 1)
+        for i in range(rng.randint(0, 3))
+    }
 
 
 def test_json_depth_matches_the_parsed_depth():
@@ -52,17 +57,25 @@ def test_json_depth_matches_the_parsed_depth():
             assert json_depth(body, stop_above=0) == _depth(value), body
 
 
-@pytest.mark.parametrize(("body", "depth"), [
-    (b'"[[[["', 0), (b"3", 0), (b"{}", 1), (b'{"a": [1, {"b": []}]}', 4),
-    (b'{"a": "x\\\\"}', 1), (b'["\\"[[", [["\\\\\\"]"]]]', 3), (b'[["\\\\", "]]]"], [[[]]]]', 4),
-])
+@pytest.mark.parametrize(
+    ("body", "depth"),
+    [
+        (b'"[[[["', 0),
+        (b"3", 0),
+        (b"{}", 1),
+        (b'{"a": [1, {"b": []}]}', 4),
+        (b'{"a": "x\\\\"}', 1),
+        (b'["\\"[[", [["\\\\\\"]"]]]', 3),
+        (b'[["\\\\", "]]]"], [[[]]]]', 4),
+    ],
+)
 def test_json_depth_ignores_brackets_in_strings(body, depth):
-    json.loads(body)   # valid JSON
+    json.loads(body)  # valid JSON
     assert json_depth(body, stop_above=0) == depth
 
 
 def test_json_depth_counts_only_when_it_must():
-    body = json.dumps({"prompt": "[" * 100}).encode()   # 101 opening brackets: at most 101 deep
+    body = json.dumps({"prompt": "[" * 100}).encode()  # 101 opening brackets: at most 101 deep
     assert json_depth(body) == 101
     assert json_depth(b"[" * 200 + b"]" * 200) == 200
 
@@ -77,7 +90,7 @@ def test_surrogate_walk_needs_no_recursion():
     assert fixed == "a\ufffd"
     original = {"k\udc00": ["\ud800", {"n": None}]}
     assert replace_lone_surrogates(original) == {"k\ufffd": ["\ufffd", {"n": None}]}
-    assert original == {"k\udc00": ["\ud800", {"n": None}]}   # copied, not changed
+    assert original == {"k\udc00": ["\ud800", {"n": None}]}  # copied, not changed
 
 
 # --------------------------------------------------------------------------- bodies nested `depth` deep
@@ -102,25 +115,43 @@ def deep_body(field: str, depth: int) -> tuple[str, str]:
     if field == "prompt":
         return "/v1/completions", f'{{"prompt": {_nested(depth - 1)}, "max_tokens": 1}}'
     if field == "unknown":
-        return "/v1/completions", f'{{"prompt": "hi", "max_tokens": 1, "extra_field": {_nested(depth - 1)}}}'
+        return (
+            "/v1/completions",
+            f'{{"prompt": "hi", "max_tokens": 1, "extra_field": {_nested(depth - 1)}}}',
+        )
     if field == "chat_template_kwargs":
-        return "/v1/chat/completions", (f'{{"messages": {MSG_TEXT}, "max_tokens": 1, '
-                                        f'"chat_template_kwargs": {{"extra": {_nested(depth - 2)}}}}}')
+        return "/v1/chat/completions", (
+            f'{{"messages": {MSG_TEXT}, "max_tokens": 1, '
+            f'"chat_template_kwargs": {{"extra": {_nested(depth - 2)}}}}}'
+        )
     if field == "message_key":
-        return "/v1/chat/completions", (f'{{"messages": [{{"role": "user", "content": "hi", '
-                                        f'"extra": {_nested(depth - 3)}}}], "max_tokens": 1}}')
+        return "/v1/chat/completions", (
+            f'{{"messages": [{{"role": "user", "content": "hi", '
+            f'"extra": {_nested(depth - 3)}}}], "max_tokens": 1}}'
+        )
     if field == "response_format":
-        return "/v1/chat/completions", (f'{{"messages": {MSG_TEXT}, "max_tokens": 1, "response_format": '
-                                        f'{{"type": "json_schema", "json_schema": {{"name": "deep", '
-                                        f'"schema": {_schema(depth - 3)}}}}}}}')
+        return "/v1/chat/completions", (
+            f'{{"messages": {MSG_TEXT}, "max_tokens": 1, "response_format": '
+            f'{{"type": "json_schema", "json_schema": {{"name": "deep", '
+            f'"schema": {_schema(depth - 3)}}}}}}}'
+        )
     if field == "tool_parameters":
         parameters = f'{{"type": "object", "properties": {{"a": {_schema(depth - 6)}}}}}'
-        return "/v1/chat/completions", (f'{{"messages": {MSG_TEXT}, "max_tokens": 1, "tools": [{{"type": '
-                                        f'"function", "function": {{"name": "f", "parameters": {parameters}}}}}]}}')
+        return "/v1/chat/completions", (
+            f'{{"messages": {MSG_TEXT}, "max_tokens": 1, "tools": [{{"type": '
+            f'"function", "function": {{"name": "f", "parameters": {parameters}}}}}]}}'
+        )
     raise ValueError(field)
 
 
-FIELDS = ("prompt", "unknown", "chat_template_kwargs", "message_key", "response_format", "tool_parameters")
+FIELDS = (
+    "prompt",
+    "unknown",
+    "chat_template_kwargs",
+    "message_key",
+    "response_format",
+    "tool_parameters",
+)
 JSON = {"content-type": "application/json"}
 
 
@@ -129,7 +160,7 @@ def test_deep_bodies_are_as_deep_as_asked():
         for depth in (MAX_JSON_DEPTH, *TOO_DEEP):
             path, body = deep_body(field, depth)
             assert json_depth(body.encode(), 0) == depth, (field, depth)
-        json.loads(deep_body(field, MAX_JSON_DEPTH)[1])   # valid JSON
+        json.loads(deep_body(field, MAX_JSON_DEPTH)[1])  # valid JSON
 
 
 def check_too_deep(resp: httpx.Response) -> None:
@@ -142,8 +173,10 @@ def check_too_deep(resp: httpx.Response) -> None:
 # --------------------------------------------------------------------------- the app on a scripted engine
 
 # renders everything it is given, so the allowed depth goes through Jinja's tojson too
-WALKING_TEMPLATE = ("{% for m in messages %}{{ m | tojson }}{% endfor %}{{ tools | tojson }}"
-                    "{{ extra | default('') | tojson }}")
+WALKING_TEMPLATE = (
+    "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ tools | tojson }}"
+    "{{ extra | default('') | tojson }}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +191,13 @@ def client(tokenizer):
     from kvserve.server.app import create_app
 
     engine = FakeEngine(tokenizer)
-    engine.model_config.max_model_len = 1 << 20   # the walking template renders the deep data into the prompt
+    engine.model_config.max_model_len = (
+        1 << 20
+    )  # the walking template renders the deep data into the prompt
     # the schema's own nesting limit (--max-schema-depth) raised, so that every field reaches the JSON bound
-    config = ServerConfig(stats_log_interval=0, chat_template=WALKING_TEMPLATE, max_schema_depth=4 * MAX_JSON_DEPTH)
+    config = ServerConfig(
+        stats_log_interval=0, chat_template=WALKING_TEMPLATE, max_schema_depth=4 * MAX_JSON_DEPTH
+    )
     with TestClient(create_app(config, engine=engine), raise_server_exceptions=False) as client:
         yield client
 
@@ -176,8 +213,10 @@ def test_too_deep_is_a_400_in_every_field(client, field):
 def test_the_allowed_depth_works_in_every_field(client, field):
     path, body = deep_body(field, MAX_JSON_DEPTH)
     resp = client.post(path, content=body, headers=JSON)
-    if field == "prompt":   # nested lists are no prompt: a type error, not a crash
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+    if field == "prompt":  # nested lists are no prompt: a type error, not a crash
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[
+            :300
+        ]
     else:
         assert resp.status_code == 200, resp.text[:300]
 
@@ -185,17 +224,33 @@ def test_the_allowed_depth_works_in_every_field(client, field):
 @pytest.mark.parametrize("param", ["guided_json", "structured_outputs"])
 def test_a_schema_sent_as_a_string_is_checked_too(client, param):
     deep = _schema(3000)
-    body = {"prompt": "hi", "max_tokens": 1,
-            **({"guided_json": deep} if param == "guided_json" else {"structured_outputs": {"json": deep}})}
+    body = {
+        "prompt": "hi",
+        "max_tokens": 1,
+        **(
+            {"guided_json": deep}
+            if param == "guided_json"
+            else {"structured_outputs": {"json": deep}}
+        ),
+    }
     resp = client.post("/v1/completions", json=body)
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "json_too_deep", resp.text[:300]
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "json_too_deep", resp.text[
+        :300
+    ]
     assert resp.json()["error"]["param"] == param
 
 
 def test_tokenize_and_detokenize_are_covered(client):
-    check_too_deep(client.post("/tokenize", content=f'{{"messages": [{{"role": "user", "x": {_nested(600)}}}]}}',
-                               headers=JSON))
-    check_too_deep(client.post("/detokenize", content=f'{{"tokens": {_nested(600)}}}', headers=JSON))
+    check_too_deep(
+        client.post(
+            "/tokenize",
+            content=f'{{"messages": [{{"role": "user", "x": {_nested(600)}}}]}}',
+            headers=JSON,
+        )
+    )
+    check_too_deep(
+        client.post("/detokenize", content=f'{{"tokens": {_nested(600)}}}', headers=JSON)
+    )
 
 
 # --------------------------------------------------------------------------- a real server
@@ -209,13 +264,15 @@ def test_real_server_refuses_deep_json_with_one_log_line_at_most(server):  # noq
             path, body = deep_body(field, depth)
             check_too_deep(httpx.post(server.url + path, content=body, headers=JSON, timeout=60))
             num_requests += 1
-    new = server.log()[len(before):]
+    new = server.log()[len(before) :]
     assert "Traceback" not in new and "RecursionError" not in new, new[-2000:]
     assert len(new.splitlines()) <= num_requests, new[-2000:]
 
 
-@pytest.mark.parametrize("field", ["unknown", "chat_template_kwargs", "message_key", "response_format",
-                                   "tool_parameters"])
+@pytest.mark.parametrize(
+    "field",
+    ["unknown", "chat_template_kwargs", "message_key", "response_format", "tool_parameters"],
+)
 def test_real_server_serves_the_allowed_depth(server, field):  # noqa: F811
     """At the JSON bound every field is read without a crash; a response_format schema that deep is
     then refused by the grammar's own, lower nesting limit (--max-schema-depth), with a 400 that
@@ -223,6 +280,8 @@ def test_real_server_serves_the_allowed_depth(server, field):  # noqa: F811
     path, body = deep_body(field, MAX_JSON_DEPTH)
     resp = httpx.post(server.url + path, content=body, headers=JSON, timeout=120)
     if field == "response_format":
-        assert resp.status_code == 400 and "nested more than" in resp.json()["error"]["message"], resp.text[:300]
+        assert resp.status_code == 400 and "nested more than" in resp.json()["error"]["message"], (
+            resp.text[:300]
+        )
     else:
         assert resp.status_code == 200, resp.text[:300]

@@ -2,9 +2,10 @@ import dataclasses
 
 import pytest
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvserve.engine.core.request import Request
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.worker.sampler import (
     Sampler,
     SamplingTensors,
@@ -15,8 +16,6 @@ from kvserve.engine.worker.sampler import (
     hash_uniform,
     mix64,
 )
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.core.request import Request
 from sampling_inputs import build_sampling_tensors
 
 sampler = Sampler()
@@ -67,7 +66,9 @@ def test_mixed_greedy_and_random_batch():
     torch.manual_seed(1)
     logits = torch.randn(1, 50).expand(400, -1).contiguous()  # flat-ish: random rows vary
     temperature = [0.0 if i % 2 == 0 else 2.0 for i in range(400)]
-    ids = sampler(logits, tensors(50, 400, temperature=temperature, top_p=[0.5] * 400)).sampled_token_ids
+    ids = sampler(
+        logits, tensors(50, 400, temperature=temperature, top_p=[0.5] * 400)
+    ).sampled_token_ids
     assert (ids[0::2] == logits[0].argmax()).all()  # top_p does not matter to greedy rows
     assert ids[1::2].unique().numel() > 3
 
@@ -76,8 +77,16 @@ def test_input_logits_not_modified():
     torch.manual_seed(2)
     logits = torch.randn(4, 30)
     before = logits.clone()
-    t = tensors(30, 4, top_k=[3] * 4, top_p=[0.8] * 4, min_p=[0.1] * 4, repetition_penalty=[1.5] * 4,
-                output_token_ids=[[1, 2]] * 4, suppressed_token_ids=[[0]] * 4)
+    t = tensors(
+        30,
+        4,
+        top_k=[3] * 4,
+        top_p=[0.8] * 4,
+        min_p=[0.1] * 4,
+        repetition_penalty=[1.5] * 4,
+        output_token_ids=[[1, 2]] * 4,
+        suppressed_token_ids=[[0]] * 4,
+    )
     sampler(logits, t)
     assert torch.equal(logits, before)
 
@@ -166,7 +175,9 @@ def test_per_row_settings_in_one_batch(row):
         "min_p": [c.get("min_p", 0.0) for c in configs] * reps,
     }
     num = len(configs) * reps
-    ids = sampler(row.float().expand(num, -1).contiguous(), tensors(40, num, **kw)).sampled_token_ids
+    ids = sampler(
+        row.float().expand(num, -1).contiguous(), tensors(40, num, **kw)
+    ).sampled_token_ids
     probs = row.softmax(0)
     supports = [top_k_support(probs, 3), top_p_support(probs, 0.5), min_p_support(probs, 0.3)]
     for i, support in enumerate(supports):
@@ -256,7 +267,10 @@ def test_hash_uniforms_are_uniform():
     assert chi2_pvalue(observed, torch.full((50,), u.numel() / 50)) > 1e-3
     # consecutive columns and consecutive steps are not correlated
     grid = hash_uniform(torch.tensor([7] * 200), torch.arange(200), 100)
-    assert abs(torch.corrcoef(torch.stack([grid[:, :-1].flatten(), grid[:, 1:].flatten()]))[0, 1]) < 0.03
+    assert (
+        abs(torch.corrcoef(torch.stack([grid[:, :-1].flatten(), grid[:, 1:].flatten()]))[0, 1])
+        < 0.03
+    )
     assert abs(torch.corrcoef(torch.stack([grid[:-1].flatten(), grid[1:].flatten()]))[0, 1]) < 0.03
     e = hash_exponential(seeds, steps, 500)
     assert torch.isfinite(e).all() and (e > 0).all()
@@ -277,7 +291,9 @@ def test_seeded_tokens_independent_of_batch():
         logits = torch.randn(num, vocab)
         logits[position] = target_logits
         steps = [9 if i == position else i for i in range(num)]
-        t = tensors(vocab, num, temperature=temperatures, seeds=batch_seeds, steps=steps, top_p=[0.95] * num)
+        t = tensors(
+            vocab, num, temperature=temperatures, seeds=batch_seeds, steps=steps, top_p=[0.95] * num
+        )
         return sampler(logits, t).sampled_token_ids[position].item()
 
     alone = run([77], [1.0], 0, global_seed=0)
@@ -311,20 +327,21 @@ def test_huge_seed_is_accepted():
 def test_apply_penalties_exact():
     vocab = 6
     pad = vocab
-    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0],
-                           [1.0, 1.0, 1.0, -1.0, -1.0, 0.0]])
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0], [1.0, 1.0, 1.0, -1.0, -1.0, 0.0]])
     prompt = torch.tensor([[0, 1, pad], [5, pad, pad]])
     output = torch.tensor([[2, 2, 3], [3, 3, pad]])
     rep = torch.tensor([2.0, 1.0])
     pres = torch.tensor([0.5, 0.0])
     freq = torch.tensor([0.25, 1.0])
     out = apply_penalties(logits.clone(), prompt, output, rep, pres, freq)
-    expected = torch.tensor([
-        # row 0: tokens 0,1 in prompt; 2 (x2) and 3 (x1) in output
-        [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.25 * 2 - 0.5, -0.5 * 2 - 0.25 * 1 - 0.5, 3.0, 0.0],
-        # row 1: repetition 1 is a no-op; token 3 twice in the output
-        [1.0, 1.0, 1.0, -1.0 - 1.0 * 2, -1.0, 0.0],
-    ])
+    expected = torch.tensor(
+        [
+            # row 0: tokens 0,1 in prompt; 2 (x2) and 3 (x1) in output
+            [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.25 * 2 - 0.5, -0.5 * 2 - 0.25 * 1 - 0.5, 3.0, 0.0],
+            # row 1: repetition 1 is a no-op; token 3 twice in the output
+            [1.0, 1.0, 1.0, -1.0 - 1.0 * 2, -1.0, 0.0],
+        ]
+    )
     torch.testing.assert_close(out, expected)
 
 
@@ -349,8 +366,13 @@ def test_suppressed_tokens_never_sampled():
     torch.manual_seed(7)
     logits = torch.tensor([10.0, 9.0, 0.0, 0.0, 0.0])
     num = 3000
-    t = tensors(5, num, temperature=[0.0, 1.0, 1.0] * (num // 3), seeds=[None, None, 3] * (num // 3),
-                suppressed_token_ids=[[0, 1]] * num)
+    t = tensors(
+        5,
+        num,
+        temperature=[0.0, 1.0, 1.0] * (num // 3),
+        seeds=[None, None, 3] * (num // 3),
+        suppressed_token_ids=[[0, 1]] * num,
+    )
     ids = sampler(logits.expand(num, -1).contiguous(), t).sampled_token_ids
     assert not ((ids == 0) | (ids == 1)).any()
     assert (ids[0::3] == 2).all()  # greedy picks the best remaining (first of the ties)
@@ -375,7 +397,13 @@ def test_engine_builder_min_tokens_and_flags():
     assert t.max_num_logprobs == 4
     assert t.top_k.tolist() == [0, 0, 0]  # top_k >= vocab size is off
     assert (t.all_greedy, t.all_random, t.no_top_k, t.no_top_p, t.no_min_p, t.no_penalties) == (
-        False, False, True, False, True, False)
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+    )
     assert t.prompt_token_ids.tolist() == [[1, 2, 10], [3, 10, 10], [4, 5, 6]]
     logits = torch.zeros(3, 10)
     logits[:, 0] = 5.0
@@ -388,9 +416,16 @@ def test_engine_builder_min_tokens_and_flags():
 def test_logprobs_and_ranks_come_from_raw_logits():
     torch.manual_seed(8)
     logits = torch.randn(6, 30)
-    t = tensors(30, 6, temperature=[0.0, 0.5, 1.0, 2.0, 1.0, 0.0], top_k=[0, 3, 0, 0, 5, 0],
-                repetition_penalty=[1.0, 1.5, 1.0, 1.0, 1.0, 3.0], output_token_ids=[[1, 2]] * 6,
-                suppressed_token_ids=[[], [], [0], [], [], [int(logits[5].argmax())]], max_num_logprobs=4)
+    t = tensors(
+        30,
+        6,
+        temperature=[0.0, 0.5, 1.0, 2.0, 1.0, 0.0],
+        top_k=[0, 3, 0, 0, 5, 0],
+        repetition_penalty=[1.0, 1.5, 1.0, 1.0, 1.0, 3.0],
+        output_token_ids=[[1, 2]] * 6,
+        suppressed_token_ids=[[], [], [0], [], [], [int(logits[5].argmax())]],
+        max_num_logprobs=4,
+    )
     out = sampler(logits, t)
     raw = torch.log_softmax(logits, -1)
     ids = out.sampled_token_ids
@@ -418,9 +453,17 @@ def test_no_logprobs_requested():
 def test_cuda_matches_cpu_and_never_syncs():
     torch.manual_seed(9)
     logits = torch.randn(64, 5000).bfloat16()
-    kw = dict(temperature=[0.0, 0.8] * 32, top_k=[0, 40] * 32, top_p=[0.9] * 64, min_p=[0.05] * 64,
-              repetition_penalty=[1.2] * 64, output_token_ids=[[1, 2, 3]] * 64,
-              seeds=list(range(64)), suppressed_token_ids=[[4]] * 64, max_num_logprobs=5)
+    kw = dict(
+        temperature=[0.0, 0.8] * 32,
+        top_k=[0, 40] * 32,
+        top_p=[0.9] * 64,
+        min_p=[0.05] * 64,
+        repetition_penalty=[1.2] * 64,
+        output_token_ids=[[1, 2, 3]] * 64,
+        seeds=list(range(64)),
+        suppressed_token_ids=[[4]] * 64,
+        max_num_logprobs=5,
+    )
     t = tensors(5000, 64, device="cuda", **kw)
     cuda_logits = logits.cuda()
     torch.cuda.synchronize()
@@ -471,8 +514,13 @@ def mixed_batch(vocab_size: int, seed: int, **kw) -> SamplingTensors:
     top_p = [0.9, 0.5, 0.3, 0.999, 1.0, 1.0, 1.0, 0.05, 0.7, 0.6]
     temperature = [1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 0.0, 2.0, 1.0, 0.5]
     return SamplingTensors.from_lists(
-        vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
-        seeds=[seed + i for i in range(len(top_k))], **kw)
+        vocab_size=vocab_size,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seeds=[seed + i for i in range(len(top_k))],
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -520,7 +568,9 @@ def test_no_full_vocabulary_sort(kind):
         "greedy": dict(temperature=[0.0] * num_reqs),
         "top_k": dict(top_k=[3, 8, 0, 1]),
         "top_k_and_top_p": dict(top_k=[3, 8, 0, 20], top_p=[0.5, 0.9, 1.0, 0.8]),
-        "mixed_greedy_top_k": dict(temperature=[0.0, 1.0, 0.0, 0.8], top_k=[0, 5, 0, 7], top_p=[1.0, 0.5, 1.0, 1.0]),
+        "mixed_greedy_top_k": dict(
+            temperature=[0.0, 1.0, 0.0, 0.8], top_k=[0, 5, 0, 7], top_p=[1.0, 0.5, 1.0, 1.0]
+        ),
     }[kind]
     t = tensors(vocab_size, num_reqs, max_num_logprobs=3, **settings)
     recorder = SortRecorder()

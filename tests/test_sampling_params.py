@@ -6,7 +6,13 @@ from kvserve.engine.sampling_params import MAX_NUM_LOGPROBS, SamplingParams
 def test_defaults():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
-    assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs, p.prompt_logprobs) == (16, 0, None, None, None)
+    assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs, p.prompt_logprobs) == (
+        16,
+        0,
+        None,
+        None,
+        None,
+    )
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.stop == [] and p.stop_token_ids == []
     assert p.ignore_eos is False and p.skip_special_tokens is True
@@ -26,7 +32,9 @@ def test_normalization():
     assert SamplingParams(seed=2**70).seed == 2**70
     assert SamplingParams(seed=-3).seed == -3
     assert SamplingParams(logprobs=0).logprobs == 0
-    assert SamplingParams(min_p=1.0, top_p=1.0, presence_penalty=-2, frequency_penalty=2).min_p == 1.0
+    assert (
+        SamplingParams(min_p=1.0, top_p=1.0, presence_penalty=-2, frequency_penalty=2).min_p == 1.0
+    )
     assert SamplingParams(repetition_penalty=1.3).has_penalties
 
 
@@ -50,23 +58,54 @@ def test_mutation_then_validate():
 
 
 BAD = [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", "2"), ("n", True),
-    ("temperature", -1.0), ("temperature", -0.01), ("temperature", "0.7"),
-    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", None),
-    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", "1"),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", "3"),
-    ("min_p", -0.1), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0),
-    ("min_tokens", -1), ("min_tokens", 17),  # default max_tokens is 16
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", -2.5), ("presence_penalty", 2.01),
-    ("frequency_penalty", -3.0), ("frequency_penalty", 2.5),
-    ("logprobs", -1), ("logprobs", MAX_NUM_LOGPROBS + 1), ("logprobs", 1.0),
-    ("prompt_logprobs", -1), ("prompt_logprobs", MAX_NUM_LOGPROBS + 1),
-    ("seed", 1.5), ("seed", "42"),
-    ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
-    ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("n", 0),
+    ("n", -1),
+    ("n", 1.5),
+    ("n", "2"),
+    ("n", True),
+    ("temperature", -1.0),
+    ("temperature", -0.01),
+    ("temperature", "0.7"),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", None),
+    ("top_p", 0.0),
+    ("top_p", -0.5),
+    ("top_p", 1.01),
+    ("top_p", "1"),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_k", "3"),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 2.0),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # default max_tokens is 16
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", 2.01),
+    ("frequency_penalty", -3.0),
+    ("frequency_penalty", 2.5),
+    ("logprobs", -1),
+    ("logprobs", MAX_NUM_LOGPROBS + 1),
+    ("logprobs", 1.0),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", MAX_NUM_LOGPROBS + 1),
+    ("seed", 1.5),
+    ("seed", "42"),
+    ("stop", ""),
+    ("stop", [""]),
+    ("stop", ["ok", 3]),
+    ("stop", 5),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", 7),
+    ("ignore_eos", 1),
+    ("skip_special_tokens", "yes"),
+    ("include_stop_str_in_output", None),
 ]
 
 

@@ -8,8 +8,8 @@ import pytest
 from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.request import Request, RequestStatus
-from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.sampling_params import SamplingParams
 
 EOS = 0
 
@@ -32,9 +32,11 @@ def run_step(sched, token=7):
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
-    code = ("import sys, engine.core.scheduler, engine.core.kv_cache_manager, engine.core.block_pool, "
-            "engine.core.request, engine.seq2seq.cross_cache; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, engine.core.scheduler, engine.core.kv_cache_manager, engine.core.block_pool, "
+        "engine.core.request, engine.seq2seq.cross_cache; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -61,14 +63,20 @@ def test_chunked_prefill_mixes_with_decode_under_budget():
     sched.add(make_request("b", prompt_len=20, max_tokens=2))
     plan, _ = run_step(sched)
     assert [(i.request.request_id, i.num_new_tokens, i.is_sampled) for i in plan.scheduled] == [
-        ("a", 1, True), ("b", 7, False)]
+        ("a", 1, True),
+        ("b", 7, False),
+    ]
     assert plan.num_batched_tokens == 8
     plan, _ = run_step(sched)
     assert [(i.request.request_id, i.start_pos, i.num_new_tokens) for i in plan.scheduled] == [
-        ("a", 4, 1), ("b", 7, 7)]
+        ("a", 4, 1),
+        ("b", 7, 7),
+    ]
     plan, _ = run_step(sched)
     assert [(i.request.request_id, i.num_new_tokens, i.is_sampled) for i in plan.scheduled] == [
-        ("a", 1, True), ("b", 6, True)]
+        ("a", 1, True),
+        ("b", 6, True),
+    ]
 
 
 def test_max_num_seqs_limits_running():
@@ -132,8 +140,15 @@ def test_preemption_newest_first_and_recompute():
 
 def make_priority_request(rid, prompt_len, priority, arrival, max_tokens=8):
     prompt = [100 + (hash(rid) + i) % 50 for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), (EOS,), max_tokens, arrival_time=arrival,
-                   priority=priority)
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens),
+        (EOS,),
+        max_tokens,
+        arrival_time=arrival,
+        priority=priority,
+    )
 
 
 def test_priority_policy_preempts_the_lowest_priority_first():
@@ -158,7 +173,7 @@ def test_priority_policy_preempts_the_lowest_priority_first():
 
 def test_priority_policy_admits_by_priority_then_arrival():
     bm = KVCacheManager(64, 4)
-    sched = Scheduler(SchedulerConfig(1, 64, scheduling_policy="priority"), bm, 1024)   # one seat
+    sched = Scheduler(SchedulerConfig(1, 64, scheduling_policy="priority"), bm, 1024)  # one seat
     for rid, priority, arrival in (("b", 1, 1.0), ("c", 0, 3.0), ("a", 0, 2.0), ("d", 2, 0.5)):
         sched.add(make_priority_request(rid, 4, priority, arrival, max_tokens=1))
     order = []
@@ -166,7 +181,9 @@ def test_priority_policy_admits_by_priority_then_arrival():
         plan, finished = run_step(sched)
         order += [f.request.request_id for f in finished]
     assert order == ["a", "c", "b", "d"]
-    fcfs = Scheduler(SchedulerConfig(1, 64), KVCacheManager(64, 4), 1024)   # fcfs ignores priority: arrival order
+    fcfs = Scheduler(
+        SchedulerConfig(1, 64), KVCacheManager(64, 4), 1024
+    )  # fcfs ignores priority: arrival order
     for rid, priority, arrival in (("b", 1, 1.0), ("c", 0, 3.0), ("a", 0, 2.0)):
         fcfs.add(make_priority_request(rid, 4, priority, arrival, max_tokens=1))
     order = []
@@ -185,7 +202,9 @@ def test_abort_frees_everything_at_any_time():
     sched.add(make_request("a", 10, max_tokens=5))
     sched.add(make_request("b", 3, max_tokens=5))
     run_step(sched)  # a mid-prefill, b waiting
-    assert sched.finish("a", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    assert (
+        sched.finish("a", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    )
     assert sched.finish("b", RequestStatus.FINISHED_ABORTED) is not None
     assert sched.finish("missing", RequestStatus.FINISHED_ABORTED) is None
     assert bm.num_free_blocks == bm.num_blocks - 1

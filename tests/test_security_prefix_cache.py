@@ -14,30 +14,74 @@ import uuid
 
 import httpx
 import pytest
-from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
 import kvserve.engine.core.kv_cache_manager as kv_cache
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.core.kv_cache_manager import (
+    ROOT_DIGEST,
+    KVCacheManager,
+    hash_block,
+    pack_token_ids,
+    prefix_root,
+)
 from kvserve.engine.input_processor import split_prompt
-from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST, KVCacheManager, hash_block, pack_token_ids, prefix_root
+from server_fixtures import ServerProcess, metric, scrape, server, server_checkpoint, wait_idle  # noqa: F401
 
-OLD_ROOT_HASH = 0x6B76736572766531   # the old key's parent of every first block
+OLD_ROOT_HASH = 0x6B76736572766531  # the old key's parent of every first block
 # Different 16-token blocks with equal old keys: hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B)).
 # python benchmarks/find_block_hash_collision.py --vocab-size 65536 --block-size 16 --log2-prefixes 25
-BLOCK_A = [24560, 53406, 33639, 45144, 40756, 250, 41274, 40288, 13395, 21560, 15715, 27495, 40718, 1, 63601, 37374]
-BLOCK_B = [34018, 64833, 6393, 50939, 9877, 12180, 50205, 39443, 19343, 6846, 21136, 47080, 5201, 14668, 40907, 1]
+BLOCK_A = [
+    24560,
+    53406,
+    33639,
+    45144,
+    40756,
+    250,
+    41274,
+    40288,
+    13395,
+    21560,
+    15715,
+    27495,
+    40718,
+    1,
+    63601,
+    37374,
+]
+BLOCK_B = [
+    34018,
+    64833,
+    6393,
+    50939,
+    9877,
+    12180,
+    50205,
+    39443,
+    19343,
+    6846,
+    21136,
+    47080,
+    5201,
+    14668,
+    40907,
+    1,
+]
 COLLISION_VOCAB = 65536
-TAIL = [7, 8, 9]   # after the full block, so the block is looked up (one token is always computed)
+TAIL = [7, 8, 9]  # after the full block, so the block is looked up (one token is always computed)
 
 
 def test_collision_fixture_collides_under_the_old_key_only():
     assert BLOCK_A != BLOCK_B and len(BLOCK_A) == len(BLOCK_B) == 16
     assert max(BLOCK_A + BLOCK_B) < COLLISION_VOCAB
     assert hash((OLD_ROOT_HASH, *BLOCK_A)) == hash((OLD_ROOT_HASH, *BLOCK_B))
-    assert hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_A)) != hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_B))
+    assert hash_block(ROOT_DIGEST, pack_token_ids(BLOCK_A)) != hash_block(
+        ROOT_DIGEST, pack_token_ids(BLOCK_B)
+    )
 
 
-def _cache(bm: KVCacheManager, request_id: str, token_ids: list[int], root: bytes = ROOT_DIGEST) -> None:
+def _cache(
+    bm: KVCacheManager, request_id: str, token_ids: list[int], root: bytes = ROOT_DIGEST
+) -> None:
     assert bm.allocate(request_id, len(token_ids)) is not None
     bm.cache_full_blocks(request_id, token_ids, len(token_ids), root)
     bm.free(request_id)
@@ -58,7 +102,7 @@ def test_colliding_keys_are_misses_yet_identical_prompts_hit(monkeypatch):
     _cache(bm, "a", a)
     assert bm.find_cached_prefix("b", b) == []
     hit = bm.find_cached_prefix("a2", a)
-    assert len(hit) == 1   # the first block; the second has the same key but another parent
+    assert len(hit) == 1  # the first block; the second has the same key but another parent
     assert bm.prefix_cache_hits == 4
 
 
@@ -73,14 +117,17 @@ def test_salts_split_the_cache():
     assert len(bm.find_cached_prefix("same-salt", tokens, prefix_root("x"))) == 2
 
 
-@pytest.mark.parametrize(("prompt", "match"), [
-    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
-    ({"prompt": "hi", "cache_salt": 3}, "cache_salt"),
-    ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one"),
-    ({"prompt_token_ids": [1], "salt": "x"}, "exactly one"),
-    ({"prompt": [1, 2]}, "must be a string"),
-    ({"prompt_token_ids": "12"}, "list of ints"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ({"prompt": "hi", "cache_salt": 3}, "cache_salt"),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one"),
+        ({"prompt_token_ids": [1], "salt": "x"}, "exactly one"),
+        ({"prompt": [1, 2]}, "must be a string"),
+        ({"prompt_token_ids": "12"}, "list of ints"),
+    ],
+)
 def test_bad_prompt_dicts(prompt, match):
     with pytest.raises(ValueError, match=match):
         split_prompt(prompt)
@@ -88,12 +135,15 @@ def test_bad_prompt_dicts(prompt, match):
 
 # --------------------------------------------------------------------------- the engine, end to end
 
+
 @pytest.fixture(scope="module")
 def wide_vocab_dir(tmp_path_factory) -> str:
     """A tiny llama whose vocabulary holds the colliding blocks' ids."""
     from checkpoints import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("wide_vocab") / "llama", "llama", vocab_size=COLLISION_VOCAB)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("wide_vocab") / "llama", "llama", vocab_size=COLLISION_VOCAB
+    )
 
 
 def _llm(path: str) -> LLM:
@@ -106,7 +156,9 @@ def _params() -> SamplingParams:
 
 def _result(out) -> tuple[list[int], list[dict[int, float]]]:
     completion = out.outputs[0]
-    return completion.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+    return completion.token_ids, [
+        {t: lp.logprob for t, lp in step.items()} for step in completion.logprobs
+    ]
 
 
 def _run(llm: LLM, prompt) -> tuple[list[int], list[dict[int, float]]]:
@@ -129,9 +181,11 @@ def test_forced_collisions_are_misses_end_to_end(wide_vocab_dir, monkeypatch):
     first = _run(llm, BLOCK_A + TAIL)
     assert _run(llm, BLOCK_B + TAIL) == alone
     assert llm.engine.stats().prefix_cache_hits_total == 0
-    again = _run(llm, BLOCK_A + TAIL)   # the same prompt still hits its own block
+    again = _run(llm, BLOCK_A + TAIL)  # the same prompt still hits its own block
     assert llm.engine.stats().prefix_cache_hits_total == 16
-    assert again[0] == first[0]   # same tokens; logprobs up to the rounding of another attention split
+    assert (
+        again[0] == first[0]
+    )  # same tokens; logprobs up to the rounding of another attention split
     for got, want in zip(again[1], first[1]):
         assert got.keys() == want.keys() and got == pytest.approx(want, abs=1e-4)
 
@@ -161,8 +215,15 @@ KEY_1, KEY_2 = "key-one-sekrit", "key-two-sekrit"
 
 @pytest.fixture(scope="module")
 def tenant_server(server_checkpoint):  # noqa: F811
-    srv = ServerProcess(server_checkpoint, "--api-key", KEY_1, "--api-key", KEY_2, "--cache-salt-per-api-key",
-                        "--metrics-require-api-key").wait_ready()
+    srv = ServerProcess(
+        server_checkpoint,
+        "--api-key",
+        KEY_1,
+        "--api-key",
+        KEY_2,
+        "--cache-salt-per-api-key",
+        "--metrics-require-api-key",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -175,14 +236,23 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-PROMPT = list(range(10, 50))   # 40 token ids: two full 16-token blocks
+PROMPT = list(range(10, 50))  # 40 token ids: two full 16-token blocks
 
 
-def _complete(srv: ServerProcess, key: str, path: str = "/v1/completions", **fields) -> httpx.Response:
-    body = ({"messages": [{"role": "user", "content": "one two three " * 12}], "max_tokens": 2}
-            if path.endswith("chat/completions") else {"prompt": PROMPT, "max_tokens": 2})
-    return httpx.post(srv.base_url + path.removeprefix("/v1"), json={**body, **fields},
-                      headers=_auth(key), timeout=60)
+def _complete(
+    srv: ServerProcess, key: str, path: str = "/v1/completions", **fields
+) -> httpx.Response:
+    body = (
+        {"messages": [{"role": "user", "content": "one two three " * 12}], "max_tokens": 2}
+        if path.endswith("chat/completions")
+        else {"prompt": PROMPT, "max_tokens": 2}
+    )
+    return httpx.post(
+        srv.base_url + path.removeprefix("/v1"),
+        json={**body, **fields},
+        headers=_auth(key),
+        timeout=60,
+    )
 
 
 def _new_hits(srv: ServerProcess, key: str, **fields) -> float:
@@ -202,9 +272,9 @@ def test_metrics_require_a_key(tenant_server):
 
 
 def test_each_api_key_is_a_tenant(tenant_server):
-    salt = {"cache_salt": "per-key-test"}   # a salt no other test sends: starts from a cold cache
+    salt = {"cache_salt": "per-key-test"}  # a salt no other test sends: starts from a cold cache
     assert _new_hits(tenant_server, KEY_1, **salt) == 0
-    assert _new_hits(tenant_server, KEY_2, **salt) == 0    # same prompt, same salt, other key
+    assert _new_hits(tenant_server, KEY_2, **salt) == 0  # same prompt, same salt, other key
     assert _new_hits(tenant_server, KEY_1, **salt) == 32
     assert _new_hits(tenant_server, KEY_2, **salt) == 32
     assert _complete(tenant_server, "wrong").status_code == 401
@@ -214,7 +284,7 @@ def test_cache_salt_isolates_through_the_server(tenant_server):
     assert _new_hits(tenant_server, KEY_1, cache_salt="salt-a") == 0
     assert _new_hits(tenant_server, KEY_1, cache_salt="salt-b") == 0
     assert _new_hits(tenant_server, KEY_1, cache_salt="salt-a") == 32
-    assert _new_hits(tenant_server, KEY_1) == 0   # no salt vs salt
+    assert _new_hits(tenant_server, KEY_1) == 0  # no salt vs salt
     assert _new_hits(tenant_server, KEY_1) == 32
     wait_idle(tenant_server.url, headers=_auth(KEY_1))
 
@@ -247,23 +317,29 @@ def test_null_cache_salt_is_no_salt(tenant_server):
 
 def test_cache_salt_without_api_keys(server):  # noqa: F811
     """The plain server (no keys): clients isolate themselves with their own salts."""
-    tag = uuid.uuid4().hex   # salts no earlier request on this shared server used
+    tag = uuid.uuid4().hex  # salts no earlier request on this shared server used
 
     def hits(**fields) -> float:
         before = metric(scrape(server.url), "kvserve:prefix_cache_hits_total")
-        response = httpx.post(server.base_url + "/completions", timeout=60,
-                              json={"prompt": PROMPT[::-1], "max_tokens": 2, **fields})
+        response = httpx.post(
+            server.base_url + "/completions",
+            timeout=60,
+            json={"prompt": PROMPT[::-1], "max_tokens": 2, **fields},
+        )
         assert response.status_code == 200, response.text
         return metric(scrape(server.url), "kvserve:prefix_cache_hits_total") - before
 
     assert hits(cache_salt=f"{tag}-a") == 0
     assert hits(cache_salt=f"{tag}-b") == 0
     assert hits(cache_salt=f"{tag}-a") == 32
-    response = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "cache_salt": ""}, timeout=60)
+    response = httpx.post(
+        server.base_url + "/completions", json={"prompt": PROMPT, "cache_salt": ""}, timeout=60
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
 
 
 # --------------------------------------------------------------------------- configuration and schema
+
 
 def test_api_keys_options_and_their_checks(monkeypatch):
     from kvserve.server.cli import build_parser, load_config
@@ -271,8 +347,11 @@ def test_api_keys_options_and_their_checks(monkeypatch):
 
     monkeypatch.setenv("KVSERVE_API_KEY", "a, b")
     assert load_config(build_parser().parse_args(["serve"])).api_key == ["a", "b"]
-    config = load_config(build_parser().parse_args(["serve", "--api-key", "c", "--api-key", "d,e",
-                                                    "--cache-salt-per-api-key"]))
+    config = load_config(
+        build_parser().parse_args(
+            ["serve", "--api-key", "c", "--api-key", "d,e", "--cache-salt-per-api-key"]
+        )
+    )
     assert config.api_key == ["c", "d", "e"] and config.cache_salt_per_api_key
     monkeypatch.delenv("KVSERVE_API_KEY")
     for flag in ("--cache-salt-per-api-key", "--metrics-require-api-key"):
@@ -288,19 +367,27 @@ def test_tenant_tags_hide_the_keys():
 
     tags = tenant_tags([KEY_1, KEY_2])
     assert len(set(tags)) == 2 and all(KEY_1 not in t and KEY_2 not in t for t in tags)
-    assert tenant_tags([KEY_1]) != tags[:1]   # a fresh secret per start: tags are not the key's hash
-    assert tenant_cache_salt(tags[0], None) != tenant_cache_salt(tags[0], "x") != tenant_cache_salt(tags[1], "x")
+    assert tenant_tags([KEY_1]) != tags[:1]  # a fresh secret per start: tags are not the key's hash
+    assert (
+        tenant_cache_salt(tags[0], None)
+        != tenant_cache_salt(tags[0], "x")
+        != tenant_cache_salt(tags[1], "x")
+    )
 
 
 def test_published_schema_has_cache_salt_and_the_metrics_401():
     from kvserve.server.app import create_app
     from kvserve.server.config import ServerConfig
 
-    doc = create_app(ServerConfig(stats_log_interval=0, api_key=["k"], metrics_require_api_key=True)).openapi()
+    doc = create_app(
+        ServerConfig(stats_log_interval=0, api_key=["k"], metrics_require_api_key=True)
+    ).openapi()
     assert "401" in doc["paths"]["/metrics"]["get"]["responses"]
     assert "401" not in doc["paths"]["/health"]["get"]["responses"]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         salt = doc["components"]["schemas"][name]["properties"]["cache_salt"]
-        assert {"type": "string", "minLength": 1} in salt["anyOf"] and {"type": "null"} in salt["anyOf"]
+        assert {"type": "string", "minLength": 1} in salt["anyOf"] and {"type": "null"} in salt[
+            "anyOf"
+        ]
     doc = create_app(ServerConfig(stats_log_interval=0, api_key=["k"])).openapi()
     assert "401" not in doc["paths"]["/metrics"]["get"]["responses"]

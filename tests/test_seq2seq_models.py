@@ -19,24 +19,78 @@ from kvserve.models.t5 import T5ForConditionalGeneration, relative_position_buck
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, d_model=32, max_position_embeddings=64)
-BART = dict(**SMALL, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-            encoder_ffn_dim=64, decoder_ffn_dim=64, bos_token_id=0, pad_token_id=1, eos_token_id=2,
-            decoder_start_token_id=2, forced_eos_token_id=None, forced_bos_token_id=None)
+BART = dict(
+    **SMALL,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    bos_token_id=0,
+    pad_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+    forced_eos_token_id=None,
+    forced_bos_token_id=None,
+)
 CONFIGS = {
     "bart": (transformers.BartConfig, BART, BartForConditionalGeneration),
-    "mbart": (transformers.MBartConfig, {**BART, "scale_embedding": True}, MBartForConditionalGeneration),
-    "marian": (transformers.MarianConfig, {**BART, "activation_function": "swish", "pad_token_id": VOCAB - 1,
-                                           "decoder_start_token_id": VOCAB - 1, "eos_token_id": 0,
-                                           "scale_embedding": True}, MarianMTModel),
-    "t5": (transformers.T5Config, dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                       relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                                       feed_forward_proj="relu", pad_token_id=0, eos_token_id=1,
-                                       decoder_start_token_id=0), T5ForConditionalGeneration),
-    "t5-v1.1": (transformers.T5Config, dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                            num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
-                                            relative_attention_max_distance=20, feed_forward_proj="gated-gelu",
-                                            tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                                            decoder_start_token_id=0), T5ForConditionalGeneration),
+    "mbart": (
+        transformers.MBartConfig,
+        {**BART, "scale_embedding": True},
+        MBartForConditionalGeneration,
+    ),
+    "marian": (
+        transformers.MarianConfig,
+        {
+            **BART,
+            "activation_function": "swish",
+            "pad_token_id": VOCAB - 1,
+            "decoder_start_token_id": VOCAB - 1,
+            "eos_token_id": 0,
+            "scale_embedding": True,
+        },
+        MarianMTModel,
+    ),
+    "t5": (
+        transformers.T5Config,
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            feed_forward_proj="relu",
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        ),
+        T5ForConditionalGeneration,
+    ),
+    "t5-v1.1": (
+        transformers.T5Config,
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=3,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        ),
+        T5ForConditionalGeneration,
+    ),
 }
 
 
@@ -83,8 +137,13 @@ def test_logits_equal_transformers(pair):
             expected = hf(input_ids=source[None], decoder_input_ids=target[None]).logits[0]
             got = ours.compute_logits(ours.decode(target, ours.encode(source)))
         scale = expected.abs().max().item()
-        assert (got - expected).abs().max().item() <= 1e-5 * max(scale, 1.0), (family, source_len, target_len,
-                                                                               (got - expected).abs().max(), scale)
+        assert (got - expected).abs().max().item() <= 1e-5 * max(scale, 1.0), (
+            family,
+            source_len,
+            target_len,
+            (got - expected).abs().max(),
+            scale,
+        )
 
 
 def greedy(model, source: torch.Tensor, start: int, eos: int, max_new: int) -> list[int]:
@@ -105,11 +164,16 @@ def test_greedy_equals_generate(pair):
     for source_len in (5, 17):
         source = torch.randint(3, VOCAB - 1, (source_len,), generator=generator)
         # (use_cache=False: transformers' cache assumes as many decoder layers as encoder layers)
-        expected = hf.generate(source[None], max_new_tokens=12, do_sample=False, num_beams=1,
-                               use_cache=False)[0, 1:].tolist()
+        expected = hf.generate(
+            source[None], max_new_tokens=12, do_sample=False, num_beams=1, use_cache=False
+        )[0, 1:].tolist()
         eos = hf.generation_config.eos_token_id
         got = greedy(ours, source, hf.config.decoder_start_token_id, eos, 12)
-        assert got == expected[: len(got)] and (len(got) == 12 or got[-1] == eos), (family, got, expected)
+        assert got == expected[: len(got)] and (len(got) == 12 or got[-1] == eos), (
+            family,
+            got,
+            expected,
+        )
 
 
 def test_relative_position_buckets_equal_transformers():
@@ -117,8 +181,11 @@ def test_relative_position_buckets_equal_transformers():
     for bidirectional in (True, False):
         for buckets, distance in [(32, 128), (8, 20)]:
             expected = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket(
-                relative, bidirectional=bidirectional, num_buckets=buckets, max_distance=distance)
-            assert torch.equal(relative_position_bucket(relative, bidirectional, buckets, distance), expected)
+                relative, bidirectional=bidirectional, num_buckets=buckets, max_distance=distance
+            )
+            assert torch.equal(
+                relative_position_bucket(relative, bidirectional, buckets, distance), expected
+            )
 
 
 def test_sinusoidal_table_equals_marians():

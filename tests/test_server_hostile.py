@@ -14,19 +14,29 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import cached_server, metric, scrape, server_checkpoint, wait_idle  # noqa: F401
 
 from kvserve.server.cli import build_parser, load_config, uvicorn_config
 from kvserve.server.connections import RateLimitFilter
+from server_fixtures import cached_server, metric, scrape, server_checkpoint, wait_idle  # noqa: F401
 
-DEADLINE_S = 120.0   # only guards against hangs
+DEADLINE_S = 120.0  # only guards against hangs
 
 
 @pytest.fixture(scope="module")
 def stall_server(server_checkpoint):
     """Eight seats, no queue, short stalled-reader and header timeouts."""
-    srv = cached_server("hostile-stall", server_checkpoint, "--max-num-seqs", "8", "--max-queue", "0",
-                        "--stream-idle-timeout", "1", "--header-timeout", "1")
+    srv = cached_server(
+        "hostile-stall",
+        server_checkpoint,
+        "--max-num-seqs",
+        "8",
+        "--max-queue",
+        "0",
+        "--stream-idle-timeout",
+        "1",
+        "--header-timeout",
+        "1",
+    )
     yield srv
     srv.stop()
 
@@ -34,7 +44,9 @@ def stall_server(server_checkpoint):
 @pytest.fixture(scope="module")
 def capped_server(server_checkpoint):
     """At most 8 connections, header timeout off (so idle sockets stay until the test closes them)."""
-    srv = cached_server("hostile-capped", server_checkpoint, "--max-connections", "8", "--header-timeout", "0")
+    srv = cached_server(
+        "hostile-capped", server_checkpoint, "--max-connections", "8", "--header-timeout", "0"
+    )
     yield srv
     srv.stop()
 
@@ -42,7 +54,9 @@ def capped_server(server_checkpoint):
 def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
     sock = socket.socket()
     if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)   # before connect: sets the TCP window
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf
+        )  # before connect: sets the TCP window
     sock.connect(("127.0.0.1", port))
     return sock
 
@@ -60,24 +74,41 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 
 def _post(url: str, path: str = "/v1/completions", **body) -> httpx.Response:
-    return httpx.post(url + path, json={"prompt": "hi", "max_tokens": 2, **body}, timeout=DEADLINE_S)
+    return httpx.post(
+        url + path, json={"prompt": "hi", "max_tokens": 2, **body}, timeout=DEADLINE_S
+    )
 
 
 def test_stalled_reader_is_aborted_and_its_seat_freed(stall_server):
     """A stream whose client stops reading must not hold its seats (503 for everyone else) forever."""
     # n=8 takes every seat. Chat logprobs make ~1.5 KB per token and sequence: ~7 MB in all, more than
     # the client's small window plus the kernel's send buffer plus uvicorn's, so the server must stall.
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20, "n": 8}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "n": 8,
+        }
+    ).encode()
     stalled = _connect(stall_server.port, rcvbuf=4096)
-    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    stalled.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     deadline = time.monotonic() + DEADLINE_S
-    while metric(scrape(stall_server.url), "kvserve:num_requests_running") < 8:   # it holds every seat
+    while (
+        metric(scrape(stall_server.url), "kvserve:num_requests_running") < 8
+    ):  # it holds every seat
         assert time.monotonic() < deadline
         time.sleep(0.05)
     statuses = []
-    while time.monotonic() < deadline:   # 503 (no free seat, --max-queue 0) until the stalled stream is cut
+    while (
+        time.monotonic() < deadline
+    ):  # 503 (no free seat, --max-queue 0) until the stalled stream is cut
         statuses.append(_post(stall_server.url).status_code)
         if statuses[-1] == 200:
             break
@@ -85,8 +116,10 @@ def test_stalled_reader_is_aborted_and_its_seat_freed(stall_server):
     assert statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
     received = _read_until_closed(stalled)
     stalled.close()
-    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received   # cut, not finished
-    wait_idle(stall_server.url)   # no running or waiting sequence, no KV block in use
+    assert (
+        received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    )  # cut, not finished
+    wait_idle(stall_server.url)  # no running or waiting sequence, no KV block in use
     assert "--stream-idle-timeout" in stall_server.log()
 
 
@@ -111,7 +144,9 @@ def test_slowloris_sockets_are_closed(stall_server):
                 open_socks.discard(sock)
                 continue
             try:
-                sock.send(b"X-Slow: %d\r\n" % num_rounds)   # one more header line, never the blank one
+                sock.send(
+                    b"X-Slow: %d\r\n" % num_rounds
+                )  # one more header line, never the blank one
             except (BrokenPipeError, ConnectionResetError):
                 open_socks.discard(sock)
         if num_rounds == 0:
@@ -121,7 +156,7 @@ def test_slowloris_sockets_are_closed(stall_server):
     for sock in socks:
         sock.close()
     assert not open_socks, f"{len(open_socks)} of 100 slowloris sockets still open"
-    assert num_rounds > 1   # they trickled before being closed
+    assert num_rounds > 1  # they trickled before being closed
     assert httpx.get(stall_server.url + "/health", timeout=DEADLINE_S).status_code == 200
 
 
@@ -130,12 +165,16 @@ def test_kept_alive_connection_gets_a_header_timeout_too(stall_server):
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
     sock.settimeout(DEADLINE_S)
     first = b""
-    while not first.endswith(b'{"status":"ok"}'):   # the whole first response (it may come in pieces)
+    while not first.endswith(
+        b'{"status":"ok"}'
+    ):  # the whole first response (it may come in pieces)
         chunk = sock.recv(1 << 16)
         assert chunk, first
         first += chunk
     assert first.startswith(b"HTTP/1.1 200")
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")   # the next request never completes its headers
+    sock.sendall(
+        b"GET /health HTTP/1.1\r\nHost: t\r\n"
+    )  # the next request never completes its headers
     assert _read_until_closed(sock) == b""
     sock.close()
 
@@ -154,7 +193,7 @@ def _is_open(sock: socket.socket) -> bool:
 
 def _wait_healthy(url: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
-    while True:   # the server notices closed sockets shortly
+    while True:  # the server notices closed sockets shortly
         try:
             if httpx.get(url + "/health", timeout=DEADLINE_S).status_code == 200:
                 return
@@ -165,12 +204,12 @@ def _wait_healthy(url: str) -> None:
 
 def test_connection_cap_evicts_the_oldest_idle_connection(capped_server):
     """At the cap a new connection gets in by closing the one idle longest (slowloris sockets churn out)."""
-    idle = [_connect(capped_server.port) for _ in range(8)]   # never send a byte
+    idle = [_connect(capped_server.port) for _ in range(8)]  # never send a byte
     newcomer = _connect(capped_server.port)
     newcomer.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     assert _read_until_closed(newcomer).startswith(b"HTTP/1.1 200")
     newcomer.close()
-    assert _read_until_closed(idle[0]) == b""   # the oldest was closed to make room
+    assert _read_until_closed(idle[0]) == b""  # the oldest was closed to make room
     assert all(_is_open(sock) for sock in idle[2:])
     for sock in idle:
         sock.close()
@@ -182,10 +221,12 @@ def test_connection_cap_refuses_when_every_connection_is_busy(capped_server):
     """Connections with a request in progress are never evicted: beyond the cap, new ones are closed."""
     _wait_healthy(capped_server.url)
     busy = [_connect(capped_server.port) for _ in range(8)]
-    for sock in busy:   # complete headers, body never sent: the request is in progress
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n")
-    for sock in busy:   # the server asks for the body once the handler reads it: it is busy now
+    for sock in busy:  # complete headers, body never sent: the request is in progress
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n"
+        )
+    for sock in busy:  # the server asks for the body once the handler reads it: it is busy now
         sock.settimeout(DEADLINE_S)
         assert sock.recv(1024).startswith(b"HTTP/1.1 100")
     extra = _connect(capped_server.port)
@@ -193,7 +234,7 @@ def test_connection_cap_refuses_when_every_connection_is_busy(capped_server):
         extra.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):
         pass
-    assert _read_until_closed(extra) == b""   # closed without an answer
+    assert _read_until_closed(extra) == b""  # closed without an answer
     extra.close()
     assert all(_is_open(sock) for sock in busy)
     for sock in busy:
@@ -207,16 +248,37 @@ def test_connection_cap_refuses_when_every_connection_is_busy(capped_server):
 
 def test_flags_reach_uvicorn(monkeypatch):
     monkeypatch.setenv("KVSERVE_HEADER_TIMEOUT", "3")
-    config = load_config(build_parser().parse_args(
-        ["serve", "--keep-alive-timeout", "7", "--stream-idle-timeout", "0", "--max-connections", "50"]))
+    config = load_config(
+        build_parser().parse_args(
+            [
+                "serve",
+                "--keep-alive-timeout",
+                "7",
+                "--stream-idle-timeout",
+                "0",
+                "--max-connections",
+                "50",
+            ]
+        )
+    )
     uv_config = uvicorn_config(object(), config)
     assert uv_config.timeout_keep_alive == 7
     limits = uv_config.http.limits
-    assert (limits.header_timeout_s, limits.stream_idle_timeout_s, limits.max_connections) == (3, 0, 50)
+    assert (limits.header_timeout_s, limits.stream_idle_timeout_s, limits.max_connections) == (
+        3,
+        0,
+        50,
+    )
     monkeypatch.delenv("KVSERVE_HEADER_TIMEOUT")
     defaults = load_config(build_parser().parse_args(["serve"]))
-    assert (defaults.header_timeout, defaults.stream_idle_timeout, defaults.keep_alive_timeout) == (10, 60, 5)
-    assert uvicorn_config(object(), defaults).http.limits.max_connections >= 16   # from the open-file limit
+    assert (defaults.header_timeout, defaults.stream_idle_timeout, defaults.keep_alive_timeout) == (
+        10,
+        60,
+        5,
+    )
+    assert (
+        uvicorn_config(object(), defaults).http.limits.max_connections >= 16
+    )  # from the open-file limit
     with pytest.raises(ValueError, match="--header-timeout"):
         load_config(build_parser().parse_args(["serve", "--header-timeout", "-1"]))
 
@@ -229,7 +291,9 @@ def test_rate_limit_filter_counts_suppressed_lines():
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, (), None)
 
     assert flood.filter(record("socket.accept() out of system resource"))
-    assert [flood.filter(record("socket.accept() out of system resource")) for _ in range(500)] == [False] * 500
+    assert [flood.filter(record("socket.accept() out of system resource")) for _ in range(500)] == [
+        False
+    ] * 500
     assert flood.filter(record("something else"))
     now[0] += 11
     passed = record("socket.accept() out of system resource")
@@ -244,7 +308,9 @@ class _FakeTransport:
         self.is_aborted = self._is_closing = False
 
     def get_extra_info(self, name: str, default: object = None) -> object:
-        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
 
     def get_write_buffer_size(self) -> int:
         return self.num_buffered_bytes
@@ -277,20 +343,26 @@ def test_a_reader_that_reads_something_is_not_cut():
 
     loop = asyncio.new_event_loop()
     try:
-        limits = ConnectionLimits(header_timeout_s=10, stream_idle_timeout_s=60, max_connections=None)
-        proto = protocol_class(limits)(config=uvicorn.Config(lambda *a: None), server_state=ServerState(),
-                                       app_state={}, _loop=loop)
+        limits = ConnectionLimits(
+            header_timeout_s=10, stream_idle_timeout_s=60, max_connections=None
+        )
+        proto = protocol_class(limits)(
+            config=uvicorn.Config(lambda *a: None),
+            server_state=ServerState(),
+            app_state={},
+            _loop=loop,
+        )
         transport = _FakeTransport()
         proto.connection_made(transport)
         transport.num_buffered_bytes = 100_000
         proto.pause_writing()
-        for num_bytes in (90_000, 1_000, 999):   # the client reads a little each period
+        for num_bytes in (90_000, 1_000, 999):  # the client reads a little each period
             transport.num_buffered_bytes = num_bytes
             proto._write_timer.cancel()
-            proto._on_write_stalled()   # what the timer does when it fires
+            proto._on_write_stalled()  # what the timer does when it fires
             assert not transport.is_aborted and proto._write_timer is not None
         proto._write_timer.cancel()
-        proto._on_write_stalled()   # nothing read in a whole period
+        proto._on_write_stalled()  # nothing read in a whole period
         assert transport.is_aborted and proto.counts["stalled"] == 1
     finally:
         loop.close()

@@ -10,6 +10,7 @@ import threading
 
 import httpx
 import pytest
+
 from server_fixtures import ServerProcess
 from test_engine_core import core_children, data_events, is_alive, wait_until
 
@@ -21,11 +22,19 @@ def long_checkpoint(tmp_path_factory) -> str:
     """Context 4096, so one request can stream for far longer than the drain periods used here."""
     from checkpoints import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("shutdown") / "llama", "llama", max_position_embeddings=4096)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("shutdown") / "llama", "llama", max_position_embeddings=4096
+    )
 
 
 def completion(max_tokens: int, stream: bool) -> dict:
-    return {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream}
+    return {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def running(url: str) -> float:
@@ -40,13 +49,21 @@ def test_sigterm_lets_a_stream_finish_and_refuses_new_requests(long_checkpoint):
     try:
         [core] = core_children(srv.proc.pid)
         with httpx.Client(timeout=120) as client:
-            with client.stream("POST", srv.url + "/v1/completions", json=completion(300, stream=True)) as response:
-                srv.proc.send_signal(signal.SIGTERM)   # the stream is open: its first output has arrived
+            with client.stream(
+                "POST", srv.url + "/v1/completions", json=completion(300, stream=True)
+            ) as response:
+                srv.proc.send_signal(
+                    signal.SIGTERM
+                )  # the stream is open: its first output has arrived
                 health = client.get(srv.url + "/health")
                 refused = client.post(srv.url + "/v1/completions", json=completion(1, stream=False))
                 events = data_events(response.iter_lines())
-        assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert (
+            health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
+        )
+        assert (
+            refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        )
         assert refused.headers["retry-after"] == "5"
         assert events[-1] == "[DONE]"
         chunks = [json.loads(event) for event in events[:-1]]
@@ -65,11 +82,19 @@ def test_sigterm_ends_requests_still_open_at_the_deadline(long_checkpoint):
     try:
         [core] = core_children(srv.proc.pid)
         blocking: dict[str, httpx.Response] = {}
-        thread = threading.Thread(target=lambda: blocking.setdefault("response", httpx.post(
-            srv.url + "/v1/completions", json=completion(4000, stream=False), timeout=120)))
+        thread = threading.Thread(
+            target=lambda: blocking.setdefault(
+                "response",
+                httpx.post(
+                    srv.url + "/v1/completions", json=completion(4000, stream=False), timeout=120
+                ),
+            )
+        )
         thread.start()
         with httpx.Client(timeout=120) as client:
-            with client.stream("POST", srv.url + "/v1/completions", json=completion(4000, stream=True)) as response:
+            with client.stream(
+                "POST", srv.url + "/v1/completions", json=completion(4000, stream=True)
+            ) as response:
                 wait_until(lambda: running(srv.url) == 2, 60, "both requests to run")
                 srv.proc.send_signal(signal.SIGTERM)
                 events = data_events(response.iter_lines())

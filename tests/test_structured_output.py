@@ -31,37 +31,64 @@ SCHEMAS = {
     "nested": {
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {
-                "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-                "active": {"type": "boolean"}}, "required": ["id", "active"]},
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "active": {"type": "boolean"},
+                },
+                "required": ["id", "active"],
+            },
             "note": {"type": "string", "maxLength": 6},
         },
         "required": ["user"],
     },
     "arrays": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "minItems": 2, "maxItems": 4},
-                       "points": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
-                                  "minItems": 1, "maxItems": 3}},
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["a", "bb", "ccc"]},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "points": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
         "required": ["tags", "points"],
     },
     "numbers": {
         "type": "object",
-        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1},
-                       "count": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20}},
+        "properties": {
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "count": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
+        },
         "required": ["ratio", "count"],
     },
     "pattern_anyof": {
         "type": "object",
-        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                       "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"},
-                                           {"enum": ["none", "many"]}]}},
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "value": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 99},
+                    {"type": "null"},
+                    {"enum": ["none", "many"]},
+                ]
+            },
+        },
         "required": ["code", "value"],
     },
     "optional": {
         "type": "object",
-        "properties": {"color": {"enum": ["red", "green"]}, "size": {"type": "integer", "minimum": 0,
-                                                                     "maximum": 3}},
+        "properties": {
+            "color": {"enum": ["red", "green"]},
+            "size": {"type": "integer", "minimum": 0, "maximum": 3},
+        },
         "required": ["color"],
     },
 }
@@ -77,15 +104,21 @@ def _generate(llm, params: list[SamplingParams], prompt="The quick brown fox"):
 
 
 def _seeded(spec: StructuredOutputs, **kw) -> list[SamplingParams]:
-    return [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=spec, **kw)
-            for s in range(NUM_SEEDS)]
+    return [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=spec, **kw
+        )
+        for s in range(NUM_SEEDS)
+    ]
 
 
 def test_json_schema_outputs_validate(llm):
     names = sorted(SCHEMAS)  # one batch: every schema, many seeds
-    outs = _generate(llm, [p for name in names for p in _seeded(StructuredOutputs(json=SCHEMAS[name]))])
+    outs = _generate(
+        llm, [p for name in names for p in _seeded(StructuredOutputs(json=SCHEMAS[name]))]
+    )
     for i, name in enumerate(names):
-        group = outs[i * NUM_SEEDS:(i + 1) * NUM_SEEDS]
+        group = outs[i * NUM_SEEDS : (i + 1) * NUM_SEEDS]
         assert len({o.outputs[0].text for o in group}) > 1, "seeds should give different outputs"
         for out in group:
             completion = out.outputs[0]
@@ -97,17 +130,32 @@ def test_json_object_regex_choice_grammar(llm):
     # any JSON object: a random model left alone nests and rambles, so a bias (which the grammar
     # overrides where it must) pushes it to close its strings and objects
     closers = {llm.tokenizer.convert_tokens_to_ids(t): 8.0 for t in ('"', "}")}
-    json_object = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, logit_bias=closers,
-                                  structured_outputs=StructuredOutputs(json_object=True)) for s in range(NUM_SEEDS)]
+    json_object = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=MAX_TOKENS,
+            logit_bias=closers,
+            structured_outputs=StructuredOutputs(json_object=True),
+        )
+        for s in range(NUM_SEEDS)
+    ]
     for out in _generate(llm, json_object):
         assert out.outputs[0].finish_reason == "stop"
         assert isinstance(json.loads(out.outputs[0].text), dict), out.outputs[0].text
     specs = [
-        (StructuredOutputs(regex=r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"),
-         lambda t: re.fullmatch(r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)", t)),
-        (StructuredOutputs(choice=["yes", "no", "Zürich 東京"]), lambda t: t in ("yes", "no", "Zürich 東京")),
-        (StructuredOutputs(grammar='root ::= "(" [0-9] ("+" [0-9])* ")"'),
-         lambda t: re.fullmatch(r"\([0-9](\+[0-9])*\)", t)),
+        (
+            StructuredOutputs(regex=r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"),
+            lambda t: re.fullmatch(r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)", t),
+        ),
+        (
+            StructuredOutputs(choice=["yes", "no", "Zürich 東京"]),
+            lambda t: t in ("yes", "no", "Zürich 東京"),
+        ),
+        (
+            StructuredOutputs(grammar='root ::= "(" [0-9] ("+" [0-9])* ")"'),
+            lambda t: re.fullmatch(r"\([0-9](\+[0-9])*\)", t),
+        ),
     ]
     params = [p for spec, _ in specs for p in _seeded(spec)]
     outs = _generate(llm, params)
@@ -118,16 +166,21 @@ def test_json_object_regex_choice_grammar(llm):
 
 
 def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm):
-    plain = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-             SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True),
-             SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=20, ignore_eos=True)]
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=20, ignore_eos=True),
+    ]
     alone = _generate(llm, plain)
     constrained = _seeded(StructuredOutputs(json=SCHEMAS["nested"]))[:3]
-    mixed = _generate(llm, [constrained[0], plain[0], constrained[1], plain[1], constrained[2], plain[2]])
+    mixed = _generate(
+        llm, [constrained[0], plain[0], constrained[1], plain[1], constrained[2], plain[2]]
+    )
     assert [o.outputs[0].token_ids for o in mixed[1::2]] == [o.outputs[0].token_ids for o in alone]
     # seeded constrained rows do not depend on their neighbours either
-    assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids
-                                                            for o in _generate(llm, constrained)]
+    assert [o.outputs[0].token_ids for o in mixed[0::2]] == [
+        o.outputs[0].token_ids for o in _generate(llm, constrained)
+    ]
     for out in mixed[0::2]:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["nested"])
 
@@ -141,26 +194,42 @@ def test_unconstrained_batches_build_nothing(llm):
     # the same spec twice (keys in another order) compiles once
     a = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
     b = {"required": ["x"], "properties": {"x": {"type": "boolean"}}, "type": "object"}
-    _generate(llm, [SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(json=s)) for s in (a, b)])
+    _generate(
+        llm,
+        [
+            SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(json=s))
+            for s in (a, b)
+        ],
+    )
     assert manager.num_compiles == num_compiles + 1
     stats = engine.stats()
-    assert stats.grammar_compiles_total == manager.num_compiles and stats.grammar_compile_seconds_total > 0
+    assert (
+        stats.grammar_compiles_total == manager.num_compiles
+        and stats.grammar_compile_seconds_total > 0
+    )
     assert stats.structured_requests_total >= 2 and stats.num_compiling == 0
 
 
 def test_preemption_keeps_outputs_valid(llama_dir):
     llm = LLM(llama_dir, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=48)
     schema = SCHEMAS["arrays"]
-    outs = _generate(llm, [p.replace(max_tokens=120) for p in _seeded(StructuredOutputs(json=schema))[:4]] + [
-        SamplingParams(max_tokens=60, ignore_eos=True, seed=s) for s in range(3)])
+    outs = _generate(
+        llm,
+        [p.replace(max_tokens=120) for p in _seeded(StructuredOutputs(json=schema))[:4]]
+        + [SamplingParams(max_tokens=60, ignore_eos=True, seed=s) for s in range(3)],
+    )
     assert llm.engine.stats().num_preemptions_total > 0
     for out in outs[:4]:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
 def test_n_samples_each_constrained(llm):
-    params = SamplingParams(n=4, seed=3, max_tokens=MAX_TOKENS,
-                            structured_outputs=StructuredOutputs(json=SCHEMAS["optional"]))
+    params = SamplingParams(
+        n=4,
+        seed=3,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputs(json=SCHEMAS["optional"]),
+    )
     out = _generate(llm, [params])[0]
     assert len(out.outputs) == 4 and len({c.text for c in out.outputs}) > 1
     for c in out.outputs:
@@ -170,61 +239,90 @@ def test_n_samples_each_constrained(llm):
 
 def test_stop_string_and_max_tokens_with_constraint(llm):
     spec = StructuredOutputs(choice=["alpha beta gamma"])
-    out = _generate(llm, [SamplingParams(structured_outputs=spec, stop=[" beta"], max_tokens=50)])[0].outputs[0]
+    out = _generate(llm, [SamplingParams(structured_outputs=spec, stop=[" beta"], max_tokens=50)])[
+        0
+    ].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == ("alpha", "stop", " beta")
     out = _generate(llm, [SamplingParams(structured_outputs=spec, max_tokens=2)])[0].outputs[0]
     assert out.finish_reason == "length" and "alpha beta gamma".startswith(out.text)
 
 
 def test_logit_bias_removes_and_forces(llm):
-    greedy = _generate(llm, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])[0].outputs[0]
+    greedy = _generate(llm, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])[
+        0
+    ].outputs[0]
     banned = greedy.token_ids[0]
-    out = _generate(llm, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                         logit_bias={banned: -100})])[0].outputs[0]
+    out = _generate(
+        llm,
+        [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={banned: -100})],
+    )[0].outputs[0]
     assert banned not in out.token_ids
     forced = 42
-    outs = _generate(llm, [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True,
-                                          logit_bias={forced: 100}) for s in range(3)]
-                     + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)])
+    outs = _generate(
+        llm,
+        [
+            SamplingParams(
+                temperature=1.0, seed=s, max_tokens=8, ignore_eos=True, logit_bias={forced: 100}
+            )
+            for s in range(3)
+        ]
+        + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
+    )
     for out in outs[:3]:
         assert out.outputs[0].token_ids == [forced] * 8
     assert outs[3].outputs[0].token_ids == greedy.token_ids  # the unbiased row is untouched
     # the grammar wins over a bias: +100 on a token it forbids changes nothing
     spec = StructuredOutputs(choice=["yes", "no"])
-    out = _generate(llm, [SamplingParams(structured_outputs=spec, logit_bias={forced: 100}, max_tokens=10)])[0]
+    out = _generate(
+        llm, [SamplingParams(structured_outputs=spec, logit_bias={forced: 100}, max_tokens=10)]
+    )[0]
     assert out.outputs[0].text in ("yes", "no")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(structured_outputs=dict(json={"type": "string"}, regex="a")), "exactly one of"),
-    (dict(structured_outputs=dict()), "exactly one of"),
-    (dict(structured_outputs=dict(json={"type": "object", "properties": {"a": {"not": {"type": "null"}}}})),
-     "'not' at #/properties/a"),
-    (dict(structured_outputs=dict(json="{not json")), "not valid JSON"),
-    (dict(structured_outputs=dict(choice=[])), "choice"),
-    (dict(structured_outputs=dict(regex="")), "regex"),
-    (dict(structured_outputs=dict(jsonschema={})), "jsonschema"),
-    (dict(structured_outputs="json"), "'json'"),
-    (dict(logit_bias={5: 100.5}), "100.5"),
-    (dict(logit_bias={-1: 1.0}), "-1"),
-    (dict(logit_bias=[1, 2]), "[1, 2]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(structured_outputs=dict(json={"type": "string"}, regex="a")), "exactly one of"),
+        (dict(structured_outputs=dict()), "exactly one of"),
+        (
+            dict(
+                structured_outputs=dict(
+                    json={"type": "object", "properties": {"a": {"not": {"type": "null"}}}}
+                )
+            ),
+            "'not' at #/properties/a",
+        ),
+        (dict(structured_outputs=dict(json="{not json")), "not valid JSON"),
+        (dict(structured_outputs=dict(choice=[])), "choice"),
+        (dict(structured_outputs=dict(regex="")), "regex"),
+        (dict(structured_outputs=dict(jsonschema={})), "jsonschema"),
+        (dict(structured_outputs="json"), "'json'"),
+        (dict(logit_bias={5: 100.5}), "100.5"),
+        (dict(logit_bias={-1: 1.0}), "-1"),
+        (dict(logit_bias=[1, 2]), "[1, 2]"),
+    ],
+)
 def test_bad_specs_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("spec, message", [
-    (StructuredOutputs(regex="[a-"), "Unclosed '['"),
-    (StructuredOutputs(json={"type": "foo"}), 'Unsupported type "foo"'),
-    (StructuredOutputs(grammar='root ::= "a" |'), "EBNF parser error"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (StructuredOutputs(regex="[a-"), "Unclosed '['"),
+        (StructuredOutputs(json={"type": "foo"}), 'Unsupported type "foo"'),
+        (StructuredOutputs(grammar='root ::= "a" |'), "EBNF parser error"),
+    ],
+)
 def test_compile_errors_fail_only_that_request(llm, spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _generate(llm, [SamplingParams(structured_outputs=spec)])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks - 1
-    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 384\), got \[384\]"):
+    with pytest.raises(
+        ValueError, match=r"logit_bias token ids must be in \[0, 384\), got \[384\]"
+    ):
         _generate(llm, [SamplingParams(logit_bias={384: 1.0})])
 
 
@@ -245,7 +343,9 @@ def test_slow_compile_stalls_nobody(llm):
         finished = []
         while "fast" not in finished:
             finished += [o.request_id for o in engine.step() if o.finished]
-        assert finished == ["fast"] and manager.has_pending  # the constrained one is still compiling
+        assert (
+            finished == ["fast"] and manager.has_pending
+        )  # the constrained one is still compiling
     finally:
         release.set()
         manager._compile = compile_fn
@@ -261,7 +361,9 @@ def test_abort_while_compiling_and_prefix_cache(llm):
     compile_fn = manager._compile
     manager._compile = lambda spec: release.wait(30) and compile_fn(spec)
     try:
-        engine.add_request("gone", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="a+b")))
+        engine.add_request(
+            "gone", "hi", SamplingParams(structured_outputs=StructuredOutputs(regex="a+b"))
+        )
         assert engine.has_unfinished_requests()
         engine.abort("gone")
         assert not engine.has_unfinished_requests() and not manager.has_pending
@@ -273,8 +375,11 @@ def test_abort_while_compiling_and_prefix_cache(llm):
     spec = StructuredOutputs(json=SCHEMAS["arrays"])
     hits = engine.stats().prefix_cache_hits_total
     for seed in (1, 2):
-        out = llm.generate(prompt, SamplingParams(seed=seed, max_tokens=MAX_TOKENS, structured_outputs=spec),
-                           use_tqdm=False)[0]
+        out = llm.generate(
+            prompt,
+            SamplingParams(seed=seed, max_tokens=MAX_TOKENS, structured_outputs=spec),
+            use_tqdm=False,
+        )[0]
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["arrays"])
     assert engine.stats().prefix_cache_hits_total > hits
 
@@ -282,23 +387,42 @@ def test_abort_while_compiling_and_prefix_cache(llm):
 def test_padded_model_vocab_is_masked(tmp_path):
     """A model vocabulary larger than the tokenizer's: the extra ids are never allowed."""
     import transformers
+
     from checkpoints import save_tokenizer, tiny_config
 
     num_tokens = len(save_tokenizer(tmp_path))
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=num_tokens + 64))
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("llama", vocab_size=num_tokens + 64)
+    )
     model.save_pretrained(tmp_path, safe_serialization=True)
     llm = LLM(str(tmp_path), dtype="float32", device=DEVICE)
     assert llm.engine.info.vocab_size == num_tokens + 64
     extra = {num_tokens + i: 100.0 for i in range(0, 64, 7)}  # the model would pick these
-    out = _generate(llm, [SamplingParams(seed=s, logit_bias=extra, max_tokens=20,
-                                         structured_outputs=StructuredOutputs(regex="[a-c]{3}")) for s in range(4)])
+    out = _generate(
+        llm,
+        [
+            SamplingParams(
+                seed=s,
+                logit_bias=extra,
+                max_tokens=20,
+                structured_outputs=StructuredOutputs(regex="[a-c]{3}"),
+            )
+            for s in range(4)
+        ],
+    )
     for o in out:
-        assert re.fullmatch("[a-c]{3}", o.outputs[0].text) and max(o.outputs[0].token_ids) < num_tokens
+        assert (
+            re.fullmatch("[a-c]{3}", o.outputs[0].text) and max(o.outputs[0].token_ids) < num_tokens
+        )
 
 
 def test_params_pickle_and_async_engine(llama_dir):
-    params = SamplingParams(seed=1, max_tokens=MAX_TOKENS, logit_bias={"7": -100},
-                            structured_outputs=StructuredOutputs(json=SCHEMAS["nested"]))
+    params = SamplingParams(
+        seed=1,
+        max_tokens=MAX_TOKENS,
+        logit_bias={"7": -100},
+        structured_outputs=StructuredOutputs(json=SCHEMAS["nested"]),
+    )
     assert pickle.loads(pickle.dumps(params)) == params
 
     async def run():
@@ -308,8 +432,9 @@ def test_params_pickle_and_async_engine(llama_dir):
             async for out in engine.generate("hello", params, "r1"):
                 final = out
             with pytest.raises(ValueError, match="Unclosed"):
-                async for _ in engine.generate("hello", SamplingParams(
-                        structured_outputs=StructuredOutputs(regex="[a-")), "r2"):
+                async for _ in engine.generate(
+                    "hello", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-")), "r2"
+                ):
                     pass
             return final
         finally:
@@ -330,8 +455,8 @@ def test_bitmask_apply_matches_xgrammar(monkeypatch, path, dtype):
     import torch
     import xgrammar
 
-    from kvserve.engine.worker.logits_processors import apply_bitmask
     from kvserve.engine.core.step_record import GrammarBitmask
+    from kvserve.engine.worker.logits_processors import apply_bitmask
     from kvserve.models import cpu_ops
 
     if path == "fallback":
@@ -346,7 +471,9 @@ def test_bitmask_apply_matches_xgrammar(monkeypatch, path, dtype):
         logits = torch.randn(num_rows, vocab_size).to(getattr(torch, dtype))
         rows = (0, 2, 3, 5)
         expected = logits.float()
-        xgrammar.apply_token_bitmask_inplace(expected, torch.from_numpy(bitmask.copy()), indices=list(rows))
+        xgrammar.apply_token_bitmask_inplace(
+            expected, torch.from_numpy(bitmask.copy()), indices=list(rows)
+        )
         logits = logits.to(DEVICE)
         apply_bitmask(logits, GrammarBitmask(rows, bitmask), torch.device(DEVICE))
         assert torch.equal(logits.float().cpu(), expected)

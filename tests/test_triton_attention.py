@@ -44,12 +44,16 @@ def make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32
         block_table[r, :n] = torch.tensor(own, dtype=torch.int32)
         pos = torch.arange(seq_len)
         blk = block_table[r, pos // block_size].long()
-        kv[:, blk, pos % block_size] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+        kv[:, blk, pos % block_size] = torch.randn(
+            2, seq_len, num_kv_heads, head_dim, generator=gen
+        )
     kv = kv.to(dtype)
     return kv[0], kv[1], block_table
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, bias=None, softcap=None):
+def reference(
+    q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, bias=None, softcap=None
+):
     """[T, H, D] fp32: each request's keys gathered by block table, explicit causal/window mask;
     `bias` [H, L]: the score of key t for a query at position p gets bias[:, L - 1 - (p - t)]."""
     block_size = k_cache.shape[1]
@@ -61,7 +65,7 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, win
         k = k_cache[blk, pos % block_size].float().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v_cache[blk, pos % block_size].float().repeat_interleave(group, dim=1)
         q_pos = torch.arange(seq_len - query_len, seq_len)
-        scores = torch.einsum("qhd,khd->hqk", q[row:row + query_len].float(), k) * scale
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + query_len].float(), k) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
@@ -71,44 +75,99 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, win
         if window is not None:
             mask &= pos[None, :] > q_pos[:, None] - window
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out[row:row + query_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        out[row : row + query_len] = torch.einsum("hqk,khd->qhd", probs, v)
         row += query_len
     return out
 
 
-def run_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, window=None, max_seq_len=None,
-               dtype=torch.float32, atol=1e-4, softcap=None):
+def run_decode(
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    window=None,
+    max_seq_len=None,
+    dtype=torch.float32,
+    atol=1e-4,
+    softcap=None,
+):
     k_cache, v_cache, block_table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
-    scale = head_dim ** -0.5
-    out = ta.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
-                                    scale, window, max_seq_len or max(seq_lens), softcap=softcap)
+    scale = head_dim**-0.5
+    out = ta.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        scale,
+        window,
+        max_seq_len or max(seq_lens),
+        softcap=softcap,
+    )
     assert out.shape == q.shape and out.dtype == dtype
-    ref = reference(q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), scale, window, softcap=softcap)
+    ref = reference(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        [1] * len(seq_lens),
+        scale,
+        window,
+        softcap=softcap,
+    )
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
 
 
-def run_prefill(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window=None,
-                dtype=torch.float32, atol=1e-4, softcap=None):
+def run_prefill(
+    seq_lens,
+    query_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    window=None,
+    dtype=torch.float32,
+    atol=1e-4,
+    softcap=None,
+):
     k_cache, v_cache, block_table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
     q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
-    cu_seqlens_q = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    scale = head_dim ** -0.5
-    out = ta.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q,
-                                     torch.tensor(seq_lens, dtype=torch.int32), scale, window, max(query_lens),
-                                     softcap=softcap)
+    cu_seqlens_q = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+    )
+    scale = head_dim**-0.5
+    out = ta.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        scale,
+        window,
+        max(query_lens),
+        softcap=softcap,
+    )
     assert out.shape == q.shape and out.dtype == dtype
-    ref = reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, softcap=softcap)
+    ref = reference(
+        q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, softcap=softcap
+    )
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (2, 2, 64, 16),  # G=1
-    (4, 2, 80, 16),  # G=2
-    (4, 1, 96, 32),  # G=4, MQA
-    (8, 1, 128, 16),  # G=8, MQA
-    (2, 1, 256, 32),  # G=2, head_dim 256
-])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (2, 2, 64, 16),  # G=1
+        (4, 2, 80, 16),  # G=2
+        (4, 1, 96, 32),  # G=4, MQA
+        (8, 1, 128, 16),  # G=8, MQA
+        (2, 1, 256, 32),  # G=2, head_dim 256
+    ],
+)
 def test_decode_gqa_head_dims_multiple_splits(num_heads, num_kv_heads, head_dim, block_size):
     # partitions of 32 keys: 1..3 splits per row, ragged across block boundaries
     run_decode([1, 17, 33, 70], num_heads, num_kv_heads, head_dim, block_size)
@@ -131,7 +190,9 @@ def test_decode_max_seq_len_larger_than_actual():
 
 
 def test_decode_max_seq_len_smaller_than_actual_is_still_exact():
-    run_decode([3, 90], 2, 1, 64, 16, max_seq_len=40)  # 2 splits: partitions of 48 keys for the long row
+    run_decode(
+        [3, 90], 2, 1, 64, 16, max_seq_len=40
+    )  # 2 splits: partitions of 48 keys for the long row
 
 
 def test_decode_split_cap_lengthens_partitions(monkeypatch):
@@ -151,8 +212,9 @@ def test_decode_padding_rows_are_finite():
     k_cache[0], v_cache[0] = 0.0, 0.0  # the runner's pool is zeroed: the null block is finite
     block_table[[0, 1, 3]] = 0  # padding rows point at the null block
     q = torch.randn(4, 2, 64)
-    out = ta.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
-                                    0.125, None, 64)
+    out = ta.paged_decode_attention(
+        q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32), 0.125, None, 64
+    )
     assert torch.isfinite(out).all()
     assert (out[[0, 3]] == 0).all()
     ref = reference(q[2:3], k_cache, v_cache, block_table[2:3], [21], [1], 0.125, None)
@@ -163,14 +225,27 @@ def test_decode_strided_q_and_out_argument():
     seq_lens = [7, 50]
     k_cache, v_cache, block_table = make_cache(seq_lens, 2, 64, 16)
     qkv = torch.randn(2, (4 + 2 + 2) * 64)
-    q = qkv[:, :4 * 64].view(2, 4, 64)  # row stride 512 > H * D
+    q = qkv[:, : 4 * 64].view(2, 4, 64)  # row stride 512 > H * D
     out_buf = torch.full((2, 4, 64 + 8), 7.0)
     out = out_buf[:, :, :64]
-    res = ta.paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
-                                    0.125, None, 64, out=out)
+    res = ta.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        0.125,
+        None,
+        64,
+        out=out,
+    )
     assert res.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, block_table, seq_lens, [1, 1], 0.125, None),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out,
+        reference(q, k_cache, v_cache, block_table, seq_lens, [1, 1], 0.125, None),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert (out_buf[:, :, 64:] == 7.0).all()
 
 
@@ -183,11 +258,17 @@ def test_decode_bias_by_distance(extra):
     q = torch.randn(len(seq_lens), 4, 64)
     bias = torch.randn(4, max(seq_lens) + extra) * 3
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = ta.paged_decode_attention(q, k_cache, v_cache, block_table, lens, 1.0, None, bias.shape[1], bias=bias)
-    ref = reference(q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), 1.0, None, bias)
+    out = ta.paged_decode_attention(
+        q, k_cache, v_cache, block_table, lens, 1.0, None, bias.shape[1], bias=bias
+    )
+    ref = reference(
+        q, k_cache, v_cache, block_table, seq_lens, [1] * len(seq_lens), 1.0, None, bias
+    )
     torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="bias"):
-        ta.paged_decode_attention(q, k_cache, v_cache, block_table, lens, 1.0, None, max(seq_lens), bias=bias[:, :5])
+        ta.paged_decode_attention(
+            q, k_cache, v_cache, block_table, lens, 1.0, None, max(seq_lens), bias=bias[:, :5]
+        )
 
 
 def test_seq2seq_step_through_triton():
@@ -206,11 +287,19 @@ def test_seq2seq_step_through_triton():
     query_lens, seq_lens, cross_lens = [1, 5, 1, 3], [7, 5, 12, 9], [6, 3, 13, 8]
     perm = torch.randperm(40, generator=g) + 1
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(10, dtype=torch.int32), positions=torch.zeros(10, dtype=torch.int32),
+        slot_mapping=torch.zeros(10, dtype=torch.int32),
+        positions=torch.zeros(10, dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, 1, 6, 7, 10], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=perm[:16].view(4, 4).int(), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs,
-        max_query_len=5, max_seq_len=12, cross_block_table=perm[20:36].view(4, 4), cross_lens_cpu=cross_lens)
+        block_table=perm[:16].view(4, 4).int(),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=bs,
+        max_query_len=5,
+        max_seq_len=12,
+        cross_block_table=perm[20:36].view(4, 4),
+        cross_lens_cpu=cross_lens,
+    )
     q = torch.randn(sum(query_lens), heads, dim, generator=g)
     length = max(seq_lens)
     bias = torch.randn(heads, length, generator=g)
@@ -221,7 +310,9 @@ def test_seq2seq_step_through_triton():
         distance = (pos - torch.arange(r.seq_len)[None, :]).clamp(min=0)
         masks.append(r.causal_mask(q.device) + bias[:, length - 1 - distance])
     keys = ref_plan.self_mask.shape[-1]
-    distance = ((ref_plan.self_lens - 1)[:, None] - torch.arange(keys)[None, :]).clamp(0, length - 1)
+    distance = ((ref_plan.self_lens - 1)[:, None] - torch.arange(keys)[None, :]).clamp(
+        0, length - 1
+    )
     ref_bias = bias[:, length - 1 - distance].permute(1, 0, 2)[:, :, None, :] + ref_plan.self_mask
     for cross in (False, True):
         got = paged_attention(holder, q, kernel_plan, 0.5, cross, [], None if cross else bias)
@@ -233,13 +324,16 @@ def test_decode_fp16():  # the interpreter's tl.dot cannot take bf16 (numpy has 
     run_decode([9, 45], 4, 2, 64, 16, dtype=torch.float16, atol=5e-3)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (2, 2, 64, 16),
-    (4, 2, 80, 32),
-    (4, 1, 96, 16),
-    (8, 1, 128, 16),
-    (2, 1, 256, 16),
-])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (2, 2, 64, 16),
+        (4, 2, 80, 32),
+        (4, 1, 96, 16),
+        (8, 1, 128, 16),
+        (2, 1, 256, 16),
+    ],
+)
 def test_prefill_no_prefix(num_heads, num_kv_heads, head_dim, block_size):
     run_prefill([5, 23, 40], [5, 23, 40], num_heads, num_kv_heads, head_dim, block_size)
 
@@ -260,11 +354,25 @@ def test_prefill_out_argument_and_untouched_rows():
     q = torch.randn(26, 2, 64)  # two padding rows past cu_seqlens_q[-1]
     out = torch.full_like(q, 3.0)
     cu_seqlens_q = torch.tensor([0, 4, 24], dtype=torch.int32)
-    res = ta.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q,
-                                     torch.tensor(seq_lens, dtype=torch.int32), 0.125, None, 20, out=out)
+    res = ta.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        0.125,
+        None,
+        20,
+        out=out,
+    )
     assert res is out
-    torch.testing.assert_close(out[:24], reference(q, k_cache, v_cache, block_table, seq_lens, query_lens,
-                                                   0.125, None)[:24], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out[:24],
+        reference(q, k_cache, v_cache, block_table, seq_lens, query_lens, 0.125, None)[:24],
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert (out[24:] == 3.0).all()
 
 
@@ -278,36 +386,58 @@ def test_ops_are_registered_custom_ops():
     k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(2, 2, 64)
-    torch.library.opcheck(torch.ops.kvserve.triton_paged_decode_attention.default,
-                          (q, k_cache, v_cache, block_table, lens, 0.125, None, 40, torch.empty_like(q)),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.kvserve.triton_paged_decode_attention.default,
+        (q, k_cache, v_cache, block_table, lens, 0.125, None, 40, torch.empty_like(q)),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     q = torch.randn(4, 2, 64)
     cu = torch.tensor([0, 1, 4], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.kvserve.triton_paged_prefill_attention.default,
-                          (q, k_cache, v_cache, block_table, cu, lens, 0.125, 8, 3, torch.empty_like(q)),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.kvserve.triton_paged_prefill_attention.default,
+        (q, k_cache, v_cache, block_table, cu, lens, 0.125, 8, 3, torch.empty_like(q)),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 def test_bad_arguments_raise_value_error():
     k_cache, v_cache, block_table = make_cache([4], 2, 64, 16)
     lens = torch.tensor([4], dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        ta.paged_decode_attention(torch.randn(1, 3, 64), k_cache, v_cache, block_table, lens, 0.1, None, 4)
+        ta.paged_decode_attention(
+            torch.randn(1, 3, 64), k_cache, v_cache, block_table, lens, 0.1, None, 4
+        )
     with pytest.raises(ValueError, match="sliding_window"):
-        ta.paged_decode_attention(torch.randn(1, 4, 64), k_cache, v_cache, block_table, lens, 0.1, 0, 4)
+        ta.paged_decode_attention(
+            torch.randn(1, 4, 64), k_cache, v_cache, block_table, lens, 0.1, 0, 4
+        )
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        ta.paged_prefill_attention(torch.randn(4, 4, 64), k_cache, v_cache, block_table,
-                                   torch.tensor([0, 4, 4], dtype=torch.int32), lens, 0.1, None, 4)
+        ta.paged_prefill_attention(
+            torch.randn(4, 4, 64),
+            k_cache,
+            v_cache,
+            block_table,
+            torch.tensor([0, 4, 4], dtype=torch.int32),
+            lens,
+            0.1,
+            None,
+            4,
+        )
 
 
 def test_models_import_does_not_import_triton():
     code = "import sys, models, models.attention, models.kernels; print('triton' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
     assert result.stdout.strip() == "False"
 
 
-_COMPILE_FOR_SM90 = r'''
+_COMPILE_FOR_SM90 = r"""
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -338,7 +468,7 @@ for dtype, g, d, window in [(torch.bfloat16, 4, 128, False), (torch.float16, 1, 
     compile_for_h100(ta._prefill_kernel, dict(common, cu_seqlens_q_ptr="*i32"),
                      dict(G=g, HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window, **ta._prefill_config(dtype, d, g)))
 print("compiled")
-'''
+"""
 
 
 def compile_for_sm90(script: str) -> None:
@@ -346,8 +476,13 @@ def compile_for_sm90(script: str) -> None:
     the interpreter: Triton's compiler is what it skips. No GPU needed; without ptxas, a skip."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr:
         pytest.skip("no ptxas in this triton install")
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

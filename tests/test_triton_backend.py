@@ -17,17 +17,22 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
 from checkpoints import FAMILIES  # noqa: E402
 
 pytest.importorskip("numpy")
 pytest.importorskip("triton")
 
+from kvserve.models.attention import forward_context  # noqa: E402
+from kvserve.models.loader import load_model  # noqa: E402
 from test_models import ATOL, PagedRunner, assert_close, hf_logits, make_meta, make_prompts  # noqa: E402
 
-from kvserve.models.loader import load_model  # noqa: E402
-from kvserve.models.attention import forward_context  # noqa: E402
-
-PROMPT_LENS = [1, 3, 9, 26]  # the interpreter is slow: few, short prompts (26 > Mistral's window of 24)
+PROMPT_LENS = [
+    1,
+    3,
+    9,
+    26,
+]  # the interpreter is slow: few, short prompts (26 > Mistral's window of 24)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -35,7 +40,9 @@ def triton_models(request, checkpoint_dirs):
     model_dir = checkpoint_dirs[request.param]
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend="triton")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     prompts = make_prompts(config.vocab_size, PROMPT_LENS)
     return request.param, model, prompts, hf_logits(hf_model, prompts)
 
@@ -51,7 +58,7 @@ def test_mixed_steps_with_cached_prefixes_match_transformers(triton_models):
     while any(d < len(p) for d, p in zip(done, prompts)):
         order = [i for i in range(len(prompts)) if done[i] < len(prompts[i])]
         random.Random(sum(done)).shuffle(order)
-        chunks = [(i, prompts[i][done[i]: done[i] + chunk_sizes[i]], done[i]) for i in order]
+        chunks = [(i, prompts[i][done[i] : done[i] + chunk_sizes[i]], done[i]) for i in order]
         for (i, tokens, _), logits in zip(chunks, runner.step(chunks)):
             got[i].append(logits)
             done[i] += len(tokens)
@@ -64,7 +71,9 @@ def test_padded_decode_rows_are_harmless(triton_models):
     by the padding."""
     family, model, prompts, want = triton_models
     if family not in ("llama", "gpt2"):  # one with rotary, one without: the interpreter is slow
-        pytest.skip("padding is checked on llama (rotary) and gpt2 (no rotary); the interpreter is too slow for all")
+        pytest.skip(
+            "padding is checked on llama (rotary) and gpt2 (no rotary); the interpreter is too slow for all"
+        )
     runner = PagedRunner(model, block_size=4, seed=3)
     runner.step([(i, p[:-1], 0) for i, p in enumerate(prompts) if len(p) > 1])
     rows = [i for i, p in enumerate(prompts) if len(p) > 1]
@@ -77,21 +86,33 @@ def test_padded_decode_rows_are_harmless(triton_models):
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)]
     pad = 3
     width = max(len(t) for t in tables)
-    meta = make_meta(model, [1] * (len(rows) + pad), seq_lens + [0] * pad, slots + [-1] * pad,
-                     [n - 1 for n in seq_lens] + [0] * pad, [t + [0] * (width - len(t)) for t in tables]
-                     + [[0] * width] * pad, bs)
+    meta = make_meta(
+        model,
+        [1] * (len(rows) + pad),
+        seq_lens + [0] * pad,
+        slots + [-1] * pad,
+        [n - 1 for n in seq_lens] + [0] * pad,
+        [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad,
+        bs,
+    )
     meta.max_seq_len = 2048  # as captured: an upper bound, not the batch's maximum
-    caches = [m.kv_cache.clone() for m in model.modules() if getattr(m, "kv_cache", None) is not None]
+    caches = [
+        m.kv_cache.clone() for m in model.modules() if getattr(m, "kv_cache", None) is not None
+    ]
     ids = torch.tensor([prompts[i][-1] for i in rows] + [0] * pad)
     with torch.inference_mode(), forward_context(meta):
         logits = model.compute_logits(model(ids, meta.positions)).float()
-    torch.testing.assert_close(logits[: len(rows)], torch.stack([want[i][-1] for i in rows]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits[: len(rows)], torch.stack([want[i][-1] for i in rows]), atol=ATOL, rtol=0
+    )
     assert torch.isfinite(logits).all()
     layers = [m for m in model.modules() if getattr(m, "kv_cache", None) is not None]
     # only the real rows' slots change; without rotary (GPT-2) padding rows may write the null block
     allowed = set(slots) | (set(range(bs)) if layers[0].rotary is None else set())
     for before, m in zip(caches, layers):
-        changed = (before != m.kv_cache).flatten(3).any(-1).any(0).flatten().nonzero().flatten().tolist()
+        changed = (
+            (before != m.kv_cache).flatten(3).any(-1).any(0).flatten().nonzero().flatten().tolist()
+        )
         assert set(changed) <= allowed
 
 
@@ -104,15 +125,18 @@ def test_gemma_mixed_steps_match_transformers(tmp_path, family):
     model_dir = make_gemma_checkpoint(tmp_path, family)
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend="triton")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                 attn_implementation="eager").eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     prompts = make_prompts(config.vocab_size, [1, 3, 12, 17])
     want = hf_logits(hf_model, prompts)
     runner = PagedRunner(model, block_size=4, seed=4)
-    cut = [min(len(p), 10) for p in prompts]  # whole prompts, or 10 tokens then the rest one at a time
-    got = [[x] for x in runner.step([(i, p[:cut[i]], 0) for i, p in enumerate(prompts)])]
+    cut = [
+        min(len(p), 10) for p in prompts
+    ]  # whole prompts, or 10 tokens then the rest one at a time
+    got = [[x] for x in runner.step([(i, p[: cut[i]], 0) for i, p in enumerate(prompts)])]
     for pos in range(10, max(len(p) for p in prompts)):
-        chunks = [(i, p[pos:pos + 1], pos) for i, p in enumerate(prompts) if pos < len(p)]
+        chunks = [(i, p[pos : pos + 1], pos) for i, p in enumerate(prompts) if pos < len(p)]
         for (i, _, _), logits in zip(chunks, runner.step(chunks)):
             got[i].append(logits)
     assert_close([torch.cat(g) for g in got], want)

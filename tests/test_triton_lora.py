@@ -41,20 +41,28 @@ def test_shrink_expand_match_the_torch_reference(dtype, monkeypatch):
 def test_engine_with_triton_backend_matches_merged_peft(tmp_path):
     """The runner picks the Triton pair with the Triton attention backend; outputs equal PEFT's merged model."""
     pytest.importorskip("peft")
-    from tests.checkpoints import make_checkpoint
-    from tests.test_lora import ALL_TARGETS, greedy, make_adapter, reference_greedy
-
     from kvserve.engine import LLM
     from kvserve.engine.lora_request import LoRARequest
     from kvserve.models.kernels.triton_lora import lora_apply_triton
+    from tests.checkpoints import make_checkpoint
+    from tests.test_lora import ALL_TARGETS, greedy, make_adapter, reference_greedy
 
     base = make_checkpoint(tmp_path / "base", "llama")
     adapter = make_adapter(base, tmp_path / "a", 8, seed=1, targets=ALL_TARGETS)
-    llm = LLM(base, dtype="float32", device="cpu", block_size=4, attention_backend="triton", enable_lora=True,
-              max_lora_rank=8)
+    llm = LLM(
+        base,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        attention_backend="triton",
+        enable_lora=True,
+        max_lora_rank=8,
+    )
     assert next(iter(llm.engine.runner.lora.wrappers.values())).kernel is lora_apply_triton
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
-    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[LoRARequest("a", 1, adapter), None])
+    outs = llm.generate(
+        prompts, greedy(), use_tqdm=False, lora_request=[LoRARequest("a", 1, adapter), None]
+    )
     for prompt, path, out in zip(prompts, [adapter, None], outs):
         tokens, logprobs, trusted = reference_greedy(base, path, tuple(prompt))
         assert trusted >= 4 and out.outputs[0].token_ids[:trusted] == tokens[:trusted]

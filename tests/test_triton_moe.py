@@ -15,25 +15,29 @@ pytest.importorskip("numpy")
 pytest.importorskip("triton")
 
 from checkpoints import MOE_FAMILIES, make_checkpoint  # noqa: E402
-from test_models import PagedRunner, assert_close, hf_logits, make_prompts  # noqa: E402
-from test_triton_attention import compile_for_sm90  # noqa: E402
-
 from kvserve.models.kernels import triton_moe  # noqa: E402
 from kvserve.models.kernels.triton_ops import TritonFusedOps  # noqa: E402
 from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.moe import FusedExperts, group_by_expert  # noqa: E402
+from test_models import PagedRunner, assert_close, hf_logits, make_prompts  # noqa: E402
+from test_triton_attention import compile_for_sm90  # noqa: E402
 
 
-@pytest.mark.parametrize("num_tokens,top_k,num_experts,n,k", [
-    (1, 2, 8, 64, 64),  # batch-1 decode: two tiles, the rest empty
-    (5, 2, 8, 70, 96),  # N and K not multiples of the blocks
-    (40, 3, 6, 128, 32),  # more rows than one tile per expert
-    (90, 1, 4, 16, 48),  # the large-row tile size
-])
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,n,k",
+    [
+        (1, 2, 8, 64, 64),  # batch-1 decode: two tiles, the rest empty
+        (5, 2, 8, 70, 96),  # N and K not multiples of the blocks
+        (40, 3, 6, 128, 32),  # more rows than one tile per expert
+        (90, 1, 4, 16, 48),  # the large-row tile size
+    ],
+)
 def test_grouped_gemm_matches_per_row_matmuls(num_tokens, top_k, num_experts, n, k):
     g = torch.Generator().manual_seed(num_tokens)
     w = torch.randn(num_experts, n, k, generator=g)
-    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=g)  # the last expert never chosen
+    ids = torch.randint(
+        0, num_experts - 1, (num_tokens, top_k), generator=g
+    )  # the last expert never chosen
     x = torch.randn(num_tokens, k, generator=g)
     order, tokens, counts = group_by_expert(ids, num_experts)
     rows = x[tokens]  # [P, K] sorted by expert
@@ -59,7 +63,9 @@ def test_fused_experts_match_the_torch_path():
     x = torch.randn(9, 64)
     weights, ids = torch.rand(9, 2), torch.stack([torch.randperm(8)[:2] for _ in range(9)])
     want = experts(x, weights, ids)  # the torch path: one F.linear per active expert
-    experts.ops = TritonFusedOps()  # what the loader binds with the Triton backend: the grouped GEMM
+    experts.ops = (
+        TritonFusedOps()
+    )  # what the loader binds with the Triton backend: the grouped GEMM
     calls = []
     gemm = triton_moe.grouped_gemm
     triton_moe.grouped_gemm = lambda *args: (calls.append(1), gemm(*args))[1]
@@ -85,14 +91,16 @@ def test_models_with_the_triton_ops_match_transformers(tmp_path, family):
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.float32, "cpu", attention_backend="triton")
     sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-    assert sparse and all(mlp.experts.ops.name == "triton" for mlp in sparse)  # the grouped GEMM path
+    assert sparse and all(
+        mlp.experts.ops.name == "triton" for mlp in sparse
+    )  # the grouped GEMM path
     prompts = make_prompts(config.vocab_size, [1, 9])
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = PagedRunner(model, block_size=4).step([(i, p, 0) for i, p in enumerate(prompts)])
     assert_close(got, hf_logits(hf, prompts))
 
 
-_COMPILE_FOR_SM90 = r'''
+_COMPILE_FOR_SM90 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -109,7 +117,7 @@ for t in ("bf16", "fp16", "fp32"):
         triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=3))
 print("compiled")
-'''
+"""
 
 
 def test_kernel_compiles_for_h100():

@@ -33,7 +33,9 @@ def nearest_even_bf16(monkeypatch):
 
     def convert(data, input_dtype, output_dtype, rounding_mode):
         if input_dtype.primitive_bitwidth == 32 and output_dtype.name == "bf16":
-            as_bf16 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32)).to(torch.bfloat16)
+            as_bf16 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32)).to(
+                torch.bfloat16
+            )
             return as_bf16.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
         return original(data, input_dtype, output_dtype, rounding_mode)
 
@@ -106,17 +108,23 @@ def test_silu_and_mul_matches_torch(dtype, intermediate):
 
 
 def rope(head_dim: int, dtype: torch.dtype, max_position: int = 64) -> torch.Tensor:
-    rotary = RotaryEmbedding(head_dim, max_position, {"rope_type": "default", "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(
+        head_dim, max_position, {"rope_type": "default", "rope_theta": 10000.0}
+    )
     return rotary.cos_sin_cache.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
-                         [(4, 2, 64), (6, 2, 80), (3, 3, 96), (4, 1, 128), (2, 1, 256)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(4, 2, 64), (6, 2, 80), (3, 3, 96), (4, 1, 128), (2, 1, 256)],
+)
 def test_rotary_and_cache_write_on_packed_qkv(dtype, num_heads, num_kv_heads, head_dim):
     num_tokens, num_blocks, block_size, pad = 5, 4, 4, 8
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size + pad).to(dtype)  # rows padded: strided views
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size + pad).to(
+        dtype
+    )  # rows padded: strided views
     original = qkv.clone()
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
@@ -134,7 +142,9 @@ def test_rotary_and_cache_write_on_packed_qkv(dtype, num_heads, num_kv_heads, he
     k_ref = apply_rotary(k.float(), cos_sin).to(dtype)
     v_ref = v.clone()
 
-    triton_ops.rotary_and_cache_write(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping)
+    triton_ops.rotary_and_cache_write(
+        q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping
+    )
 
     assert_close(q, q_ref)
     assert_close(k, k_ref)
@@ -142,7 +152,10 @@ def test_rotary_and_cache_write_on_packed_qkv(dtype, num_heads, num_kv_heads, he
     assert torch.equal(qkv[:, -pad:], original[:, -pad:])
     written = slot_mapping >= 0
     slots = slot_mapping[written].long()
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     assert torch.equal(flat_k[slots], k[written])
     assert torch.equal(flat_v[slots], v[written])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
@@ -160,8 +173,16 @@ def test_rotary_bf16_is_within_an_ulp_or_two_of_hf_arithmetic():
     positions = torch.arange(6, dtype=torch.int32) * 9
     hf = apply_rotary(q, cos_sin_cache[positions.long()])
     k_cache = torch.zeros(2, 4, 1, head_dim, dtype=torch.bfloat16)
-    triton_ops.rotary_and_cache_write(q, k, k.clone(), cos_sin_cache, positions, k_cache, k_cache.clone(),
-                                      torch.full((6,), -1, dtype=torch.int32))
+    triton_ops.rotary_and_cache_write(
+        q,
+        k,
+        k.clone(),
+        cos_sin_cache,
+        positions,
+        k_cache,
+        k_cache.clone(),
+        torch.full((6,), -1, dtype=torch.int32),
+    )
     assert (q.float() - hf.float()).abs().max().item() <= 2 * 2**-8 * q.float().abs().max().item()
     assert not k_cache.any()  # every row was padding
 
@@ -179,13 +200,27 @@ def test_bad_arguments_raise_value_errors_naming_them():
     q, k = torch.randn(2, 2, 6), torch.randn(2, 1, 6)
     cache = torch.zeros(3, 4, 1, 6)
     slots, positions = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1])
-    with pytest.raises(ValueError, match=r"cos_sin_cache must be \[max_pos, 2, 6\], got \(8, 2, 4\)"):
-        triton_ops.rotary_and_cache_write(q, k, k, torch.zeros(8, 2, 4), positions, cache, cache, slots)
+    with pytest.raises(
+        ValueError, match=r"cos_sin_cache must be \[max_pos, 2, 6\], got \(8, 2, 4\)"
+    ):
+        triton_ops.rotary_and_cache_write(
+            q, k, k, torch.zeros(8, 2, 4), positions, cache, cache, slots
+        )
     with pytest.raises(ValueError, match=r"k_cache must be \[num_blocks, block_size, 1, 6\]"):
-        triton_ops.rotary_and_cache_write(q, k, k, torch.zeros(8, 2, 6), positions, cache[..., :4], cache, slots)
+        triton_ops.rotary_and_cache_write(
+            q, k, k, torch.zeros(8, 2, 6), positions, cache[..., :4], cache, slots
+        )
     with pytest.raises(ValueError, match="even head_dim, got 5"):
-        triton_ops.rotary_and_cache_write(q[..., :5], k[..., :5], k[..., :5], torch.zeros(8, 2, 5), positions,
-                                          cache[..., :5], cache[..., :5], slots)
+        triton_ops.rotary_and_cache_write(
+            q[..., :5],
+            k[..., :5],
+            k[..., :5],
+            torch.zeros(8, 2, 5),
+            positions,
+            cache[..., :5],
+            cache[..., :5],
+            slots,
+        )
 
 
 def test_ops_are_registered_custom_ops_with_fake_impls():
@@ -197,19 +232,40 @@ def test_ops_are_registered_custom_ops_with_fake_impls():
     torch.library.opcheck(torch.ops.kvserve.triton_silu_and_mul, (torch.randn(3, 2 * hidden),))
     q, k, v = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8)
     cache = torch.zeros(2, 4, 1, 8)
-    torch.library.opcheck(torch.ops.kvserve.triton_rotary_and_cache_write,
-                          (q, k, v, rope(8, torch.float32), torch.tensor([1, 2]), cache, cache.clone(),
-                           torch.tensor([3, -1], dtype=torch.int32)))
+    torch.library.opcheck(
+        torch.ops.kvserve.triton_rotary_and_cache_write,
+        (
+            q,
+            k,
+            v,
+            rope(8, torch.float32),
+            torch.tensor([1, 2]),
+            cache,
+            cache.clone(),
+            torch.tensor([3, -1], dtype=torch.int32),
+        ),
+    )
 
 
 def test_bench_kernels_elementwise_table_runs_on_the_cpu(capsys):
     """benchmarks/bench_kernels' GPU table, smoke-tested here with tiny sizes (timings are not checked)."""
     from benchmarks import bench_kernels
 
-    results = bench_kernels.bench_elementwise("cpu", rows=(1, 3), impls=("eager", "triton"), hidden=96,
-                                              intermediate=40, dtype=torch.float32, calls=2)
+    results = bench_kernels.bench_elementwise(
+        "cpu",
+        rows=(1, 3),
+        impls=("eager", "triton"),
+        hidden=96,
+        intermediate=40,
+        dtype=torch.float32,
+        calls=2,
+    )
     assert [(op, rows, impl) for op, rows, impl, _ in results] == [
-        (op, rows, impl) for rows in (1, 3) for op in ("add_rms_norm", "silu_and_mul") for impl in ("eager", "triton")]
+        (op, rows, impl)
+        for rows in (1, 3)
+        for op in ("add_rms_norm", "silu_and_mul")
+        for impl in ("eager", "triton")
+    ]
     out = capsys.readouterr().out
     assert "triton us (GB/s)" in out and out.count("silu_and_mul") == 2
     if not torch.cuda.is_available():
@@ -228,16 +284,27 @@ def test_ops_trace_whole_under_torch_compile():
         q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-        triton_ops.rotary_and_cache_write(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping)
-        out, residual = triton_ops.fused_add_rms_norm(q.reshape(num_tokens, q_size), torch.ones(num_tokens, q_size),
-                                                      weight, 1e-6)
-        return out + triton_ops.rms_norm(residual, weight, 1e-6) + triton_ops.silu_and_mul(qkv[:, : 2 * q_size])
+        triton_ops.rotary_and_cache_write(
+            q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping
+        )
+        out, residual = triton_ops.fused_add_rms_norm(
+            q.reshape(num_tokens, q_size), torch.ones(num_tokens, q_size), weight, 1e-6
+        )
+        return (
+            out
+            + triton_ops.rms_norm(residual, weight, 1e-6)
+            + triton_ops.silu_and_mul(qkv[:, : 2 * q_size])
+        )
 
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
     args = (torch.tensor([1, 5, 9]), torch.tensor([0, -1, 7], dtype=torch.int32))
     results = []
     for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
-        buffer, k_cache, v_cache = qkv.clone(), torch.zeros(2, 4, num_kv_heads, head_dim), torch.zeros(2, 4, 2, 64)
+        buffer, k_cache, v_cache = (
+            qkv.clone(),
+            torch.zeros(2, 4, num_kv_heads, head_dim),
+            torch.zeros(2, 4, 2, 64),
+        )
         results.append((fn(buffer, args[0], k_cache, v_cache, args[1]), buffer, k_cache, v_cache))
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
@@ -274,8 +341,14 @@ def test_kernels_compile_for_a_gpu_without_one(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "-c", AOT_COMPILE], env=env, capture_output=True, text=True,
-                            timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-c", AOT_COMPILE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     if "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("Triton's ptxas is not available here")
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

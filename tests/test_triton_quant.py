@@ -16,16 +16,24 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvserve.models.kernels import triton_quant  # noqa: E402
+from kvserve.models.quantization import (  # noqa: E402
+    QuantizedLinear,
+    QuantizedWeight,
+    dequantize,
+    pack_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    triton_applies,
+    unpack_int4,
+)
 from test_triton_attention import compile_for_sm90  # noqa: E402
 
-from kvserve.models.kernels import triton_quant  # noqa: E402
-from kvserve.models.quantization import (QuantizedLinear, QuantizedWeight, dequantize, pack_int4,  # noqa: E402
-                                         quantize_fp8, quantize_int4, quantize_int8, triton_applies,
-                                         unpack_int4)
 
-
-def make_weight(n: int, k: int, bits: int, group: int, seed: int = 0, fp8: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def make_weight(
+    n: int, k: int, bits: int, group: int, seed: int = 0, fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     return (quantize_fp8 if fp8 else quantize_int8 if bits == 8 else quantize_int4)(w, group)
@@ -35,9 +43,16 @@ def make_weight(n: int, k: int, bits: int, group: int, seed: int = 0, fp8: bool 
 # bf16: the interpreter's tl.dot has no bf16 (numpy), so bf16 is checked by compiling for sm_90 below
 # and on a GPU (.ci/gpu_session.sh); fp16 runs the same code path with the same conversions.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k,group,bias", [(1, 64, 64, 32, False), (3, 100, 128, 32, True),
-                                               (20, 70, 96, 32, True), (17, 130, 256, 64, False),
-                                               (5, 16, 64, 16, True)])
+@pytest.mark.parametrize(
+    "m,n,k,group,bias",
+    [
+        (1, 64, 64, 32, False),
+        (3, 100, 128, 32, True),
+        (20, 70, 96, 32, True),
+        (17, 130, 256, 64, False),
+        (5, 16, 64, 16, True),
+    ],
+)
 def test_matches_the_dequantized_matmul(fmt, dtype, m, n, k, group, bias):
     bits = 4 if fmt == "int4" else 8
     q, d = make_weight(n, k, bits, group, seed=m + n, fp8=fmt == "fp8")
@@ -47,7 +62,7 @@ def test_matches_the_dequantized_matmul(fmt, dtype, m, n, k, group, bias):
     y = triton_quant.quant_linear(x, w, d, b, bits, group)
     want = x.double() @ dequantize(q, d, group).double().T + (b.double() if bias else 0)
     assert y.shape == (m, n) and y.dtype == dtype
-    tol = {torch.float32: 1e-5, torch.float16: 2 ** -10}[dtype]
+    tol = {torch.float32: 1e-5, torch.float16: 2**-10}[dtype]
     assert ((y.double() - want).abs() <= tol * want.abs().max() + 1e-6).all()
 
 
@@ -67,13 +82,16 @@ def test_empty_batch_and_strided_rows():
     assert torch.equal(triton_quant.quant_linear(x, q, d, None, 8, 32), want)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(bits=3), "bits must be 8 or 4"),
-    (dict(group=48), "power of two"),
-    (dict(x=torch.zeros(2, 32)), "8-bit weight for 32 inputs"),
-    (dict(scales=torch.zeros(64, 2)), "scales must be float16"),
-    (dict(x=torch.zeros(2, 64, dtype=torch.int32)), "x must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=3), "bits must be 8 or 4"),
+        (dict(group=48), "power of two"),
+        (dict(x=torch.zeros(2, 32)), "8-bit weight for 32 inputs"),
+        (dict(scales=torch.zeros(64, 2)), "scales must be float16"),
+        (dict(x=torch.zeros(2, 64, dtype=torch.int32)), "x must be"),
+    ],
+)
 def test_bad_arguments_raise_value_errors(kwargs, match):
     q, d = make_weight(64, 64, 8, 32)
     args = dict(x=torch.zeros(2, 64), w=q, scales=d, bias=None, bits=8, group=32) | kwargs
@@ -102,20 +120,24 @@ def test_fp8_weights_are_plain_e4m3_and_take_the_triton_path():
     w = torch.randn(64, 128) * 0.05
     w[3, :32] = 0  # an all-zero group: scale 0, values 0
     fp8 = QuantizedWeight.quantize(w, 8, 32, packed=False, fp8=True)
-    assert fp8.fp8 and not fp8.packed and fp8.data.dtype == torch.float8_e4m3fn and triton_applies(fp8)
+    assert (
+        fp8.fp8 and not fp8.packed and fp8.data.dtype == torch.float8_e4m3fn and triton_applies(fp8)
+    )
     assert fp8.nbytes == 64 * 128 + 64 * 4 * 2
     q, d = fp8.unpack()
     assert q.float()[3, :32].eq(0).all() and d[3, 0] == 0
     assert q.float().abs().amax(-1).le(448).all() and torch.isfinite(q.float()).all()
     w_hat = dequantize(q, d, 32)
-    assert ((w_hat - w).abs() <= 2 ** -4 * w.abs() + 2 ** -9 * d.float().repeat_interleave(32, -1)).all()
+    assert (
+        (w_hat - w).abs() <= 2**-4 * w.abs() + 2**-9 * d.float().repeat_interleave(32, -1)
+    ).all()
     lin = QuantizedLinear(fp8, None)
     x = torch.randn(3, 128)
     assert torch.allclose(lin(x), x @ w_hat.T, atol=1e-5)  # CPU tensors: the portable path
     assert torch.equal(fp8.rows(torch.tensor([3, 5]), torch.float32), w_hat[[3, 5]])
 
 
-_COMPILE_FOR_SM90 = r'''
+_COMPILE_FOR_SM90 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -132,7 +154,7 @@ for t in ("bf16", "fp16", "fp32"):
             triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4, num_stages=3))
 print("compiled")
-'''
+"""
 
 
 def test_kernel_compiles_for_h100():

@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
 from checkpoints import save_tokenizer  # noqa: E402
 from test_seq2seq_engine import VOCAB, check_against_hf  # noqa: E402
 from test_seq2seq_kernels import FAMILIES as KERNEL_FAMILIES  # noqa: E402
@@ -23,10 +24,14 @@ pytest.importorskip("triton")
 
 from kvserve.engine import LLM  # noqa: E402
 from kvserve.engine.worker.memory_profile import run_dummy_step  # noqa: E402
-from kvserve.models.loader import load_model  # noqa: E402
 from kvserve.models.attention import Attention  # noqa: E402
+from kvserve.models.loader import load_model  # noqa: E402
 
-SOURCES = [[5, 17, 42, 99, 7, 250, 31], [120, 3], [11, 250, 31, 8, 77, 200, 19, 54, 23]]  # the interpreter is slow
+SOURCES = [
+    [5, 17, 42, 99, 7, 250, 31],
+    [120, 3],
+    [11, 250, 31, 8, 77, 200, 19, 54, 23],
+]  # the interpreter is slow
 
 
 @pytest.fixture(scope="module", params=["t5-v1.1", "marian"])
@@ -41,9 +46,18 @@ def test_triton_backend_greedy_equals_transformers(checkpoint):
     """Every step's rows (decode rows and decoder-prefix rows alike) through Triton's paged decode
     kernel, T5's bias as its per-distance table; a pool small enough to preempt and re-encode."""
     _, hf, path = checkpoint
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, attention_backend="triton",
-              num_kv_blocks=10, max_num_batched_tokens=24)
-    assert {m.backend.name for m in llm.engine.runner.model.modules() if isinstance(m, Attention)} == {"triton"}
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        attention_backend="triton",
+        num_kv_blocks=10,
+        max_num_batched_tokens=24,
+    )
+    assert {
+        m.backend.name for m in llm.engine.runner.model.modules() if isinstance(m, Attention)
+    } == {"triton"}
     check_against_hf(llm, hf, SOURCES, max_new=6)
     assert llm.engine.stats().num_preemptions_total > 0
 
@@ -56,10 +70,20 @@ def test_memory_profile_step_encodes_and_decodes(checkpoint, backend):
     config = transformers.AutoConfig.from_pretrained(path)
     model = load_model(path, config, torch.float32, "cpu", attention_backend=backend)
     index = torch.int32 if backend == "triton" else torch.int64
-    cache_bytes = run_dummy_step(model, config.vocab_size, max_num_batched_tokens=40, max_num_seqs=8,
-                                 max_model_len=16, block_size=4, index_dtype=index, dtype=torch.float32,
-                                 device=torch.device("cpu"))
+    cache_bytes = run_dummy_step(
+        model,
+        config.vocab_size,
+        max_num_batched_tokens=40,
+        max_num_seqs=8,
+        max_model_len=16,
+        block_size=4,
+        index_dtype=index,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     holders = [m for m in model.modules() if isinstance(m, Attention)]
     per_block = 2 * 4 * holders[0].num_kv_heads * holders[0].head_dim * 4
-    assert cache_bytes == len(holders) * (2 * 10 + 1) * per_block  # 10 decoder blocks, 10 cross blocks, null
+    assert (
+        cache_bytes == len(holders) * (2 * 10 + 1) * per_block
+    )  # 10 decoder blocks, 10 cross blocks, null
     assert all(h.kv_cache is None for h in holders)

@@ -29,8 +29,16 @@ class Block:
     """One KV block. A cached block also keeps what its key was made of (`parent_hash`,
     `token_ids`), which a prefix hit must match exactly."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "on_evict", "prev_free",
-                 "next_free")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "parent_hash",
+        "token_ids",
+        "on_evict",
+        "prev_free",
+        "next_free",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -133,7 +141,9 @@ class BlockPool:
     def cached_block(self, block_hash: bytes) -> Block | None:
         return self._cached.get(block_hash)
 
-    def cache_block(self, block: Block, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]) -> None:
+    def cache_block(
+        self, block: Block, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]
+    ) -> None:
         """Register a full block, not registered yet, under a key that no block holds."""
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block

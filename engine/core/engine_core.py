@@ -37,9 +37,20 @@ from typing import TYPE_CHECKING, Any
 from kvserve.engine import messages
 from kvserve.engine.config import EngineArgs
 from kvserve.engine.errors import EngineOverloadedError, StepFailed
+from kvserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Dead,
+    Overloaded,
+    Ready,
+    Rejected,
+    StartFailed,
+    Stats,
+    StepFailedRequests,
+    StepOutputs,
+    Stop,
+)
 from kvserve.engine.worker.executor_protocol import Executor, ExecutorWrapper
-from kvserve.engine.messages import (AbortRequest, AddRequest, Dead, Overloaded, Ready, Rejected, StartFailed, Stats,
-                             StepFailedRequests, StepOutputs, Stop)
 from kvserve.models.heap import release_free_memory
 
 if TYPE_CHECKING:
@@ -48,20 +59,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the inbox before looking again
-_EXIT_GRACE_S = 5.0  # after the server vanished, how long a running step may take before we exit anyway
+_EXIT_GRACE_S = (
+    5.0  # after the server vanished, how long a running step may take before we exit anyway
+)
 
 
 class EngineDied(RuntimeError):
     """Too many consecutive steps failed: the engine is treated as broken."""
 
 
-def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
-                    executor_wrapper: ExecutorWrapper | None = None) -> None:
+def run_engine_core(
+    args: EngineArgs,
+    conn: Connection,
+    log_level: int,
+    executor_wrapper: ExecutorWrapper | None = None,
+) -> None:
     """Process entry point (spawned by `AsyncLLM`). `executor_wrapper`, if given, wraps the
     engine's executor once it has warmed up (tests inject faults so)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s"
+    )
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
@@ -79,8 +98,12 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int,
     release_free_memory()  # a full collection, then what loading freed goes back to the OS
     gc.freeze()
     conn.send_bytes(messages.encode(Ready(info=engine.info, stats=engine.stats())))
-    threading.Thread(target=_prefault_when_idle, args=(engine.runner.attn_layers,), name="kv-prefault",
-                     daemon=True).start()
+    threading.Thread(
+        target=_prefault_when_idle,
+        args=(engine.runner.attn_layers,),
+        name="kv-prefault",
+        daemon=True,
+    ).start()
     EngineCore(engine, conn, args.core_config().max_consecutive_step_failures).run()
 
 
@@ -106,7 +129,9 @@ def _prefault_when_idle(layers: Sequence[Any]) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn: Connection, max_consecutive_step_failures: int) -> None:
+    def __init__(
+        self, engine: LLMEngine, conn: Connection, max_consecutive_step_failures: int
+    ) -> None:
         self.engine = engine
         self.conn = conn
         self.max_consecutive_step_failures = max_consecutive_step_failures
@@ -156,17 +181,22 @@ class EngineCore:
             deltas = self.engine.step_deltas()
         except StepFailed as e:
             logger.exception("step failed; failing its requests: %s", e.request_ids)
-            failed = StepFailedRequests(request_ids=e.request_ids, message=f"internal error: {e.__cause__!r}",
-                                        stats=self.engine.stats())
+            failed = StepFailedRequests(
+                request_ids=e.request_ids,
+                message=f"internal error: {e.__cause__!r}",
+                stats=self.engine.stats(),
+            )
             num_failures = self.engine.num_consecutive_step_failures
             if self.engine.dead_reason is not None:  # no later step can succeed
                 self._send(failed)
                 raise EngineDied(self.engine.dead_reason) from e
             if num_failures >= self.max_consecutive_step_failures:
                 self._send(failed)  # these requests get their own step's error; the rest get DEAD
-                raise EngineDied(f"{num_failures} consecutive steps failed "
-                                 f"(max_consecutive_step_failures={self.max_consecutive_step_failures}); "
-                                 f"the last with {e.__cause__!r}") from e
+                raise EngineDied(
+                    f"{num_failures} consecutive steps failed "
+                    f"(max_consecutive_step_failures={self.max_consecutive_step_failures}); "
+                    f"the last with {e.__cause__!r}"
+                ) from e
             return failed
         return StepOutputs(deltas=deltas, stats=self.engine.stats())
 
@@ -217,4 +247,3 @@ class EngineCore:
             self.conn.send_bytes(messages.encode(message))
         except OSError:  # the server is gone; _receive stops the loop
             pass
-

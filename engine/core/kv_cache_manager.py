@@ -37,8 +37,11 @@ def _field(tag: bytes, value: bytes) -> bytes:
     return tag + len(value).to_bytes(8, "little") + value
 
 
-def prefix_root(cache_salt: str | None = None, encoder_token_ids: Sequence[int] = (),
-                lora_key: str | None = None) -> bytes:
+def prefix_root(
+    cache_salt: str | None = None,
+    encoder_token_ids: Sequence[int] = (),
+    lora_key: str | None = None,
+) -> bytes:
     """The parent digest of a request's first block.
 
     Every input besides the token ids that changes a block's K/V must be mixed in here, so
@@ -83,7 +86,9 @@ class KVCacheManager:
     Makes the pool of `num_blocks` blocks; an encoder-decoder model's cross blocks come from the
     same pool (`CrossCache(manager.pool, ...)`, engine/seq2seq/cross_cache.py)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -93,7 +98,9 @@ class KVCacheManager:
         # freed requests' partly filled last blocks, by their parent's digest (in the free list;
         # each keeps its computed tokens in `token_ids`, `block_hash` None)
         self._partial: dict[bytes, list[Block]] = {}
-        self._block_copies: list[tuple[int, int, int]] = []  # (source, destination, slots) not yet in a step
+        self._block_copies: list[
+            tuple[int, int, int]
+        ] = []  # (source, destination, slots) not yet in a step
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -117,20 +124,26 @@ class KVCacheManager:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
 
     # ---- prefix cache ------------------------------------------------------
-    def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int,
-                       root: bytes) -> list[bytes]:
+    def _extend_hashes(
+        self, request_id: str, token_ids: Sequence[int], num_full_blocks: int, root: bytes
+    ) -> list[bytes]:
         hashes = self._req_hashes.setdefault(request_id, [])
         root = self._req_roots.setdefault(request_id, root)
         start, bs = len(hashes), self.block_size
         if start < num_full_blocks:
-            packed = pack_token_ids(token_ids[start * bs:num_full_blocks * bs])  # one conversion for all
+            packed = pack_token_ids(
+                token_ids[start * bs : num_full_blocks * bs]
+            )  # one conversion for all
             width = len(packed) // (num_full_blocks - start)
             for offset in range(0, len(packed), width):
-                hashes.append(hash_block(hashes[-1] if hashes else root, packed[offset:offset + width]))
+                hashes.append(
+                    hash_block(hashes[-1] if hashes else root, packed[offset : offset + width])
+                )
         return hashes
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int],
-                           root: bytes = ROOT_DIGEST) -> list[int]:
+    def find_cached_prefix(
+        self, request_id: str, token_ids: Sequence[int], root: bytes = ROOT_DIGEST
+    ) -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids` (not yet referenced).
 
         `root` is the request's `prefix_root`. A block counts only if its stored parent digest
@@ -145,8 +158,11 @@ class KVCacheManager:
         hit_ids = []
         for i, h in enumerate(hashes[:max_blocks]):
             block = self.pool.cached_block(h)
-            if (block is None or block.parent_hash != parent
-                    or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs])):
+            if (
+                block is None
+                or block.parent_hash != parent
+                or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs])
+            ):
                 break
             hit_ids.append(block.block_id)
             parent = h
@@ -154,25 +170,37 @@ class KVCacheManager:
         self.prefix_cache_hits += len(hit_ids) * self.block_size
         return hit_ids
 
-    def find_partial_block(self, request_id: str, token_ids: Sequence[int], num_cached_blocks: int) -> tuple[int, int]:
+    def find_partial_block(
+        self, request_id: str, token_ids: Sequence[int], num_cached_blocks: int
+    ) -> tuple[int, int]:
         """After `find_cached_prefix` gave `num_cached_blocks` blocks: a kept partly filled block
         whose tokens continue them as `token_ids` does -> (its id, how many of its slots to copy),
         the longest such; (0, 0) when there is none. At least one token is left to compute."""
         if not self.enable_prefix_caching:
             return 0, 0
         hashes, start = self._req_hashes.get(request_id, []), num_cached_blocks * self.block_size
-        parent = hashes[num_cached_blocks - 1] if num_cached_blocks else self._req_roots.get(request_id)
+        parent = (
+            hashes[num_cached_blocks - 1] if num_cached_blocks else self._req_roots.get(request_id)
+        )
         best, best_len = 0, 0
         for block in self._partial.get(parent, ()) if parent is not None else ():
             kept = block.token_ids or ()  # always set on a kept partial block
             n = len(kept)
-            if best_len < n < len(token_ids) - start and tuple(token_ids[start:start + n]) == kept:
+            if (
+                best_len < n < len(token_ids) - start
+                and tuple(token_ids[start : start + n]) == kept
+            ):
                 best, best_len = block.block_id, n
         self.prefix_cache_hits += best_len
         return best, best_len
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          root: bytes = ROOT_DIGEST) -> None:
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        root: bytes = ROOT_DIGEST,
+    ) -> None:
         """Register the request's blocks that are full of computed tokens under their keys."""
         if not self.enable_prefix_caching:
             return
@@ -184,12 +212,17 @@ class KVCacheManager:
         parent, bs = self._req_roots[request_id], self.block_size
         for i, (block, h) in enumerate(zip(blocks[:num_full], hashes)):
             if block.block_hash is None and self.pool.cached_block(h) is None:
-                self.pool.cache_block(block, h, parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+                self.pool.cache_block(block, h, parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             parent = h
 
     # ---- allocation --------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = (),
-                 partial_block: tuple[int, int] = (0, 0)) -> list[int] | None:
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached_block_ids: Sequence[int] = (),
+        partial_block: tuple[int, int] = (0, 0),
+    ) -> list[int] | None:
         """Grow the request's blocks to hold `num_tokens` tokens; return the new block ids.
 
         `cached_block_ids` (from `find_cached_prefix`, only when the request holds no
@@ -214,7 +247,9 @@ class KVCacheManager:
         assert new_blocks is not None  # the free list was checked above
         held.extend(new_blocks)
         if partial_block[1]:  # the kept block's slots into the request's own next block
-            self._block_copies.append((partial_block[0], held[len(cached)].block_id, partial_block[1]))
+            self._block_copies.append(
+                (partial_block[0], held[len(cached)].block_id, partial_block[1])
+            )
         return [b.block_id for b in cached + new_blocks]
 
     def take_block_copies(self) -> tuple[tuple[int, int, int], ...]:
@@ -223,7 +258,9 @@ class KVCacheManager:
         self._block_copies.clear()
         return copies
 
-    def _keep_partial(self, request_id: str, block: Block, token_ids: Sequence[int], index: int, count: int) -> None:
+    def _keep_partial(
+        self, request_id: str, block: Block, token_ids: Sequence[int], index: int, count: int
+    ) -> None:
         """Register block `index` of a request being freed, its first `count` slots computed."""
         if block.ref_cnt != 1 or block.block_hash is not None:  # shared, or a full cached block
             return
@@ -234,7 +271,9 @@ class KVCacheManager:
         if len(hashes) < index:
             return
         block.parent_hash = hashes[index - 1] if index else self._req_roots[request_id]
-        block.token_ids = tuple(token_ids[index * self.block_size:index * self.block_size + count])
+        block.token_ids = tuple(
+            token_ids[index * self.block_size : index * self.block_size + count]
+        )
         block.on_evict = self._forget_partial
         self._partial.setdefault(block.parent_hash, []).append(block)
 
@@ -247,7 +286,9 @@ class KVCacheManager:
         if not kept:
             del self._partial[parent]
 
-    def free(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
+    def free(
+        self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
         """Drop the request's references; tail blocks go first into the free list,
         so they are evicted before the shared prefix blocks. With the request's tokens and how many
         have K/V, a partly filled last block is kept for `find_partial_block`."""

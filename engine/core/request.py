@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 
 if TYPE_CHECKING:
+    from kvserve.engine.lora_request import LoRARequest
     from kvserve.engine.pooling_params import PoolingParams
     from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
-    from kvserve.engine.lora_request import LoRARequest
     from kvserve.engine.structured_output.grammar import SequenceGrammar
 
 
@@ -37,12 +37,34 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "parent_id", "sample_index", "params", "seed", "eos_token_ids",
-        "max_tokens", "prompt_token_ids", "all_token_ids", "output_token_ids",
-        "num_computed_tokens", "status", "stop_reason", "num_preemptions",
-        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "structured", "prefix_root", "spec_skip", "spec_backoff", "encoder_token_ids",
-        "priority", "pooling", "constraints", "lora_request",
+        "request_id",
+        "parent_id",
+        "sample_index",
+        "params",
+        "seed",
+        "eos_token_ids",
+        "max_tokens",
+        "prompt_token_ids",
+        "all_token_ids",
+        "output_token_ids",
+        "num_computed_tokens",
+        "status",
+        "stop_reason",
+        "num_preemptions",
+        "arrival_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "last_token_time",
+        "finished_time",
+        "structured",
+        "prefix_root",
+        "spec_skip",
+        "spec_backoff",
+        "encoder_token_ids",
+        "priority",
+        "pooling",
+        "constraints",
+        "lora_request",
     )
 
     def __init__(
@@ -140,5 +162,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.value}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -57,14 +57,20 @@ class ScheduledRequest:
 
     request: Request
     start_pos: int  # == num_computed_tokens before this step
-    num_new_tokens: int  # tokens to compute this step; 1 for a decode (plus its drafts when speculating)
+    num_new_tokens: (
+        int  # tokens to compute this step; 1 for a decode (plus its drafts when speculating)
+    )
     is_sampled: bool  # this step reaches the end of the sequence: sample the next token
-    spec_token_ids: tuple[int, ...] = ()  # draft tokens verified this step (engine/spec_decode/proposer.py)
+    spec_token_ids: tuple[
+        int, ...
+    ] = ()  # draft tokens verified this step (engine/spec_decode/proposer.py)
 
     @property
     def token_ids(self) -> list[int]:
         num_known = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.all_token_ids[self.start_pos:self.start_pos + num_known] + list(self.spec_token_ids)
+        return self.request.all_token_ids[self.start_pos : self.start_pos + num_known] + list(
+            self.spec_token_ids
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +95,20 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 proposer: Proposer | None = None, cross_cache: CrossCache | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        proposer: Proposer | None = None,
+        cross_cache: CrossCache | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.proposer = proposer  # speculative decoding's drafts; None: off
-        self.cross_cache = cross_cache  # encoder-decoder models' encoder outputs; None: a decoder-only model
+        self.cross_cache = (
+            cross_cache  # encoder-decoder models' encoder outputs; None: a decoder-only model
+        )
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -152,7 +166,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts, block_ids = self._speculate(request, num_new, budget) if self.proposer is not None else ((), None)
+            drafts, block_ids = (
+                self._speculate(request, num_new, budget)
+                if self.proposer is not None
+                else ((), None)
+            )
             if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if block_ids is None:
@@ -170,7 +188,9 @@ class Scheduler:
         record = self._make_record(scheduled, new_requests, new_block_ids)
         return StepPlan(scheduled, self.config.max_num_batched_tokens - budget, record, preempted)
 
-    def _speculate(self, request: Request, num_new: int, budget: int) -> tuple[tuple[int, ...], list[int] | None]:
+    def _speculate(
+        self, request: Request, num_new: int, budget: int
+    ) -> tuple[tuple[int, ...], list[int] | None]:
         """Speculative decoding: draft tokens for a decoding request (one new token) and the new block
         ids that hold them; ((), None) when it does not speculate, or when the blocks are not free
         (speculation never preempts anyone)."""
@@ -180,11 +200,17 @@ class Scheduler:
         drafts = self.proposer.propose_for(request, len(self.running), budget)
         if not drafts:
             return (), None
-        block_ids = self.kv_cache_manager.allocate(request.request_id, request.num_computed_tokens + 1 + len(drafts))
+        block_ids = self.kv_cache_manager.allocate(
+            request.request_id, request.num_computed_tokens + 1 + len(drafts)
+        )
         return (tuple(drafts), block_ids) if block_ids is not None else ((), None)
 
-    def _make_record(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
-                     new_block_ids: dict[str, tuple[int, ...]]) -> StepRecord:
+    def _make_record(
+        self,
+        scheduled: list[ScheduledRequest],
+        new_requests: list[NewRequestData],
+        new_block_ids: dict[str, tuple[int, ...]],
+    ) -> StepRecord:
         finished: tuple[str, ...] = ()
         preempted: tuple[str, ...] = ()
         if scheduled:  # an empty step never reaches the runner: keep the drops for the next one
@@ -199,11 +225,15 @@ class Scheduler:
             num_computed_tokens=tuple([it.start_pos for it in scheduled]),
             num_scheduled_tokens=tuple([it.num_new_tokens for it in scheduled]),
             new_block_ids=new_block_ids,
-            spec_token_ids={it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids},
+            spec_token_ids={
+                it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids
+            },
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: list[str]
+    ) -> list[int] | None:
         """The request's new block ids, or None when it had to be preempted itself."""
         num_tokens = request.num_computed_tokens + num_new
         while (block_ids := self.kv_cache_manager.allocate(request.request_id, num_tokens)) is None:
@@ -222,7 +252,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.scheduling_policy == "priority":
-            self._enqueue(request)   # its arrival puts it ahead of later requests of its priority
+            self._enqueue(request)  # its arrival puts it ahead of later requests of its priority
         else:
             self.waiting.appendleft(request)
 
@@ -232,13 +262,16 @@ class Scheduler:
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 
-    def _free_blocks(self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0) -> None:
+    def _free_blocks(
+        self, request_id: str, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
         self.kv_cache_manager.free(request_id, token_ids, num_computed_tokens)
         if self.cross_cache is not None:
             self.cross_cache.free(request_id)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
-                       new_requests: list[NewRequestData]) -> int:
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData]
+    ) -> int:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -247,8 +280,12 @@ class Scheduler:
             # prompt logprobs and embeddings need every prompt position: no cached prefix for them
             cached_ids, partial = [], (0, 0)
             if not request.skips_prefix_cache:
-                cached_ids = kv.find_cached_prefix(request.request_id, request.all_token_ids, request.prefix_root)
-                partial = kv.find_partial_block(request.request_id, request.all_token_ids, len(cached_ids))
+                cached_ids = kv.find_cached_prefix(
+                    request.request_id, request.all_token_ids, request.prefix_root
+                )
+                partial = kv.find_partial_block(
+                    request.request_id, request.all_token_ids, len(cached_ids)
+                )
             num_computed = len(cached_ids) * kv.block_size + partial[1]
             num_encoder = 0  # an encoder-decoder request's source tokens to encode this step
             if self.cross_cache is not None:
@@ -263,15 +300,24 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
-            if self.config.scheduling_policy == "priority":   # the lowest priority stays last: the one preempted
+            if (
+                self.config.scheduling_policy == "priority"
+            ):  # the lowest priority stays last: the one preempted
                 bisect.insort(self.running, request, key=_schedule_key)
             else:
                 self.running.append(request)
             scheduled.append(self._plan(request, num_new))
             # new to the runner (a resumed request too: its old row was dropped with its blocks)
-            cross_ids = self.cross_cache.block_ids(request.request_id) if self.cross_cache is not None else ()
-            new_requests.append(NewRequestData.from_request(request, kv.block_ids(request.request_id), cross_ids,
-                                                            encode=num_encoder > 0))
+            cross_ids = (
+                self.cross_cache.block_ids(request.request_id)
+                if self.cross_cache is not None
+                else ()
+            )
+            new_requests.append(
+                NewRequestData.from_request(
+                    request, kv.block_ids(request.request_id), cross_ids, encode=num_encoder > 0
+                )
+            )
             budget -= num_new + num_encoder
         return budget
 
@@ -282,7 +328,9 @@ class Scheduler:
         running = {r.lora_id for r in self.running} - {0}
         return request.lora_id in running or len(running) < self.config.max_lora_slots
 
-    def _plan(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+    def _plan(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request=request,
@@ -293,8 +341,12 @@ class Scheduler:
         )
 
     # ---- after the model ran -------------------------------------------------
-    def update(self, plan: StepPlan, sampled_token_ids: list[int | None],
-               accepted: dict[str, tuple[int, ...]] | None = None) -> list[FinishedRequest]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled_token_ids: list[int | None],
+        accepted: dict[str, tuple[int, ...]] | None = None,
+    ) -> list[FinishedRequest]:
         """Advance each scheduled request; append sampled tokens; finish those that stop.
 
         `sampled_token_ids` is aligned with `plan.scheduled` (None where nothing was sampled);
@@ -303,7 +355,9 @@ class Scheduler:
         is overwritten later, and no prefix-cache entry covers them.
         Stop strings are checked later by the detokenizer, which calls `finish`.
         """
-        if self.cross_cache is not None:  # the encoder outputs this step computed are in their blocks
+        if (
+            self.cross_cache is not None
+        ):  # the encoder outputs this step computed are in their blocks
             self.cross_cache.mark_written(plan.record)
         finished = []
         for item, token_id in zip(plan.scheduled, sampled_token_ids):
@@ -316,9 +370,15 @@ class Scheduler:
                 status, token_id = self._accept_drafts(request, item, accepted, token_id)
             # register full blocks before a finish frees them: a follow-up turn can reuse them
             self.kv_cache_manager.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens, request.prefix_root)
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.prefix_root,
+            )
             if token_id is None:
-                if request.is_pooled:  # an embedding request ends with its prompt (nothing is sampled)
+                if (
+                    request.is_pooled
+                ):  # an embedding request ends with its prompt (nothing is sampled)
                     self.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                     finished.append(FinishedRequest(request, None))
                 continue
@@ -330,8 +390,13 @@ class Scheduler:
                 finished.append(FinishedRequest(request, token_id))
         return finished
 
-    def _accept_drafts(self, request: Request, item: ScheduledRequest, accepted: dict[str, tuple[int, ...]] | None,
-                       token_id: int | None) -> tuple[RequestStatus | None, int | None]:
+    def _accept_drafts(
+        self,
+        request: Request,
+        item: ScheduledRequest,
+        accepted: dict[str, tuple[int, ...]] | None,
+        token_id: int | None,
+    ) -> tuple[RequestStatus | None, int | None]:
         """Speculative decoding: append a verified request's accepted drafts, each of whose K/V is
         valid (it counts as computed) -> (the status, when a draft stopped the request, and the
         step's last token: that draft then, else the sampled `token_id`)."""
@@ -351,7 +416,9 @@ class Scheduler:
         self.num_accepted_tokens += len(drafts)
         return status, token_id
 
-    def _check_stop(self, request: Request, token_id: int, is_draft: bool = False) -> RequestStatus | None:
+    def _check_stop(
+        self, request: Request, token_id: int, is_draft: bool = False
+    ) -> RequestStatus | None:
         params = request.params
         # (a draft never completes a grammar: `SequenceGrammar.valid_drafts`; the matcher has
         # already taken the step's last token too)
@@ -363,6 +430,9 @@ class Scheduler:
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -48,7 +48,9 @@ class SamplingInputs(_Record, frozen=True, gc=False):
     frequency_penalty: float
     seed: int | None  # this sequence's own stream (the n samples of a request differ)
     min_tokens: int
-    suppressed_token_ids: tuple[int, ...]  # EOS (unless ignored) and stop ids, banned before min_tokens
+    suppressed_token_ids: tuple[
+        int, ...
+    ]  # EOS (unless ignored) and stop ids, banned before min_tokens
     num_logprobs: int | None  # top-k logprobs per sampled token; None = no logprobs at all
     num_prompt_logprobs: int | None  # None = no prompt logprobs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to this row's logits
@@ -61,20 +63,37 @@ class SamplingInputs(_Record, frozen=True, gc=False):
     def from_request(cls, request: Request) -> SamplingInputs:
         p, constrained = request.params, request.constraints
         # a constrained sequence ends when its grammar says so (suppressing EOS could leave no token)
-        suppressed = () if p.min_tokens == 0 or p.structured_outputs is not None else (
-            *(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
-        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                   repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                   frequency_penalty=p.frequency_penalty, seed=request.seed, min_tokens=p.min_tokens,
-                   suppressed_token_ids=tuple(suppressed), num_logprobs=p.logprobs,
-                   num_prompt_logprobs=p.prompt_logprobs, logit_bias=tuple(sorted((p.logit_bias or {}).items())),
-                   constraints=constrained,
-                   max_tokens=request.max_tokens if constrained is not None else 0,
-                   eos_token_ids=tuple(request.eos_token_ids) if constrained is not None else ())
+        suppressed = (
+            ()
+            if p.min_tokens == 0 or p.structured_outputs is not None
+            else (*(p.stop_token_ids or ()), *(() if p.ignore_eos else request.eos_token_ids))
+        )
+        return cls(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=request.seed,
+            min_tokens=p.min_tokens,
+            suppressed_token_ids=tuple(suppressed),
+            num_logprobs=p.logprobs,
+            num_prompt_logprobs=p.prompt_logprobs,
+            logit_bias=tuple(sorted((p.logit_bias or {}).items())),
+            constraints=constrained,
+            max_tokens=request.max_tokens if constrained is not None else 0,
+            eos_token_ids=tuple(request.eos_token_ids) if constrained is not None else (),
+        )
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 class PoolingInputs(_Record, frozen=True, gc=False):
@@ -114,17 +133,28 @@ class NewRequestData(_Record, frozen=True):
     lora_path: str = ""
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: Sequence[int], cross_block_ids: Sequence[int] = (),
-                     encode: bool = False) -> NewRequestData:
+    def from_request(
+        cls,
+        request: Request,
+        block_ids: Sequence[int],
+        cross_block_ids: Sequence[int] = (),
+        encode: bool = False,
+    ) -> NewRequestData:
         lora = request.lora_request
-        return cls(req_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-                   output_token_ids=tuple(request.output_token_ids), block_ids=tuple(block_ids),
-                   sampling=SamplingInputs.from_request(request), cross_block_ids=tuple(cross_block_ids),
-                   cross_len=len(request.encoder_token_ids),
-                   encoder_token_ids=tuple(request.encoder_token_ids) if encode else (),
-                   pooling=PoolingInputs.from_request(request),
-                   lora_id=request.lora_id, lora_name=lora.lora_name if lora else "",
-                   lora_path=lora.lora_path if lora else "")
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            block_ids=tuple(block_ids),
+            sampling=SamplingInputs.from_request(request),
+            cross_block_ids=tuple(cross_block_ids),
+            cross_len=len(request.encoder_token_ids),
+            encoder_token_ids=tuple(request.encoder_token_ids) if encode else (),
+            pooling=PoolingInputs.from_request(request),
+            lora_id=request.lora_id,
+            lora_name=lora.lora_name if lora else "",
+            lora_path=lora.lora_path if lora else "",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +162,9 @@ class GrammarBitmask:
     """The allowed tokens of this step's constrained rows, filled by engine/structured_output/grammar.py
     while the step runs (rank 0 only: it samples); rows not listed are left unfilled and never read."""
 
-    rows: tuple[int, ...]  # [R] indices into StepRecord.req_ids (expanded: into the step's logits rows)
+    rows: tuple[
+        int, ...
+    ]  # [R] indices into StepRecord.req_ids (expanded: into the step's logits rows)
     bitmask: np.ndarray  # [B, ceil(V/32)] int32: bit j of word w allows token 32 * w + j
     # a speculative step's: one row per logits row (1 + its drafts per request), not per request
     expanded: bool = False
@@ -146,7 +178,9 @@ class StepRecord(_Record, frozen=True):
     """
 
     finished_req_ids: tuple[str, ...]  # finished or aborted since the last record: forget them
-    preempted_req_ids: tuple[str, ...]  # preempted since the last record: drop their rows (blocks are gone)
+    preempted_req_ids: tuple[
+        str, ...
+    ]  # preempted since the last record: drop their rows (blocks are gone)
     new_requests: tuple[NewRequestData, ...]
     req_ids: tuple[str, ...]  # [B] scheduled this step, new ones included
     num_computed_tokens: tuple[int, ...]  # [B] tokens with K/V in the cache before this step

@@ -95,7 +95,12 @@ class CrossCache:
         blocks = self._req_blocks.pop(request_id, [])
         self.pool.free(blocks)
         key = self._req_key.pop(request_id, None)
-        if key is not None and blocks and blocks[0].ref_cnt == 0 and not (self.pool.enable_caching and key in self._written):
+        if (
+            key is not None
+            and blocks
+            and blocks[0].ref_cnt == 0
+            and not (self.pool.enable_caching and key in self._written)
+        ):
             self._drop(key)  # its last holder, and nothing worth keeping
 
     def _evicted(self, key: bytes, block: Block) -> None:

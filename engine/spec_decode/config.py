@@ -25,24 +25,41 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported (supported: "
-                             f"{', '.join(METHODS)})")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"):
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported (supported: "
+                f"{', '.join(METHODS)})"
+            )
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "max_batch_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+                raise ValueError(
+                    f"speculative_config {name} must be a positive integer, got {value!r}"
+                )
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
-                             f"got {self.num_speculative_tokens}")
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative_config 'model' (the draft checkpoint) is required with method "
-                             "draft_model, and only there")
+            raise ValueError(
+                "speculative_config 'model' (the draft checkpoint) is required with method "
+                "draft_model, and only there"
+            )
         if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) is below "
-                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+            raise ValueError(
+                f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) is below "
+                f"prompt_lookup_min ({self.prompt_lookup_min})"
+            )
 
     @classmethod
-    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    def parse(
+        cls, value: str | dict[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
         """A config from a dict or its JSON text (None or an empty value: no speculation);
         ValueError naming what is wrong."""
         if value is None or isinstance(value, SpeculativeConfig):
@@ -58,8 +75,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)} (known: "
-                             f"{', '.join(cls.__dataclass_fields__)})")
+            raise ValueError(
+                f"speculative_config has unknown keys {sorted(unknown)} (known: "
+                f"{', '.join(cls.__dataclass_fields__)})"
+            )
         if "method" not in value:
-            raise ValueError(f"speculative_config needs a 'method' (supported: {', '.join(METHODS)})")
+            raise ValueError(
+                f"speculative_config needs a 'method' (supported: {', '.join(METHODS)})"
+            )
         return cls(**value)

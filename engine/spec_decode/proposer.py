@@ -46,14 +46,14 @@ def ngram_proposal(token_ids: list[int], k: int, n_min: int, n_max: int) -> list
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        pattern = tokens[length - n:]
+        pattern = tokens[length - n :]
         # windows starting at 0 .. length - n - 1: every earlier occurrence, overlapping ones included
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
             full = hits[hits + n + k <= length]
             start = int(full[-1] if len(full) else hits[0]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -73,11 +73,17 @@ class Proposer:
             request.spec_skip -= 1
             return []
         # never past max_tokens or the context: the step adds the accepted drafts plus one token
-        room = min(c.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        room = min(
+            c.num_speculative_tokens,
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
         drafts = self.draft(request, room) if room > 0 else []
-        if drafts and request.structured is not None:  # only what the grammar allows, short of its end
-            drafts = drafts[:request.structured.valid_drafts(drafts)]
+        if (
+            drafts and request.structured is not None
+        ):  # only what the grammar allows, short of its end
+            drafts = drafts[: request.structured.valid_drafts(drafts)]
         return drafts
 
     def release(self, request_id: str) -> None:

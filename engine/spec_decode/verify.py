@@ -44,8 +44,13 @@ def spec_rows(cu_seqlens: np.ndarray, num_drafts: np.ndarray) -> SpecRows:
     return SpecRows(num_drafts, row_req, first_row, offsets, hidden_rows)
 
 
-def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray, drafts: list[tuple[int, ...]],
-                    device: torch.device) -> SamplingTensors:
+def expand_sampling(
+    t: SamplingTensors,
+    rows: SpecRows,
+    is_seeded: np.ndarray,
+    drafts: list[tuple[int, ...]],
+    device: torch.device,
+) -> SamplingTensors:
     """Sampling tensors of rows 0..B-1 repeated for the R logits rows (host flags unchanged). A draft
     row's penalty counts include the drafts before it: its logits are those after them."""
     idx = torch.from_numpy(rows.row_req).to(device)
@@ -59,26 +64,44 @@ def expand_sampling(t: SamplingTensors, rows: SpecRows, is_seeded: np.ndarray, d
 
     seeded = np.flatnonzero(is_seeded[rows.row_req])
     return replace(
-        t, temperature=pick(t.temperature), top_k=pick(t.top_k), top_p=pick(t.top_p), min_p=pick(t.min_p),
-        repetition_penalty=pick(t.repetition_penalty), presence_penalty=pick(t.presence_penalty),
-        frequency_penalty=pick(t.frequency_penalty), seeds=pick(t.seeds),
+        t,
+        temperature=pick(t.temperature),
+        top_k=pick(t.top_k),
+        top_p=pick(t.top_p),
+        min_p=pick(t.min_p),
+        repetition_penalty=pick(t.repetition_penalty),
+        presence_penalty=pick(t.presence_penalty),
+        frequency_penalty=pick(t.frequency_penalty),
+        seeds=pick(t.seeds),
         seeded_rows=torch.from_numpy(seeded).to(device) if len(seeded) else None,
         steps=pick(t.steps) + torch.from_numpy(rows.offsets).to(device),
-        suppressed_token_ids=pick(t.suppressed_token_ids), prompt_mask=pick(t.prompt_mask),
-        output_counts=None if t.output_counts is None else add_drafts(pick(t.output_counts), rows, drafts))
+        suppressed_token_ids=pick(t.suppressed_token_ids),
+        prompt_mask=pick(t.prompt_mask),
+        output_counts=None
+        if t.output_counts is None
+        else add_drafts(pick(t.output_counts), rows, drafts),
+    )
 
 
 def add_drafts(counts: torch.Tensor, rows: SpecRows, drafts: list[tuple[int, ...]]) -> torch.Tensor:
     """counts [R, V] + one for each draft before each row (row first + m sees drafts 1..m)."""
-    pairs = [(first + m, draft) for first, ds in zip(rows.first_row.tolist(), drafts)
-             for i, draft in enumerate(ds) for m in range(i + 1, len(ds) + 1)]
+    pairs = [
+        (first + m, draft)
+        for first, ds in zip(rows.first_row.tolist(), drafts)
+        for i, draft in enumerate(ds)
+        for m in range(i + 1, len(ds) + 1)
+    ]
     if pairs:
         index = torch.tensor(pairs, dtype=torch.int64, device=counts.device).T
-        counts.index_put_((index[0], index[1]), torch.ones(len(pairs), device=counts.device), accumulate=True)
+        counts.index_put_(
+            (index[0], index[1]), torch.ones(len(pairs), device=counts.device), accumulate=True
+        )
     return counts
 
 
-def accept(token_ids: np.ndarray, rows: SpecRows, drafts: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+def accept(
+    token_ids: np.ndarray, rows: SpecRows, drafts: list[tuple[int, ...]]
+) -> tuple[list[int], list[int]]:
     """(the new token of each request, its number of accepted drafts) from the tokens sampled at
     every row [R]; `drafts[i]` are request i's drafts (() for an ordinary row)."""
     new_tokens, num_accepted = [], []

@@ -35,7 +35,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _IDLE_EXIT_S = 30.0  # an idle compile thread exits after this long (a new one starts on demand)
-COMPILE_NICE = 10  # a tenth of a nice-0 thread's CPU share when they compete (CFS weights 110 vs 1024)
+COMPILE_NICE = (
+    10  # a tenth of a nice-0 thread's CPU share when they compete (CFS weights 110 vs 1024)
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -54,7 +56,9 @@ class CompilePool:
     """Runs `compile_fn(spec)` for submitted jobs on up to `num_threads` threads (plus the ones
     finishing abandoned jobs)."""
 
-    def __init__(self, compile_fn: Callable[[Any], Any], num_threads: int, nice: int = COMPILE_NICE) -> None:
+    def __init__(
+        self, compile_fn: Callable[[Any], Any], num_threads: int, nice: int = COMPILE_NICE
+    ) -> None:
         self.compile_fn = compile_fn
         self.num_threads = num_threads
         self.nice = nice
@@ -86,7 +90,9 @@ class CompilePool:
                 return
             job.is_abandoned = True
             self._num_abandoned += 1
-            logger.info("grammar compile abandoned (nobody waits for it); it finishes at low priority")
+            logger.info(
+                "grammar compile abandoned (nobody waits for it); it finishes at low priority"
+            )
             if self._queue and self._num_idle == 0:
                 self._start_thread_if_allowed()
 

@@ -44,11 +44,12 @@ from kvserve.engine.structured_output.compile_threads import CompileJob, Compile
 if TYPE_CHECKING:
     from kvserve.engine.config import StructuredOutputsConfig
     from kvserve.engine.core.request import Request
-    from kvserve.engine.sampling_params import StructuredOutputs
     from kvserve.engine.core.scheduler import StepPlan
     from kvserve.engine.core.step_record import GrammarBitmask
+    from kvserve.engine.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
 
 def _choice_grammar(choice: tuple[str, ...]) -> str:
     # EBNF string literals take JSON's escapes
@@ -84,7 +85,10 @@ class SequenceGrammar:
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
             # cannot happen when the bitmask was applied; end the sequence rather than go on unconstrained
-            logger.warning("structured output: token %d rejected by the grammar; finishing the sequence", token_id)
+            logger.warning(
+                "structured output: token %d rejected by the grammar; finishing the sequence",
+                token_id,
+            )
             self.is_terminated = True
         elif self.matcher.is_terminated():
             self.is_terminated = True
@@ -107,10 +111,20 @@ class StructuredOutputManager:
     raises `EngineOverloadedError` beyond that.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], config: StructuredOutputsConfig,
-                 max_workers: int = 2, cache_size: int = 128, fill_threads: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        config: StructuredOutputsConfig,
+        max_workers: int = 2,
+        cache_size: int = 128,
+        fill_threads: int = 2,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
+        self.vocab_size = (
+            vocab_size  # the model's (may exceed the tokenizer's: the extra ids are never allowed)
+        )
         self.eos_token_ids = list(eos_token_ids)
         self.max_workers = max_workers  # compile threads
         self.fill_threads = fill_threads  # threads of the per-step bitmask fill (fill_threads_for)
@@ -120,7 +134,9 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Any] = OrderedDict()  # spec key -> compiled grammar (LRU)
         self._jobs: dict[str, CompileJob] = {}  # spec key -> its compile, until it is done
         self._pending: dict[str, _Pending] = {}  # parent request id -> its children, waiting
-        self._pool = CompilePool(lambda spec: self._compile(spec), max_workers)  # looked up per call: tests swap it
+        self._pool = CompilePool(
+            lambda spec: self._compile(spec), max_workers
+        )  # looked up per call: tests swap it
         self._compiler: Any = None  # xgrammar's, made on first use
         self._tokenizer_info: Any = None
         self._compiler_lock = threading.Lock()
@@ -162,12 +178,16 @@ class StructuredOutputManager:
                 job.future.set_result(compiled)
             else:
                 if self.max_queue is not None and len(self._jobs) >= self.max_queue:
-                    raise EngineOverloadedError(f"{len(self._jobs)} grammars are compiling or queued "
-                                           f"(max_grammar_queue={self.max_queue}); retry later")
+                    raise EngineOverloadedError(
+                        f"{len(self._jobs)} grammars are compiling or queued "
+                        f"(max_grammar_queue={self.max_queue}); retry later"
+                    )
                 self._jobs[key] = job
                 self._pool.submit(job)
         job.num_waiters += 1
-        self._pending[request_id] = _Pending(job, children, time.monotonic() + self.compile_timeout_s)
+        self._pending[request_id] = _Pending(
+            job, children, time.monotonic() + self.compile_timeout_s
+        )
         self.num_requests += 1
 
     def abort(self, request_id: str) -> None:
@@ -221,8 +241,10 @@ class StructuredOutputManager:
         return ready, failed
 
     def _timeout_message(self, job: CompileJob) -> str:
-        return (f"structured_outputs.{job.spec.kind} could not be compiled within {self.compile_timeout_s:g} s "
-                f"(grammar_compile_timeout_s={self.compile_timeout_s:g}); make the constraint smaller")
+        return (
+            f"structured_outputs.{job.spec.kind} could not be compiled within {self.compile_timeout_s:g} s "
+            f"(grammar_compile_timeout_s={self.compile_timeout_s:g}); make the constraint smaller"
+        )
 
     def _sweep(self) -> None:
         """Move finished compiles (abandoned ones too) from `_jobs` into the cache, and count them."""
@@ -245,9 +267,13 @@ class StructuredOutputManager:
         kind, ws = spec.kind, spec.any_whitespace
         try:
             if kind == "json":
-                compiled = compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=ws, strict_mode=True)
+                compiled = compiler.compile_json_schema(
+                    json.dumps(spec.json), any_whitespace=ws, strict_mode=True
+                )
             elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+                compiled = compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=ws, strict_mode=False
+                )
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec.regex)
             elif kind == "choice":
@@ -255,17 +281,22 @@ class StructuredOutputManager:
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError with the parser's message
-            raise ValueError(f"structured_outputs.{kind} could not be compiled: {_library_message(e)}") from None
+            raise ValueError(
+                f"structured_outputs.{kind} could not be compiled: {_library_message(e)}"
+            ) from None
         return compiled
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:
             if self._compiler is None:
                 xgr = import_xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
                 self._tokenizer_info = info
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.max_workers, cache_enabled=False
+                )
             return self._compiler
 
     @staticmethod
@@ -311,8 +342,9 @@ class StructuredOutputManager:
         return GrammarBitmask(tuple(rows), bitmask, expanded)
 
     @staticmethod
-    def _fill_draft_rows(grammar: SequenceGrammar, drafts: tuple[int, ...], bitmask: np.ndarray,
-                         start: int) -> list[int]:
+    def _fill_draft_rows(
+        grammar: SequenceGrammar, drafts: tuple[int, ...], bitmask: np.ndarray, start: int
+    ) -> list[int]:
         """Rows start .. start + len(drafts): the allowed tokens after 0, 1, ... of the drafts (which
         `valid_drafts` checked when they were proposed)."""
         import torch
@@ -336,15 +368,20 @@ class StructuredOutputManager:
             self._get_compiler()
             vocab = self._tokenizer_info.decoded_vocab
             bits = np.ones(-(-self.vocab_size // 32) * 32, bool)
-            for token_id, token in enumerate(vocab[:self.vocab_size]):
+            for token_id, token in enumerate(vocab[: self.vocab_size]):
                 if control.intersection(token):
                     bits[token_id] = False
-            mask = self._no_control_masks[whitespace] = np.packbits(bits, bitorder="little").view(np.int32)
+            mask = self._no_control_masks[whitespace] = np.packbits(bits, bitorder="little").view(
+                np.int32
+            )
         return mask
 
     @staticmethod
-    def accept_tokens(plan: StepPlan, sampled_token_ids: list[int | None],
-                      accepted: dict[str, tuple[int, ...]] | None = None) -> None:
+    def accept_tokens(
+        plan: StepPlan,
+        sampled_token_ids: list[int | None],
+        accepted: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """Advance each constrained sequence's matcher with its accepted drafts (when it speculated)
         and the token it sampled this step."""
         for item, token_id in zip(plan.scheduled, sampled_token_ids):
@@ -377,5 +414,7 @@ def import_xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError:
-        raise ValueError("structured outputs need xgrammar: pip install 'kvserve[structured]'") from None
+        raise ValueError(
+            "structured outputs need xgrammar: pip install 'kvserve[structured]'"
+        ) from None
     return xgrammar

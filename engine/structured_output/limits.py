@@ -17,16 +17,23 @@ from typing import Any
 from kvserve.engine.config import GrammarLimits  # the bounds, declared with the other options
 from kvserve.engine.structured_output.schema import walk_schema
 
+
 def check_schema_limits(schema: Any, limits: GrammarLimits) -> None:
     size = walk_schema(schema, limits.max_schema_depth)
     for what, value, option in (
-            ("object properties", size.num_properties, "max_schema_properties"),
-            ("enum values", size.num_enum_values, "max_schema_enum_values"),
-            ("characters of property names, enum and const values and patterns", size.num_string_chars,
-             "max_schema_string_chars")):
+        ("object properties", size.num_properties, "max_schema_properties"),
+        ("enum values", size.num_enum_values, "max_schema_enum_values"),
+        (
+            "characters of property names, enum and const values and patterns",
+            size.num_string_chars,
+            "max_schema_string_chars",
+        ),
+    ):
         limit = getattr(limits, option)
         if value > limit:
-            raise ValueError(f"the JSON schema has {value} {what}; at most {limit} are allowed ({option}={limit})")
+            raise ValueError(
+                f"the JSON schema has {value} {what}; at most {limit} are allowed ({option}={limit})"
+            )
 
 
 def check_limits(spec: Any, limits: GrammarLimits) -> None:
@@ -40,7 +47,9 @@ def check_limits(spec: Any, limits: GrammarLimits) -> None:
             _check_count(len(getattr(spec, kind)), f"max_{kind}_chars", "characters", limits)
         elif kind == "choice":
             _check_count(len(spec.choice), "max_choices", "strings", limits)
-            _check_count(sum(len(c) for c in spec.choice), "max_choice_chars", "characters in all", limits)
+            _check_count(
+                sum(len(c) for c in spec.choice), "max_choice_chars", "characters in all", limits
+            )
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
 

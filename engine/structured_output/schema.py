@@ -8,11 +8,26 @@ from typing import Any
 
 # JSON Schema keywords xgrammar would silently ignore: refused so that a "valid" output
 # never violates the schema the user gave
-UNSUPPORTED_SCHEMA_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
-    "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedItems",
-    "unevaluatedProperties", "propertyNames", "$dynamicRef", "$recursiveRef",
-})
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependentRequired",
+        "dependencies",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "propertyNames",
+        "$dynamicRef",
+        "$recursiveRef",
+    }
+)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems")
@@ -40,8 +55,10 @@ def walk_schema(schema: Any, max_depth: int | None = None) -> SchemaSize:
             continue
         size.max_depth = max(size.max_depth, depth)
         if max_depth is not None and depth > max_depth:
-            raise ValueError(f"the JSON schema is nested more than {max_depth} levels deep, at "
-                             f"{_where(path)} (max_schema_depth={max_depth})")
+            raise ValueError(
+                f"the JSON schema is nested more than {max_depth} levels deep, at "
+                f"{_where(path)} (max_schema_depth={max_depth})"
+            )
         children: list[tuple[Any, Any, int]] = []
         for key, value in node.items():
             if key in UNSUPPORTED_SCHEMA_KEYWORDS:
@@ -60,7 +77,9 @@ def walk_schema(schema: Any, max_depth: int | None = None) -> SchemaSize:
                 size.num_string_chars += sum(len(v) for v in value if isinstance(v, str))
             elif key in ("const", "pattern") and isinstance(value, str):
                 size.num_string_chars += len(value)
-        stack += reversed(children)  # depth first, in document order: the first bad keyword is reported
+        stack += reversed(
+            children
+        )  # depth first, in document order: the first bad keyword is reported
     return size
 
 

@@ -34,8 +34,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 max_model_len: int, index_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_model_len: int,
+        index_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -51,17 +59,26 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], positions=self.positions[:size],
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
-            block_size=self.block_size, max_query_len=1, max_seq_len=self.max_model_len)
+            slot_mapping=self.slot_mapping[:size],
+            positions=self.positions[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[1] * size,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):
             with forward_context(self._meta(size)):
-                self.model(self.input_ids[:size], self.positions[:size])  # warm-up: kernel builds, workspaces
+                self.model(
+                    self.input_ids[:size], self.positions[:size]
+                )  # warm-up: kernel builds, workspaces
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

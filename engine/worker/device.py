@@ -11,7 +11,7 @@ _CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto", "cpu", "cuda" or "cuda:N"; a CUDA device always comes back with its index
+    """ "auto", "cpu", "cuda" or "cuda:N"; a CUDA device always comes back with its index
     (torch.cuda.set_device and per-rank placement need one)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,7 +22,9 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError(f"device={device!r} requested but CUDA is not available")
     index = torch.cuda.current_device() if resolved.index is None else resolved.index
     if index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(
+            f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     return torch.device("cuda", index)
 
 
@@ -35,7 +37,7 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA; on CPU bf16 where a CPU kernel set runs (docs/performance.md: it
+    """ "auto": bf16 on CUDA; on CPU bf16 where a CPU kernel set runs (docs/performance.md: it
     halves the weight traffic that bounds decode), else fp32."""
     if dtype != "auto":
         return _DTYPES[dtype]

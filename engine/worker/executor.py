@@ -33,12 +33,12 @@ import torch
 
 from kvserve.engine import messages
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.engine.processes import wait_for_exit
-from kvserve.engine.worker.device import resolve_device
+from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
 from kvserve.engine.errors import TensorParallelError
 from kvserve.engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
+from kvserve.engine.processes import wait_for_exit
+from kvserve.engine.worker.device import resolve_device
 from kvserve.engine.worker.runner import ModelRunner, RunnerOutput
-from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
 from kvserve.engine.worker.tp_worker import WorkerArgs, run_worker
 from kvserve.models.parallel import ParallelState, new_group
 
@@ -51,7 +51,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0  # the longest a collective waits for a rank (a hung worker)
 _STOP_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 3600.0  # loading a shard may take long; a worker that dies ends the wait at once
-_EXIT_WAIT_S = 5.0  # after a failed step: how long a worker that is exiting gets to be named as the cause
+_EXIT_WAIT_S = (
+    5.0  # after a failed step: how long a worker that is exiting gets to be named as the cause
+)
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -61,8 +63,10 @@ def rank_devices(device: torch.device, size: int) -> list[str]:
     first = device.index or 0
     count = torch.cuda.device_count()
     if first + size > count:
-        raise ValueError(f"tensor_parallel_size={size} needs GPUs {first}..{first + size - 1}, "
-                         f"but {count} are visible")
+        raise ValueError(
+            f"tensor_parallel_size={size} needs GPUs {first}..{first + size - 1}, "
+            f"but {count} are visible"
+        )
     return [f"cuda:{first + r}" for r in range(size)]
 
 
@@ -75,9 +79,17 @@ class TensorParallelExecutor:
     """Runs steps on `size` ranks: an `Executor` (engine/worker/executor_protocol.py) whose model facts
     (device, dtype, KV pool, attention backend, weights) are rank 0's runner's."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 model_path: str, hf_config: Any, max_model_len: int, size: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        model_path: str,
+        hf_config: Any,
+        max_model_len: int,
+        size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         import torch.distributed as dist
 
         self.size, self.timeout_s = size, timeout_s
@@ -89,19 +101,39 @@ class TensorParallelExecutor:
         devices = rank_devices(resolve_device(model_config.device), size)
         self._num_threads = threads_per_rank(size) if devices[0] == "cpu" else None
         self._saved_threads = torch.get_num_threads()
-        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         ctx = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
-                args = WorkerArgs(rank=rank, size=size, store_port=self._store.port, device=devices[rank],
-                                  num_threads=self._num_threads, timeout_s=timeout_s, model_config=model_config,
-                                  cache_config=cache_config, scheduler_config=scheduler_config,
-                                  model_path=model_path, hf_config=hf_config, max_model_len=max_model_len,
-                                  log_level=logging.getLogger().level)
+                args = WorkerArgs(
+                    rank=rank,
+                    size=size,
+                    store_port=self._store.port,
+                    device=devices[rank],
+                    num_threads=self._num_threads,
+                    timeout_s=timeout_s,
+                    model_config=model_config,
+                    cache_config=cache_config,
+                    scheduler_config=scheduler_config,
+                    model_path=model_path,
+                    hf_config=hf_config,
+                    max_model_len=max_model_len,
+                    log_level=logging.getLogger().level,
+                )
                 conn, child_conn = ctx.Pipe(duplex=True)
-                process = ctx.Process(target=run_worker, args=(args, child_conn), name=f"kvserve-tp{rank}",
-                                      daemon=True)
+                process = ctx.Process(
+                    target=run_worker,
+                    args=(args, child_conn),
+                    name=f"kvserve-tp{rank}",
+                    daemon=True,
+                )
                 process.start()
                 child_conn.close()  # so that the worker's end closing is seen here as EOF
                 self._workers.append(process)
@@ -109,13 +141,25 @@ class TensorParallelExecutor:
             if self._num_threads is not None:
                 torch.set_num_threads(self._num_threads)
             self.parallel = ParallelState(0, size, torch.device(devices[0]))
-            self.driver = ModelRunner(replace(model_config, device=devices[0]), cache_config, scheduler_config,
-                                      model_path, hf_config, max_model_len, self.parallel, self._join_group)
+            self.driver = ModelRunner(
+                replace(model_config, device=devices[0]),
+                cache_config,
+                scheduler_config,
+                model_path,
+                hf_config,
+                max_model_len,
+                self.parallel,
+                self._join_group,
+            )
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallelism: %d ranks on %s (worker pids %s)", size, ", ".join(devices),
-                    [p.pid for p in self._workers])
+        logger.info(
+            "tensor parallelism: %d ranks on %s (worker pids %s)",
+            size,
+            ", ".join(devices),
+            [p.pid for p in self._workers],
+        )
 
     def _join_group(self) -> None:
         """Wait for every worker to load its shard (raising what a failed one reports), then connect."""
@@ -130,17 +174,30 @@ class TensorParallelExecutor:
                     except (EOFError, OSError):
                         message = None
                     if not isinstance(message, WorkerLoaded):
-                        why = (message.text if isinstance(message, StartFailed) else "exited without a word"
-                               if message is None else type(message).__name__)
-                        raise TensorParallelError(f"tensor-parallel worker {process.name} failed to start: {why}")
+                        why = (
+                            message.text
+                            if isinstance(message, StartFailed)
+                            else "exited without a word"
+                            if message is None
+                            else type(message).__name__
+                        )
+                        raise TensorParallelError(
+                            f"tensor-parallel worker {process.name} failed to start: {why}"
+                        )
                     del waiting[conn]
                 elif process.sentinel in ready:
-                    raise TensorParallelError(f"tensor-parallel worker {process.name} exited with code "
-                                              f"{process.exitcode} while loading")
+                    raise TensorParallelError(
+                        f"tensor-parallel worker {process.name} exited with code "
+                        f"{process.exitcode} while loading"
+                    )
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel workers did not load in {_START_TIMEOUT_S:.0f} s")
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not load in {_START_TIMEOUT_S:.0f} s"
+                )
         assert self.parallel.device is not None  # set with the state above
-        self.parallel.group = new_group(self._store, 0, self.size, self.parallel.device, self.timeout_s)
+        self.parallel.group = new_group(
+            self._store, 0, self.size, self.parallel.device, self.timeout_s
+        )
 
     # ---- what the engine reads: rank 0's ----------------------------------
     @property
@@ -176,23 +233,33 @@ class TensorParallelExecutor:
         return False
 
     # ---- one step ----------------------------------------------------------
-    def execute(self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
-                ) -> RunnerOutput:
+    def execute(
+        self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
+    ) -> RunnerOutput:
         """Send the step to every worker, run rank 0's part (which samples); any failure is fatal."""
         reason = self.dead_reason
         if reason is not None:
             raise TensorParallelError(reason)
         try:
-            message = messages.encode(WorkerStep(record=step, prev_sampled_token_ids=self._prev_sampled,
-                                                 prev_num_accepted=self._prev_num_accepted))
+            message = messages.encode(
+                WorkerStep(
+                    record=step,
+                    prev_sampled_token_ids=self._prev_sampled,
+                    prev_num_accepted=self._prev_num_accepted,
+                )
+            )
             for conn in self._conns:
                 conn.send_bytes(message)
             out = self.driver.execute(step, grammar_bitmask)
         except BaseException as e:
-            reason = self._fail(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
+            reason = self._fail(
+                f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})"
+            )
             raise TensorParallelError(reason) from e
         self._prev_sampled = tuple(out.sampled_token_ids)
-        self._prev_num_accepted = tuple(len(out.accepted.get(r, ())) for r in step.req_ids) if out.accepted else ()
+        self._prev_num_accepted = (
+            tuple(len(out.accepted.get(r, ())) for r in step.req_ids) if out.accepted else ()
+        )
         return out
 
     @property
@@ -208,7 +275,9 @@ class TensorParallelExecutor:
         """Mark the executor dead (the first reason sticks) and stop the workers; returns the reason.
         A worker that exited is named, with its exit code, ahead of the error it caused on rank 0."""
         if self._dead is None:
-            if cause is not None:  # a worker killed mid-step: its exit may trail rank 0's error (the
+            if (
+                cause is not None
+            ):  # a worker killed mid-step: its exit may trail rank 0's error (the
                 # OS tears its memory down first, which took over a second on a loaded 2-core machine)
                 ready = wait([p.sentinel for p in self._workers], timeout=_EXIT_WAIT_S)
                 for p in self._workers:
@@ -218,7 +287,11 @@ class TensorParallelExecutor:
             if exited:
                 p = exited[0]
                 code = p.exitcode
-                how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+                how = (
+                    f"signal {signal.Signals(-code).name}"
+                    if code is not None and code < 0
+                    else f"code {code}"
+                )
                 self._dead = f"tensor-parallel worker {p.name} (pid {p.pid}) exited with {how}"
             else:
                 self._dead = cause or "tensor-parallel executor failed"

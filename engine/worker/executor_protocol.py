@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.engine.worker.runner import RunnerOutput
     from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
+    from kvserve.engine.worker.runner import RunnerOutput
     from kvserve.models.attention.layer import Attention, AttentionBackend
     from kvserve.models.quantization import QuantizationReport
 
@@ -58,8 +58,9 @@ class Executor(Protocol):
         """Why no later step can run (a tensor-parallel worker died); None while steps can run."""
         ...
 
-    def execute(self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
-                ) -> RunnerOutput:
+    def execute(
+        self, step: StepRecord, grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
+    ) -> RunnerOutput:
         """Run one step; outputs follow `step.req_ids`. `grammar_bitmask` is called once the
         forward is launched (None: nothing is constrained)."""
         ...

@@ -17,17 +17,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.engine.core.step_record import NewRequestData, StepRecord
+from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS, GenerationConstraints
 from kvserve.engine.worker.pooler import POOLING_CODES
 from kvserve.engine.worker.sampler import SamplingTensors, _to_device, _to_int64
-from kvserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS, GenerationConstraints
-from kvserve.engine.core.step_record import NewRequestData, StepRecord
 
 _NO_LOGPROBS = -1  # host arrays only: the row wants no (prompt) logprobs
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -36,7 +42,9 @@ class InputBatch:
         num_rows = max_num_reqs
         # np.zeros is calloc'd: pages of long rows nobody reaches are never touched
         self.token_ids = np.zeros((num_rows, max_model_len + 1), np.int32)  # prompt + outputs
-        self.block_table = np.zeros((num_rows, -(-max_model_len // block_size)), np.int64)  # 0 = null
+        self.block_table = np.zeros(
+            (num_rows, -(-max_model_len // block_size)), np.int64
+        )  # 0 = null
         self.num_tokens = np.zeros(num_rows, np.int64)
         self.num_prompt_tokens = np.zeros(num_rows, np.int64)
         self.num_blocks = np.zeros(num_rows, np.int64)
@@ -59,7 +67,9 @@ class InputBatch:
         self.pooling_dims = np.zeros(num_rows, np.int64)  # 0 = all
         self.lora_ids = np.zeros(num_rows, np.int64)  # the row's LoRA adapter; 0 = the base model
         # every per-row array above: compaction moves them all
-        self._columns = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1]
+        self._columns = [
+            v for v in vars(self).values() if isinstance(v, np.ndarray) and v.ndim == 1
+        ]
         self.suppressed: list[tuple[int, ...]] = []  # [n] ids banned while outputs < min_tokens
         self.logit_bias: list[tuple[tuple[int, float], ...]] = []  # [n] (token id, bias) pairs
         # [n] generation-config processors: (constraints, max_tokens, eos ids), None for most rows
@@ -93,7 +103,7 @@ class InputBatch:
         for req_id, block_ids in step.new_block_ids.items():
             row = self.row_of[req_id]
             start = self.num_blocks[row]
-            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.block_table[row, start : start + len(block_ids)] = block_ids
             self.num_blocks[row] = start + len(block_ids)
         num_sched = len(step.req_ids)
         if self.req_ids[:num_sched] != list(step.req_ids):
@@ -132,17 +142,22 @@ class InputBatch:
         self.rows_version += 1
 
     def _add(self, new: NewRequestData) -> None:
-        if new.req_id in self.row_of:  # cannot happen with a consistent scheduler; stay correct anyway
+        if (
+            new.req_id in self.row_of
+        ):  # cannot happen with a consistent scheduler; stay correct anyway
             self._remove([new.req_id])
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError(f"input batch full ({self.max_num_reqs} rows) adding {new.req_id!r}")
-        num_prompt, num_tokens = len(new.prompt_token_ids), len(new.prompt_token_ids) + len(new.output_token_ids)
+        num_prompt, num_tokens = (
+            len(new.prompt_token_ids),
+            len(new.prompt_token_ids) + len(new.output_token_ids),
+        )
         self.token_ids[row, :num_prompt] = new.prompt_token_ids
         self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
         self.num_tokens[row], self.num_prompt_tokens[row] = num_tokens, num_prompt
         self.block_table[row] = 0
-        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         self.lora_ids[row] = new.lora_id
         self._write_sampling(row, new)
@@ -169,20 +184,28 @@ class InputBatch:
         self.seeds[row] = _to_int64(s.seed) if s.seed is not None and self.is_seeded[row] else 0
         self.min_tokens[row] = s.min_tokens
         self.num_logprobs[row] = _NO_LOGPROBS if s.num_logprobs is None else s.num_logprobs
-        self.num_prompt_logprobs[row] = _NO_LOGPROBS if s.num_prompt_logprobs is None else s.num_prompt_logprobs
+        self.num_prompt_logprobs[row] = (
+            _NO_LOGPROBS if s.num_prompt_logprobs is None else s.num_prompt_logprobs
+        )
         self.suppressed.append(s.suppressed_token_ids)
         self.logit_bias.append(s.logit_bias)
-        self.constraints.append(None if s.constraints is None else (s.constraints, s.max_tokens, s.eos_token_ids))
+        self.constraints.append(
+            None if s.constraints is None else (s.constraints, s.max_tokens, s.eos_token_ids)
+        )
         if s.has_penalties or self.output_counts is not None:
             self._ensure_penalty_rows(row + 1)
         if self.output_counts is not None and self.prompt_mask is not None:
             self.output_counts[row].zero_()
             self.prompt_mask[row].zero_()
             if s.has_penalties:
-                self.prompt_mask[row, self._to_device(np.array(new.prompt_token_ids, np.int64))] = True
+                self.prompt_mask[row, self._to_device(np.array(new.prompt_token_ids, np.int64))] = (
+                    True
+                )
                 if new.output_token_ids:
                     out_ids = self._to_device(np.array(new.output_token_ids, np.int64))
-                    self.output_counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                    self.output_counts[row].index_add_(
+                        0, out_ids, torch.ones_like(out_ids, dtype=torch.float32)
+                    )
 
     def _ensure_penalty_rows(self, num_rows: int) -> None:
         """Penalty state for at least `num_rows` rows, grown by doubling (memory follows the batch)."""
@@ -197,12 +220,22 @@ class InputBatch:
         self.output_counts, self.prompt_mask = counts, mask
 
     # ---- after sampling --------------------------------------------------------
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray, sampled: torch.Tensor | None,
-                       sampled_mask: torch.Tensor | None) -> None:
+    def append_sampled(
+        self,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        sampled: torch.Tensor | None,
+        sampled_mask: torch.Tensor | None,
+    ) -> None:
         """Record this step's tokens: rows [S] got token_ids [S] (host); `sampled` [B] (device)
         holds every scheduled row's draw, `sampled_mask` [B] float (None = all rows count)."""
         t = self._sampling
-        if t is not None and not t.no_penalties and self.output_counts is not None and sampled is not None:
+        if (
+            t is not None
+            and not t.no_penalties
+            and self.output_counts is not None
+            and sampled is not None
+        ):
             num_rows = sampled.shape[0]
             weight = self._ones[:num_rows] if sampled_mask is None else sampled_mask
             self.output_counts[:num_rows].scatter_add_(1, sampled[:, None], weight[:, None])
@@ -213,8 +246,9 @@ class InputBatch:
         """Add (row, token id) outputs to the penalty counts: a speculating row's accepted drafts."""
         if pairs and self.output_counts is not None:
             index = torch.tensor(pairs, dtype=torch.int64, device=self.device).T
-            self.output_counts.index_put_((index[0], index[1]), torch.ones(len(pairs), device=self.device),
-                                          accumulate=True)
+            self.output_counts.index_put_(
+                (index[0], index[1]), torch.ones(len(pairs), device=self.device), accumulate=True
+            )
 
     # ---- sampling tensors --------------------------------------------------------
     def sampling_tensors(self, num_rows: int) -> SamplingTensors:
@@ -237,7 +271,11 @@ class InputBatch:
     def _build_sampling(self, n: int) -> SamplingTensors:
         greedy = self.temperature[:n] < GREEDY_TEMPERATURE_EPS
         top_k = self.top_k[:n]
-        rep, pres, freq = self.repetition_penalty[:n], self.presence_penalty[:n], self.frequency_penalty[:n]
+        rep, pres, freq = (
+            self.repetition_penalty[:n],
+            self.presence_penalty[:n],
+            self.frequency_penalty[:n],
+        )
         no_penalties = bool((rep == 1.0).all() and not pres.any() and not freq.any())
         seeded = np.flatnonzero(self.is_seeded[:n])
         num_logprobs = self.num_logprobs[:n]
@@ -248,7 +286,7 @@ class InputBatch:
             width = max(len(s) for s in suppressed)
             self._pad_suppressed = np.full((n, width), self.vocab_size, np.int64)
             for i, ids in enumerate(suppressed):
-                self._pad_suppressed[i, :len(ids)] = ids
+                self._pad_suppressed[i, : len(ids)] = ids
         dev = self._to_device
         return SamplingTensors(
             temperature=dev(self.temperature[:n]),
@@ -275,7 +313,9 @@ class InputBatch:
             top_p_rows_have_top_k=bool((top_k[self.top_p[:n] < 1.0] > 0).all()),
             needs_logprobs=bool((num_logprobs != _NO_LOGPROBS).any()),
             prompt_mask=None if no_penalties or self.prompt_mask is None else self.prompt_mask[:n],
-            output_counts=None if no_penalties or self.output_counts is None else self.output_counts[:n],
+            output_counts=None
+            if no_penalties or self.output_counts is None
+            else self.output_counts[:n],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

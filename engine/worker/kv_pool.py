@@ -48,8 +48,14 @@ def bytes_per_block(layers: Sequence[KVLayer], block_size: int, dtype: torch.dty
     return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
 
 
-def num_blocks_for(cache: CacheConfig, sched: SchedulerConfig, max_model_len: int, block_bytes: int,
-                   device: torch.device, budget_bytes: int | None = None) -> int:
+def num_blocks_for(
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    max_model_len: int,
+    block_bytes: int,
+    device: torch.device,
+    budget_bytes: int | None = None,
+) -> int:
     """The pool's block count, including the null block 0; ValueError when fewer than 2.
     `budget_bytes`: what a memory profile left for the pool (default: `kv_cache_budget_bytes`)."""
     if cache.num_kv_blocks is not None:
@@ -59,20 +65,30 @@ def num_blocks_for(cache: CacheConfig, sched: SchedulerConfig, max_model_len: in
     else:
         blocks_per_seq = -(-max_model_len // cache.block_size)
         max_useful = sched.max_num_seqs * blocks_per_seq + 1  # what the largest batch could fill
-        budget = (kv_cache_budget_bytes(device) if budget_bytes is None else budget_bytes) // block_bytes
+        budget = (
+            kv_cache_budget_bytes(device) if budget_bytes is None else budget_bytes
+        ) // block_bytes
         if device.type == "cpu":
             wanted_tokens = max(DEFAULT_CPU_KV_TOKENS, max_model_len)
             budget = min(budget, -(-wanted_tokens // cache.block_size) + 1)
         num_blocks = min(budget, max_useful)
     if num_blocks < 2:
-        raise ValueError(f"KV cache too small: {num_blocks} blocks of {block_bytes} bytes; "
-                         f"raise kv_cache_memory (got {cache.kv_cache_memory})")
+        raise ValueError(
+            f"KV cache too small: {num_blocks} blocks of {block_bytes} bytes; "
+            f"raise kv_cache_memory (got {cache.kv_cache_memory})"
+        )
     return num_blocks
 
 
-def allocate_kv_pool(layers: Sequence[KVLayer], cache: CacheConfig, sched: SchedulerConfig,
-                     max_model_len: int, dtype: torch.dtype, device: torch.device,
-                     budget_bytes: int | None = None) -> int:
+def allocate_kv_pool(
+    layers: Sequence[KVLayer],
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget_bytes: int | None = None,
+) -> int:
     """Size the pool, give each layer its zeroed `kv_cache`, return the block count (null block included)."""
     block_bytes = bytes_per_block(layers, cache.block_size, dtype)
     num_blocks = num_blocks_for(cache, sched, max_model_len, block_bytes, device, budget_bytes)
@@ -84,15 +100,27 @@ def allocate_kv_pool(layers: Sequence[KVLayer], cache: CacheConfig, sched: Sched
                 layer.kv_cache = hugepages.zeros(shape, dtype)
             else:
                 layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks - 1, cache.block_size,
-                (num_blocks - 1) * cache.block_size, num_blocks * block_bytes / 2**20)
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+        num_blocks - 1,
+        cache.block_size,
+        (num_blocks - 1) * cache.block_size,
+        num_blocks * block_bytes / 2**20,
+    )
     return num_blocks
 
 
 def prefault(layers: Sequence[KVLayer]) -> None:
     """Fault in a CPU pool's pages now (a background thread's job: each chunk releases the GIL)."""
     start = time.perf_counter()
-    caches = [layer.kv_cache for layer in layers if layer.kv_cache is not None and layer.kv_cache.device.type == "cpu"]
+    caches = [
+        layer.kv_cache
+        for layer in layers
+        if layer.kv_cache is not None and layer.kv_cache.device.type == "cpu"
+    ]
     if caches and all(hugepages.populate(cache) for cache in caches):
-        logger.info("KV pool faulted in (%.1f MiB) in %.2f s",
-                    sum(c.numel() * c.element_size() for c in caches) / 2**20, time.perf_counter() - start)
+        logger.info(
+            "KV pool faulted in (%.1f MiB) in %.2f s",
+            sum(c.numel() * c.element_size() for c in caches) / 2**20,
+            time.perf_counter() - start,
+        )

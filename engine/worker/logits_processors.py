@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.engine.generation_logits import apply_constraints
-from kvserve.engine.worker.input_batch import InputBatch
-from kvserve.engine.spec_decode.verify import SpecRows
 from kvserve.engine.core.step_record import GrammarBitmask
+from kvserve.engine.generation_logits import apply_constraints
+from kvserve.engine.spec_decode.verify import SpecRows
+from kvserve.engine.worker.input_batch import InputBatch
 from kvserve.models import cpu_ops
 
 
@@ -33,8 +33,13 @@ class LogitsProcessors:
         # [B or R] added by the sampler to the logprobs it returns (generation_logits.py); None: nothing
         self.logprob_shift: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
-                 spec: SpecRows | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        grammar: GrammarBitmask | None,
+        num_rows: int,
+        spec: SpecRows | None = None,
+    ) -> torch.Tensor:
         """`logits` [B, V] for rows 0..B-1 of the batch (with `spec`, a speculative step's [R, V]:
         several rows per speculating request); modified in place and returned."""
         self.logprob_shift = None
@@ -49,8 +54,9 @@ class LogitsProcessors:
             apply_bitmask(logits, grammar, self.device)
         return logits
 
-    def _expanded(self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int,
-                  spec: SpecRows) -> torch.Tensor:
+    def _expanded(
+        self, logits: torch.Tensor, grammar: GrammarBitmask | None, num_rows: int, spec: SpecRows
+    ) -> torch.Tensor:
         """Bias on every row of a biased request; the grammar bitmask, which `step_bitmask` already
         made one row per logits row (`GrammarBitmask.expanded`)."""
         per_row = self.batch.logit_bias[:num_rows]
@@ -76,13 +82,19 @@ class LogitsProcessors:
         if not self._constrained:
             return
         first = None if spec is None else spec.first_row.tolist()
-        rows = [(i if first is None else first[i], i, *c) for i in self._constrained
-                if (c := b.constraints[i]) is not None]
+        rows = [
+            (i if first is None else first[i], i, *c)
+            for i in self._constrained
+            if (c := b.constraints[i]) is not None
+        ]
         with_shift = bool((b.num_logprobs[:num_rows] >= 0).any())
-        self.logprob_shift = apply_constraints(logits, rows, b.token_ids, b.num_tokens, b.num_prompt_tokens,
-                                               with_shift)
+        self.logprob_shift = apply_constraints(
+            logits, rows, b.token_ids, b.num_tokens, b.num_prompt_tokens, with_shift
+        )
 
-    def _bias_tensors(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _bias_tensors(
+        self, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(rows [R, 1], ids [R, L], values [R, L]) for the biased rows, rebuilt when the rows change."""
         key = (self.batch.rows_version, num_rows)
         if key == self._bias_key:
@@ -96,8 +108,8 @@ class LogitsProcessors:
             values = np.zeros((len(biased), width), np.float32)
             for r, i in enumerate(biased):
                 pairs = per_row[i]
-                ids[r, :len(pairs)] = [t for t, _ in pairs]
-                values[r, :len(pairs)] = [b for _, b in pairs]
+                ids[r, : len(pairs)] = [t for t, _ in pairs]
+                values[r, : len(pairs)] = [b for _, b in pairs]
             rows = np.array(biased, np.int64)[:, None]
             to_dev = [torch.from_numpy(a).to(self.device) for a in (rows, ids, values)]
             self._bias = (to_dev[0], to_dev[1], to_dev[2])
@@ -111,8 +123,11 @@ def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.d
     the model's vocabulary and those bits are 0."""
     rows, bitmask = list(grammar.rows), grammar.bitmask  # [B, ceil(V/32)] int32
     if device.type == "cpu":
-        if cpu_ops.apply_token_bitmask_(logits, torch.from_numpy(np.ascontiguousarray(bitmask)),
-                                        torch.tensor(rows, dtype=torch.int64)):
+        if cpu_ops.apply_token_bitmask_(
+            logits,
+            torch.from_numpy(np.ascontiguousarray(bitmask)),
+            torch.tensor(rows, dtype=torch.int64),
+        ):
             return
         bitmask = _fill_banned_words(logits, rows, bitmask)  # without the C++ kernels
     import xgrammar
@@ -120,7 +135,9 @@ def apply_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, device: torch.d
     bitmask_t = torch.from_numpy(bitmask)
     if device.type != "cpu":
         bitmask_t = bitmask_t.to(device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask_t, vocab_size=logits.shape[-1], indices=rows)
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask_t, vocab_size=logits.shape[-1], indices=rows
+    )
 
 
 def _fill_banned_words(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> np.ndarray:
@@ -135,7 +152,7 @@ def _fill_banned_words(logits: torch.Tensor, rows: list[int], bitmask: np.ndarra
     zero[rows] = bitmask[rows, :num_words] == 0
     if zero.sum() * 4 <= len(rows) * num_words:
         return bitmask
-    words = logits[:, :num_words * 32].view(num_rows, num_words, 32)
+    words = logits[:, : num_words * 32].view(num_rows, num_words, 32)
     words.masked_fill_(torch.from_numpy(zero)[..., None], float("-inf"))
     bitmask = bitmask.copy()
     bitmask[:, :num_words][zero] = -1  # already done

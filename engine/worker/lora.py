@@ -17,8 +17,16 @@ import torch
 from torch import nn
 
 from kvserve.models import lora_cpu
-from kvserve.models.lora import (LoRAAdapter, LoRABatch, LoRABatchMeta, LoRAKernel, LoRALinear, load_adapter,
-                                 lora_apply_torch, wrap_model)
+from kvserve.models.lora import (
+    LoRAAdapter,
+    LoRABatch,
+    LoRABatchMeta,
+    LoRAKernel,
+    LoRALinear,
+    load_adapter,
+    lora_apply_torch,
+    wrap_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,34 +34,68 @@ logger = logging.getLogger(__name__)
 def select_kernel(attention_backend: str) -> LoRAKernel:
     """Triton's shrink/expand with the Triton attention backend (CUDA, or the interpreter), else torch's."""
     if attention_backend == "triton":
-        from kvserve.models.kernels.triton_lora import lora_apply_triton  # imports triton: only when chosen
+        from kvserve.models.kernels.triton_lora import (
+            lora_apply_triton,  # imports triton: only when chosen
+        )
 
         return lora_apply_triton
     return lora_apply_torch
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, architecture: str, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, attention_backend: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        architecture: str,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        attention_backend: str,
+        device: torch.device,
+    ) -> None:
         self.model, self.device = model, device
-        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = (
+            max_loras,
+            max_lora_rank,
+            max_cpu_loras,
+        )
         self.batch = LoRABatch()
         # bf16 on the CPU: the kernel set's shrink/expand, which the C++ decoder stack runs too
         cpu_reason = lora_cpu.fits(model) if device.type == "cpu" else "not on the CPU"
         wrapper_cls = lora_cpu.CpuLoRALinear if cpu_reason is None else LoRALinear
-        self.wrappers: dict[str, LoRALinear] = wrap_model(model, architecture, max_loras, max_lora_rank, self.batch,
-                                                          select_kernel(attention_backend), wrapper_cls)
-        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora id -> adapter, least recent first
-        self.paths: dict[int, tuple[str, str]] = {}  # lora id -> (name, path), to reload after an eviction
-        self.slots: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
-        logger.info("LoRA: %d slots of rank <= %d on %d linears (%s)", max_loras, max_lora_rank, len(self.wrappers),
-                    "CPU kernels" if cpu_reason is None else f"{attention_backend} kernels: {cpu_reason}")
+        self.wrappers: dict[str, LoRALinear] = wrap_model(
+            model,
+            architecture,
+            max_loras,
+            max_lora_rank,
+            self.batch,
+            select_kernel(attention_backend),
+            wrapper_cls,
+        )
+        self.cpu: OrderedDict[int, LoRAAdapter] = (
+            OrderedDict()
+        )  # lora id -> adapter, least recent first
+        self.paths: dict[
+            int, tuple[str, str]
+        ] = {}  # lora id -> (name, path), to reload after an eviction
+        self.slots: OrderedDict[int, int] = (
+            OrderedDict()
+        )  # lora id -> slot, least recently used first
+        logger.info(
+            "LoRA: %d slots of rank <= %d on %d linears (%s)",
+            max_loras,
+            max_lora_rank,
+            len(self.wrappers),
+            "CPU kernels" if cpu_reason is None else f"{attention_backend} kernels: {cpu_reason}",
+        )
 
     def add(self, lora_id: int, name: str, path: str) -> LoRAAdapter:
         """Read (or find) adapter `lora_id` on the CPU; ValueError if it cannot be served."""
         known = self.paths.get(lora_id)
         if known is not None and known != (name, path):
-            raise ValueError(f"lora_int_id {lora_id} is already {known[0]!r} at {known[1]!r}, not {name!r} at {path!r}")
+            raise ValueError(
+                f"lora_int_id {lora_id} is already {known[0]!r} at {known[1]!r}, not {name!r} at {path!r}"
+            )
         adapter = self.cpu.get(lora_id)
         if adapter is None:
             adapter = load_adapter(path, name, self.model, self.wrappers, self.max_lora_rank)
@@ -110,7 +152,9 @@ class LoRAManager:
         self.batch.meta = group_tokens(row_slots, query_lens, self.device)
 
 
-def group_tokens(row_slots: np.ndarray, query_lens: np.ndarray, device: torch.device) -> LoRABatchMeta:
+def group_tokens(
+    row_slots: np.ndarray, query_lens: np.ndarray, device: torch.device
+) -> LoRABatchMeta:
     """The step's tokens that use an adapter, grouped by slot: rows' slots [B] (-1 = base) and
     tokens [B] -> the kernels' segments (numpy, no per-token loop)."""
     token_slots = np.repeat(row_slots, query_lens)  # [T]
@@ -122,6 +166,10 @@ def group_tokens(row_slots: np.ndarray, query_lens: np.ndarray, device: torch.de
         return torch.from_numpy(a.astype(dtype)).to(device, non_blocking=True)
 
     return LoRABatchMeta(
-        token_order=to_dev(order, np.int64), seg_starts=to_dev(starts, np.int32), seg_lens=to_dev(lens, np.int32),
-        seg_slots=to_dev(slots, np.int32), segments=[(int(s), int(b), int(b + n)) for s, b, n in zip(slots, starts, lens)],
-        max_seg_len=int(lens.max()))
+        token_order=to_dev(order, np.int64),
+        seg_starts=to_dev(starts, np.int32),
+        seg_lens=to_dev(lens, np.int32),
+        seg_slots=to_dev(slots, np.int32),
+        segments=[(int(s), int(b), int(b + n)) for s, b, n in zip(slots, starts, lens)],
+        max_seg_len=int(lens.max()),
+    )

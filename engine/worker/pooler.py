@@ -26,13 +26,21 @@ POOLING_CODES = {"last": POOL_LAST, "mean": POOL_MEAN}
 
 class Pooler:
     def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}  # request id -> [hidden] float32, mean pooling's partial sum
+        self.sums: dict[
+            str, torch.Tensor
+        ] = {}  # request id -> [hidden] float32, mean pooling's partial sum
 
-    def __call__(self, step: StepRecord, hidden: torch.Tensor, batch: InputBatch) -> dict[str, bytes]:
+    def __call__(
+        self, step: StepRecord, hidden: torch.Tensor, batch: InputBatch
+    ) -> dict[str, bytes]:
         """The vectors of the embedding requests whose prompt this step completes: request id ->
         little-endian float32 bytes. `hidden` [T, hidden] is the step's flat batch, rows 0..B-1 of
         `batch` (an `InputBatch`) are the step's requests."""
-        for req_id in (*step.finished_req_ids, *step.preempted_req_ids, *(r.req_id for r in step.new_requests)):
+        for req_id in (
+            *step.finished_req_ids,
+            *step.preempted_req_ids,
+            *(r.req_id for r in step.new_requests),
+        ):
             self.sums.pop(req_id, None)
         num_reqs = len(step.req_ids)
         kinds = batch.pooling_type[:num_reqs]
@@ -68,6 +76,10 @@ class Pooler:
             vectors.append(vector)
         if not vectors:
             return {}
-        flat = torch.cat(vectors).cpu().numpy().astype("<f4")  # one device->host copy for the step's vectors
+        flat = (
+            torch.cat(vectors).cpu().numpy().astype("<f4")
+        )  # one device->host copy for the step's vectors
         sizes = np.cumsum([0] + [v.shape[0] for v in vectors]).tolist()
-        return {req_id: flat[sizes[k]:sizes[k + 1]].tobytes() for k, req_id in enumerate(done_ids)}
+        return {
+            req_id: flat[sizes[k] : sizes[k + 1]].tobytes() for k, req_id in enumerate(done_ids)
+        }

@@ -67,7 +67,9 @@ class SamplingTensors:
     no_penalties: bool
     max_top_k: int | None = None  # largest active top_k (host); None = unknown, use V
     needs_logprobs: bool = True  # False: no row asked for logprobs, skip computing them
-    top_p_rows_have_top_k: bool = False  # every row with top_p < 1 has a top_k: top-p sorts [B, max_top_k]
+    top_p_rows_have_top_k: bool = (
+        False  # every row with top_p < 1 has a top_k: top-p sorts [B, max_top_k]
+    )
     # penalty state kept on the device by the runner's InputBatch (used instead of the id lists)
     prompt_mask: Tensor | None = None  # [B, V] bool, token occurs in the prompt
     output_counts: Tensor | None = None  # [B, V] float32, occurrences in the output
@@ -179,8 +181,13 @@ class Sampler:
         if t.all_greedy and plain:  # with logprobs (beam search asks for them every step)
             # the raw logits' argmax: no token is strictly more likely, so every rank is 1 (one
             # pass over [B, V] fewer than counting)
-            return _logprob_output(logits, cpu_ops.greedy_argmax(logits), t.max_num_logprobs, ranks_are_1=True,
-                                   shift=t.logprob_shift)
+            return _logprob_output(
+                logits,
+                cpu_ops.greedy_argmax(logits),
+                t.max_num_logprobs,
+                ranks_are_1=True,
+                shift=t.logprob_shift,
+            )
         raw = logits.float()  # [B, V]; may alias `logits`, never written to
         x = raw
         if t.suppressed_token_ids is not None or not t.no_penalties:
@@ -192,10 +199,16 @@ class Sampler:
                     prompt_mask, output_counts = t.prompt_mask, t.output_counts
                 else:
                     prompt_mask, output_counts = penalty_state(
-                        t.prompt_token_ids, t.output_token_ids, x.shape[0], x.shape[1], x.device)
+                        t.prompt_token_ids, t.output_token_ids, x.shape[0], x.shape[1], x.device
+                    )
                 x = apply_penalty_state(
-                    x, prompt_mask, output_counts, t.repetition_penalty, t.presence_penalty,
-                    t.frequency_penalty)
+                    x,
+                    prompt_mask,
+                    output_counts,
+                    t.repetition_penalty,
+                    t.presence_penalty,
+                    t.frequency_penalty,
+                )
         if t.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
@@ -227,17 +240,26 @@ def apply_penalties(
     """Repetition, then frequency, then presence penalty (vLLM's order). Returns new logits."""
     num_reqs, vocab_size = logits.shape
     prompt_mask, output_counts = penalty_state(
-        prompt_token_ids, output_token_ids, num_reqs, vocab_size, logits.device)
+        prompt_token_ids, output_token_ids, num_reqs, vocab_size, logits.device
+    )
     return apply_penalty_state(
-        logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
+        logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty
+    )
 
 
-def penalty_state(prompt_token_ids: Tensor | None, output_token_ids: Tensor | None, num_reqs: int,
-                  vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def penalty_state(
+    prompt_token_ids: Tensor | None,
+    output_token_ids: Tensor | None,
+    num_reqs: int,
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
     """Padded id lists -> (prompt_mask [B, V] bool, output_counts [B, V] float32), from scratch."""
     counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.float32, device=device)
     if output_token_ids is not None:
-        counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=counts.dtype))
+        counts.scatter_add_(
+            1, output_token_ids, torch.ones_like(output_token_ids, dtype=counts.dtype)
+        )
     seen = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool, device=device)
     if prompt_token_ids is not None:
         seen.scatter_(1, prompt_token_ids, True)
@@ -318,9 +340,15 @@ def _top_p_within_top_k(logits: Tensor, top_k: Tensor, top_p: Tensor, kmax: int)
     above = logits > kth  # [B, V]
     at_kth = logits == kth
     # the stable sort's first k: all tokens above the k-th value, then the lowest ids equal to it
-    in_top_k = above | (at_kth & (at_kth.cumsum(dim=-1, dtype=torch.int32) <= k - above.sum(-1, keepdim=True)))
-    values, ids = logits.masked_fill(~in_top_k, float("-inf")).topk(kmax, dim=-1)  # [B, kmax], top-k ⊆ ids
-    ids, by_id = ids.sort(dim=-1)  # order the candidates as the stable sort does: by value, ties by id
+    in_top_k = above | (
+        at_kth & (at_kth.cumsum(dim=-1, dtype=torch.int32) <= k - above.sum(-1, keepdim=True))
+    )
+    values, ids = logits.masked_fill(~in_top_k, float("-inf")).topk(
+        kmax, dim=-1
+    )  # [B, kmax], top-k ⊆ ids
+    ids, by_id = ids.sort(
+        dim=-1
+    )  # order the candidates as the stable sort does: by value, ties by id
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, by_value)
     keep = torch.zeros_like(in_top_k).scatter_(1, ids, ~_top_p_drop(values, top_p))
@@ -367,8 +395,13 @@ def _sample_random(x: Tensor, t: SamplingTensors) -> Tensor:
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _logprob_output(raw: Tensor, token_ids: Tensor, num_logprobs: int, ranks_are_1: bool = False,
-                    shift: Tensor | None = None) -> SamplerOutput:
+def _logprob_output(
+    raw: Tensor,
+    token_ids: Tensor,
+    num_logprobs: int,
+    ranks_are_1: bool = False,
+    shift: Tensor | None = None,
+) -> SamplerOutput:
     """The log-softmax of the raw logits [B, V] (any float dtype) at the sampled tokens and its top
     `num_logprobs` (plus `shift` [B] per row), and each sampled token's rank (1 + tokens strictly
     more likely)."""

@@ -31,9 +31,9 @@ import torch
 
 from kvserve.engine import messages
 from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.core.step_record import StepRecord
 from kvserve.engine.messages import StartFailed, WorkerLoaded, WorkerStep
 from kvserve.engine.worker.runner import ModelRunner
-from kvserve.engine.core.step_record import StepRecord
 from kvserve.models.parallel import ParallelState, new_group
 
 logger = logging.getLogger(__name__)
@@ -60,29 +60,39 @@ class WorkerRunner(ModelRunner):
     """The runner of a rank > 0: rank 0's batch bookkeeping and forward, without sampling."""
 
     @torch.inference_mode()
-    def execute_worker(self, step: StepRecord, prev_sampled: tuple[int | None, ...],
-                       prev_num_accepted: tuple[int, ...] = ()) -> None:
+    def execute_worker(
+        self,
+        step: StepRecord,
+        prev_sampled: tuple[int | None, ...],
+        prev_num_accepted: tuple[int, ...] = (),
+    ) -> None:
         """Append the tokens rank 0 sampled last step (rows are still that step's): the drafts it
         accepted (already in this batch's token ids, after the rows' tokens) and its sampled token;
         then run this step."""
         if prev_num_accepted:
-            self.batch.num_tokens[:len(prev_num_accepted)] += np.array(prev_num_accepted, np.int64)
+            self.batch.num_tokens[: len(prev_num_accepted)] += np.array(prev_num_accepted, np.int64)
         rows = [i for i, token in enumerate(prev_sampled) if token is not None]
         if rows:
             token_ids = np.array([prev_sampled[i] for i in rows], np.int64)
-            self.batch.append_sampled(np.array(rows, np.int64), token_ids, None, None)  # no penalty state here
-        hidden, _, _, prompt_rows, _, owners, _ = self._forward(step)  # (the LM head ran on rank 0's rows too)
+            self.batch.append_sampled(
+                np.array(rows, np.int64), token_ids, None, None
+            )  # no penalty state here
+        hidden, _, _, prompt_rows, _, owners, _ = self._forward(
+            step
+        )  # (the LM head ran on rank 0's rows too)
         if owners:  # rank 0 scores prompt logprobs in chunks: one LM-head gather each
             chunk = self.max_num_seqs
             for i in range(0, len(prompt_rows), chunk):
-                self.model.compute_logits(hidden[self._to_device(prompt_rows[i:i + chunk])])
+                self.model.compute_logits(hidden[self._to_device(prompt_rows[i : i + chunk])])
 
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point (spawned by the executor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level,
-                        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {args.rank}]: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {args.rank}]: %(message)s",
+    )
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
@@ -92,14 +102,26 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         conn.send_bytes(messages.encode(WorkerLoaded()))
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
-                              timeout=datetime.timedelta(seconds=args.timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            args.store_port,
+            args.size,
+            False,
+            timeout=datetime.timedelta(seconds=args.timeout_s),
+        )
         parallel.group = new_group(store, args.rank, args.size, device, args.timeout_s)
 
     try:
-        runner = WorkerRunner(replace(args.model_config, device=args.device), args.cache_config,
-                              args.scheduler_config, args.model_path, args.hf_config, args.max_model_len,
-                              parallel, join_group)
+        runner = WorkerRunner(
+            replace(args.model_config, device=args.device),
+            args.cache_config,
+            args.scheduler_config,
+            args.model_path,
+            args.hf_config,
+            args.max_model_len,
+            parallel,
+            join_group,
+        )
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         logger.exception("tensor-parallel worker start-up failed")
         try:
@@ -122,7 +144,9 @@ def _serve(runner: WorkerRunner, conn: Connection, rank: int) -> int:
         if not isinstance(message, WorkerStep):  # Stop
             return 0
         try:
-            runner.execute_worker(message.record, message.prev_sampled_token_ids, message.prev_num_accepted)
+            runner.execute_worker(
+                message.record, message.prev_sampled_token_ids, message.prev_num_accepted
+            )
         except Exception:  # a collective timed out, a peer vanished, or the step itself failed
             logger.exception("tensor-parallel worker %d: step failed; exiting", rank)
             return 1

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 BACKENDS = ATTENTION_BACKENDS
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int]) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, dtype: torch.dtype, head_dims: set[int]
+) -> AttentionBackend:
     """The backend called `name` ('auto': the device's best) for a model on `device`; ValueError
     naming the reason when it cannot run there."""
     if name not in BACKENDS:
@@ -39,7 +41,9 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim
 
         return CpuAttentionBackend(dtype, head_dims)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
+        raise ValueError(
+            f"attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}"
+        )
     if not _triton_available():
         raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
     from kvserve.models.attention.triton import TritonAttentionBackend

@@ -18,7 +18,12 @@ from torch import Tensor
 from kvserve.models import cpu_ops
 from kvserve.models.attention.layer import Attention
 from kvserve.models.attention.metadata import ForwardContext
-from kvserve.models.attention.torch_ref import PrefillRequest, StepPlan, TorchAttentionBackend, cos_sin_of
+from kvserve.models.attention.torch_ref import (
+    PrefillRequest,
+    StepPlan,
+    TorchAttentionBackend,
+    cos_sin_of,
+)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -26,15 +31,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, dtype: torch.dtype, head_dims: set[int]) -> None:
         has_ops = cpu_ops.load()
-        self.paged_kernels = (has_ops and dtype == torch.bfloat16 and cpu_ops.has_fast_bf16()
-                              and all(d % 32 == 0 and d <= 256 for d in head_dims))
+        self.paged_kernels = (
+            has_ops
+            and dtype == torch.bfloat16
+            and cpu_ops.has_fast_bf16()
+            and all(d % 32 == 0 and d <= 256 for d in head_dims)
+        )
         self.fused_write = has_ops
         self.fused_rotary = has_ops and dtype in (torch.bfloat16, torch.float32)
 
-    def rotate(self, layer: Attention, context: ForwardContext, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rotate(
+        self, layer: Attention, context: ForwardContext, qkv: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if layer.rotary is None or not self._rotates_in_place(layer, qkv):
             return super().rotate(layer, context, qkv)
-        cpu_ops.rotary_(qkv, cos_sin_of(layer, context), layer.num_heads + layer.num_kv_heads, layer.head_dim)
+        cpu_ops.rotary_(
+            qkv, cos_sin_of(layer, context), layer.num_heads + layer.num_kv_heads, layer.head_dim
+        )
         return layer.split_qkv(qkv)
 
     def _rotates_in_place(self, layer: Attention, qkv: Tensor) -> bool:
@@ -55,14 +68,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().decode(layer, plan, q)
         if layer.kv_cache is None:
             raise RuntimeError("decode rows need a kv_cache (assign Attention.kv_cache first)")
-        return cpu_ops.paged_decode_attention(q, *layer.kv, plan.decode_block_table, plan.decode_seq_lens,
-                                              layer.scale, layer.sliding_window, softcap=layer.logit_softcap)
+        return cpu_ops.paged_decode_attention(
+            q,
+            *layer.kv,
+            plan.decode_block_table,
+            plan.decode_seq_lens,
+            layer.scale,
+            layer.sliding_window,
+            softcap=layer.logit_softcap,
+        )
 
-    def prefill(self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor,
-                v: Tensor) -> Tensor:
+    def prefill(
+        self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor, v: Tensor
+    ) -> Tensor:
         if not self.paged_kernels or layer.kv_cache is None:
             return super().prefill(layer, plan, p, q, k, v)
         # causal over the paged cache (this chunk's K/V are already written), no gathers
-        return cpu_ops.paged_prefill_attention(q[p.start : p.start + p.query_len], *layer.kv,
-                                               plan.meta.block_table[p.req_idx], p.seq_len, layer.scale,
-                                               layer.sliding_window, softcap=layer.logit_softcap)
+        return cpu_ops.paged_prefill_attention(
+            q[p.start : p.start + p.query_len],
+            *layer.kv,
+            plan.meta.block_table[p.req_idx],
+            p.seq_len,
+            layer.scale,
+            layer.sliding_window,
+            softcap=layer.logit_softcap,
+        )

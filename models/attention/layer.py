@@ -11,14 +11,17 @@ from kvserve.models.attention.backend import reference_backend
 
 class AttentionBackend:
     name = "base"
-    index_dtype = torch.int64  # of the metadata's slot_mapping / block_table / seq_lens / cu_seqlens_q
-    supports_cuda_graphs = False  # its decode path depends on no host value that changes between steps
+    index_dtype = (
+        torch.int64
+    )  # of the metadata's slot_mapping / block_table / seq_lens / cu_seqlens_q
+    supports_cuda_graphs = (
+        False  # its decode path depends on no host value that changes between steps
+    )
 
     def forward(self, layer: Attention, qkv: Tensor) -> Tensor:
         """qkv [T, (H + 2 KvH) * D] (rows may be strided) -> [T, H * D]: rotary on q and k,
         the new K/V into the layer's cache, then causal attention over the cache."""
         raise NotImplementedError
-
 
 
 class Attention(nn.Module):
@@ -34,12 +37,21 @@ class Attention(nn.Module):
     is the torch reference until the loader sets the device's (`select_backend`).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, rotary: nn.Module | None = None,
-                 logit_softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        rotary: nn.Module | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -60,7 +72,9 @@ class Attention(nn.Module):
     @kv_cache.setter
     def kv_cache(self, cache: Tensor | None) -> None:
         if cache is not None and (
-            cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (self.num_kv_heads, self.head_dim)
+            cache.dim() != 5
+            or cache.shape[0] != 2
+            or tuple(cache.shape[3:]) != (self.num_kv_heads, self.head_dim)
         ):
             raise ValueError(
                 f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
@@ -79,9 +93,11 @@ class Attention(nn.Module):
     def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """[T, (H + 2 KvH) * D] -> views q [T, H, D], k [T, KvH, D], v [T, KvH, D]."""
         num_tokens, qk = qkv.shape[0], self.q_size + self.kv_size
-        return (qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim),
-                qkv[:, self.q_size : qk].view(num_tokens, self.num_kv_heads, self.head_dim),
-                qkv[:, qk:].view(num_tokens, self.num_kv_heads, self.head_dim))
+        return (
+            qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim),
+            qkv[:, self.q_size : qk].view(num_tokens, self.num_kv_heads, self.head_dim),
+            qkv[:, qk:].view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
 
     def forward(self, qkv: Tensor) -> Tensor:  # [T, (H + 2 KvH) * D] -> [T, H * D]
         return self.backend.forward(self, qkv)

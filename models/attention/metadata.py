@@ -55,8 +55,9 @@ class ForwardContext:
         return self._cache[key]
 
 
-_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("kvserve_forward_context",
-                                                                                default=None)
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "kvserve_forward_context", default=None
+)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,9 @@ class DecodeChunk:
     start: int
     stop: int
     block_ids: Tensor  # [(stop - start) * n] blocks to gather, n per row
-    mask: Tensor | None  # [stop - start, 1, 1, L]; None when every row attends to exactly its first L keys
+    mask: (
+        Tensor | None
+    )  # [stop - start, 1, 1, L]; None when every row attends to exactly its first L keys
     num_keys: int  # L
 
 
@@ -75,7 +77,9 @@ class StepPlan:
             self._decode_chunks[key] = self._build_decode_chunks(window, kv_bytes_per_token)
         return self._decode_chunks[key]
 
-    def _build_decode_chunks(self, window: int | None, kv_bytes_per_token: int) -> list[DecodeChunk]:
+    def _build_decode_chunks(
+        self, window: int | None, kv_bytes_per_token: int
+    ) -> list[DecodeChunk]:
         seq_lens = [self.meta.seq_lens_cpu[i] for i in self.decode_req_ids]
         if self.meta.block_table.device.type != "cpu":  # no cache to stay inside: one chunk
             return [self._decode_chunk(0, len(seq_lens), window)]
@@ -112,7 +116,9 @@ class StepPlan:
             block_ids = table.gather(1, cols.long())  # [b, n]
             key_pos = first * bs + torch.arange(num_blocks * bs, device=device)  # [b, L]
             mask = (key_pos < seq_lens) & (key_pos >= seq_lens - window)
-        return DecodeChunk(start, stop, block_ids.flatten(), mask[:, None, None, :], num_blocks * bs)
+        return DecodeChunk(
+            start, stop, block_ids.flatten(), mask[:, None, None, :], num_blocks * bs
+        )
 
 
 def make_plan(meta: AttentionMetadata) -> StepPlan:
@@ -137,7 +143,9 @@ def make_plan(meta: AttentionMetadata) -> StepPlan:
             decode_rows = rows.to(device, non_blocking=True)
             decode_seq_lens = meta.seq_lens.index_select(0, req_idx)
             decode_table = meta.block_table.index_select(0, req_idx)
-    return StepPlan(meta, decode_req_ids, is_all_decode, decode_rows, decode_seq_lens, decode_table, prefills)
+    return StepPlan(
+        meta, decode_req_ids, is_all_decode, decode_rows, decode_seq_lens, decode_table, prefills
+    )
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -152,13 +160,17 @@ class TorchAttentionBackend(AttentionBackend):
         return self.attend(layer, plan, q, k, v)
 
     # ---- rotary and the cache write ----------------------------------------------
-    def rotate(self, layer: Attention, context: ForwardContext, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rotate(
+        self, layer: Attention, context: ForwardContext, qkv: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """qkv -> q [T, H, D], k [T, KvH, D], v [T, KvH, D], q and k rotated (new tensors here)."""
         num_tokens = qkv.shape[0]
         q, k, v = layer.split_qkv(qkv)
         if layer.rotary is None:
             return q, k, v
-        qk = qkv[:, : layer.q_size + layer.kv_size].view(num_tokens, layer.num_heads + layer.num_kv_heads, -1)
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(
+            num_tokens, layer.num_heads + layer.num_kv_heads, -1
+        )
         qk = apply_rotary(qk, cos_sin_of(layer, context))  # q and k rotated in one pass
         return qk[:, : layer.num_heads], qk[:, layer.num_heads :], v
 
@@ -177,11 +189,15 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.is_all_decode and num_tokens == num_decodes:
             return self.decode(layer, plan, q)
         scheduled = sum(plan.meta.query_lens_cpu)
-        out = (q.new_empty if num_tokens == scheduled else q.new_zeros)(num_tokens, layer.num_heads * layer.head_dim)
+        out = (q.new_empty if num_tokens == scheduled else q.new_zeros)(
+            num_tokens, layer.num_heads * layer.head_dim
+        )
         if plan.is_all_decode:
             out[:num_decodes] = self.decode(layer, plan, q[:num_decodes])
         elif num_decodes:
-            out.index_copy_(0, plan.decode_rows, self.decode(layer, plan, q.index_select(0, plan.decode_rows)))
+            out.index_copy_(
+                0, plan.decode_rows, self.decode(layer, plan, q.index_select(0, plan.decode_rows))
+            )
         for p in plan.prefills:
             out[p.start : p.start + p.query_len] = self.prefill(layer, plan, p, q, k, v)
         return out
@@ -197,7 +213,9 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode_chunk(layer, chunks[0], q)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         for chunk in chunks:
-            out[chunk.start : chunk.stop] = self._decode_chunk(layer, chunk, q[chunk.start : chunk.stop])
+            out[chunk.start : chunk.stop] = self._decode_chunk(
+                layer, chunk, q[chunk.start : chunk.stop]
+            )
         return out
 
     def _decode_chunk(self, layer: Attention, chunk: DecodeChunk, q: Tensor) -> Tensor:
@@ -210,13 +228,16 @@ class TorchAttentionBackend(AttentionBackend):
         # (Much faster on CPU than SDPA's enable_gqa with one query per head.)
         q = q.reshape(num_reqs, kv_heads, layer.num_queries_per_kv, head_dim)
         if layer.logit_softcap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=layer.scale)  # [b, KvH, G, D]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, scale=layer.scale
+            )  # [b, KvH, G, D]
         else:
             out = softcapped_attention(q, k, v, chunk.mask, layer.scale, layer.logit_softcap)
         return out.reshape(num_reqs, layer.num_heads * head_dim)
 
-    def prefill(self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor,
-                v: Tensor) -> Tensor:
+    def prefill(
+        self, layer: Attention, plan: StepPlan, p: PrefillRequest, q: Tensor, k: Tensor, v: Tensor
+    ) -> Tensor:
         """One request's query_len > 1 rows (after seq_len - query_len cached tokens) -> [query_len, H*D]."""
         bs, window = plan.meta.block_size, layer.sliding_window
         num_cached = p.seq_len - p.query_len
@@ -227,9 +248,13 @@ class TorchAttentionBackend(AttentionBackend):
             ki, vi = k[rows], v[rows]  # [Lq, KvH, D]
         else:
             if layer.kv_cache is None:
-                raise RuntimeError("a cached prefix needs a kv_cache (assign Attention.kv_cache first)")
+                raise RuntimeError(
+                    "a cached prefix needs a kv_cache (assign Attention.kv_cache first)"
+                )
             first_key = 0 if window is None else max(0, num_cached - window + 1) // bs * bs
-            block_ids = plan.meta.block_table[p.req_idx, first_key // bs : -(-p.seq_len // bs)].long()
+            block_ids = plan.meta.block_table[
+                p.req_idx, first_key // bs : -(-p.seq_len // bs)
+            ].long()
             ki, vi = gather_blocks(layer.kv_cache, block_ids)  # [n * bs, KvH, D] each
             ki, vi = ki[: p.seq_len - first_key], vi[: p.seq_len - first_key]
         ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, KvH, Lk, D]
@@ -281,33 +306,47 @@ def gather_blocks(cache: Tensor, block_ids: Tensor) -> tuple[Tensor, Tensor]:
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def sdpa_gqa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-             softcap: float | None = None) -> Tensor:
+def sdpa_gqa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None = None
+) -> Tensor:
     """SDPA with fewer KV heads than query heads; causal when `mask` is None. With `softcap`
     (which SDPA cannot do), `softcapped_attention`."""
     if softcap is not None:
         rep = q.shape[1] // k.shape[1]
         if mask is None:  # causal, the queries being the last Lq keys
             num_queries, num_keys = q.shape[2], k.shape[2]
-            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
-        return softcapped_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask, scale,
-                                    softcap)
+            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(
+                num_keys - num_queries
+            )
+        return softcapped_attention(
+            q,
+            k.repeat_interleave(rep, dim=1),
+            v.repeat_interleave(rep, dim=1),
+            mask,
+            scale,
+            softcap,
+        )
     if q.shape[1] != k.shape[1] and not _HAS_ENABLE_GQA:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **kwargs
+    )
 
 
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                         softcap: float) -> Tensor:
+def softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float
+) -> Tensor:
     """Attention with Gemma 2's logit soft-capping, in HF's eager order: scores = q k^T * scale,
     capped as `softcap * tanh(scores / softcap)`, masked, softmax in fp32 rounded to q's dtype,
     times v. q [..., Lq, D], k/v [..., Lk, D] (same number of heads), mask bool broadcastable to
     [..., Lq, Lk] (True = visible) or None (all visible) -> [..., Lq, D]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:  # the dtype's minimum as HF adds it, so a row with nothing visible stays finite
+    if (
+        mask is not None
+    ):  # the dtype's minimum as HF adds it, so a row with nothing visible stays finite
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)

@@ -29,8 +29,16 @@ class TritonAttentionBackend(AttentionBackend):
         q, k, v = layer.split_qkv(qkv)
         k_cache, v_cache = layer.kv
         if layer.rotary is not None:
-            triton_ops.rotary_and_cache_write(q, k, v, layer.rotary.cos_sin_cache, meta.positions,
-                                              k_cache, v_cache, meta.slot_mapping)
+            triton_ops.rotary_and_cache_write(
+                q,
+                k,
+                v,
+                layer.rotary.cos_sin_cache,
+                meta.positions,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
         else:
             # no rotary (GPT-2): padding rows (slot -1) write into the null block, which no one reads
             slots = meta.slot_mapping.clamp_min(0).long()
@@ -38,10 +46,27 @@ class TritonAttentionBackend(AttentionBackend):
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
         if meta.is_all_decode:
             out = triton_attention.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale, layer.sliding_window,
-                meta.max_seq_len, softcap=layer.logit_softcap)
+                q,
+                k_cache,
+                v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                layer.scale,
+                layer.sliding_window,
+                meta.max_seq_len,
+                softcap=layer.logit_softcap,
+            )
         else:
             out = triton_attention.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, layer.scale,
-                layer.sliding_window, meta.max_query_len, softcap=layer.logit_softcap)
+                q,
+                k_cache,
+                v_cache,
+                meta.block_table,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                layer.scale,
+                layer.sliding_window,
+                meta.max_query_len,
+                softcap=layer.logit_softcap,
+            )
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)

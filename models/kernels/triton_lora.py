@@ -31,9 +31,25 @@ _INTERPRET = bool(triton.knobs.runtime.interpret)
 
 @triton.jit
 def _sgmv_kernel(
-    x_ptr, w_ptr, y_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, N, K,
-    stride_xm, stride_ws, stride_wn, stride_ym,
-    ADD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    order_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_slot_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_ws,
+    stride_wn,
+    stride_ym,
+    ADD: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m, pid_n, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(seg_start_ptr + seg)
@@ -48,12 +64,25 @@ def _sgmv_kernel(
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < K
-        w = tl.load(w_ptr + slot * stride_ws + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(w.dtype)  # [BM, BK]
-        if UPCAST:  # the interpreter's bf16 / fp16 dot is wrong: its products in fp32 (exact anyway)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
+        w = tl.load(
+            w_ptr + slot * stride_ws + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BN, BK]
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_xm + kk[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(w.dtype)  # [BM, BK]
+        if (
+            UPCAST
+        ):  # the interpreter's bf16 / fp16 dot is wrong: its products in fp32 (exact anyway)
+            acc += tl.dot(
+                x.to(tl.float32),
+                tl.trans(w.to(tl.float32)),
+                input_precision="ieee",
+                out_dtype=tl.float32,
+            )
         elif IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -70,9 +99,25 @@ def _launch(x: Tensor, w: Tensor, y: Tensor, meta: LoRABatchMeta, add: bool) -> 
     num_segs, (n, k) = meta.seg_slots.shape[0], w.shape[1:]
     grid = (triton.cdiv(meta.max_seg_len, BLOCK_M), triton.cdiv(n, BLOCK_N), num_segs)
     _sgmv_kernel[grid](
-        x, w, y, meta.token_order, meta.seg_starts, meta.seg_lens, meta.seg_slots, n, k,
-        x.stride(0), w.stride(0), w.stride(1), y.stride(0),
-        ADD=add, IEEE=w.dtype == torch.float32, UPCAST=_INTERPRET, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        x,
+        w,
+        y,
+        meta.token_order,
+        meta.seg_starts,
+        meta.seg_lens,
+        meta.seg_slots,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        ADD=add,
+        IEEE=w.dtype == torch.float32,
+        UPCAST=_INTERPRET,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
     )
 
 
@@ -89,7 +134,9 @@ def lora_expand(y: Tensor, buf: Tensor, lora_b: Tensor, meta: LoRABatchMeta) -> 
     return y
 
 
-def lora_apply_triton(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoRABatchMeta) -> Tensor:
+def lora_apply_triton(
+    y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoRABatchMeta
+) -> Tensor:
     """The models/lora.py kernel signature: y += per-token adapter outputs (shrink, then expand)."""
     if not y.is_contiguous():
         y = y.contiguous()

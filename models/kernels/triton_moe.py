@@ -30,9 +30,23 @@ fix_interpreter_scalar_index()  # the K loop's runtime bound, under TRITON_INTER
 
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr,
-    N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
-    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_stop_ptr,
+    N,
+    K,
+    num_experts,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_ym,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """One program per (tile of one expert's rows, BN output columns): y[rows] = x[rows] @ W[e].T."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
@@ -50,10 +64,16 @@ def _grouped_gemm_kernel(
     for k0 in range(0, k_end, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        w = tl.load(
+            w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BN, BK]
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -66,11 +86,17 @@ def grouped_gemm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """x [P, K] rows sorted by expert (`counts[e]` rows of expert e, in order) @ W[e].T per run,
     w [E, N, K] -> [P, N] in x's dtype. ValueError naming anything that does not fit."""
     if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x must be [P, K] float32/bfloat16/float16, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"x must be [P, K] float32/bfloat16/float16, got {tuple(x.shape)} {x.dtype}"
+        )
     if w.dim() != 3 or w.shape[2] != x.shape[1] or w.dtype != x.dtype:
-        raise ValueError(f"w must be {x.dtype} [E, N, {x.shape[1]}], got {tuple(w.shape)} {w.dtype}")
+        raise ValueError(
+            f"w must be {x.dtype} [E, N, {x.shape[1]}], got {tuple(w.shape)} {w.dtype}"
+        )
     if counts.shape != (w.shape[0],):
-        raise ValueError(f"counts must be [{w.shape[0]}] (one per expert), got {tuple(counts.shape)}")
+        raise ValueError(
+            f"counts must be [{w.shape[0]}] (one per expert), got {tuple(counts.shape)}"
+        )
     p, k = x.shape
     n = w.shape[1]
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
@@ -81,8 +107,23 @@ def grouped_gemm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     expert, first, stop = tile_table(counts, bm, p)
     grid = (expert.shape[0], triton.cdiv(n, bn))
     _grouped_gemm_kernel[grid](
-        x, w, y, expert, first, stop, n, k, w.shape[0], x.stride(0), w.stride(0), w.stride(1), y.stride(0),
-        IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
+        x,
+        w,
+        y,
+        expert,
+        first,
+        stop,
+        n,
+        k,
+        w.shape[0],
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        IEEE=x.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
     )
     return y
 
@@ -98,7 +139,9 @@ def tile_table(counts: Tensor, block_m: int, num_rows: int) -> tuple[Tensor, Ten
     tile_stop = torch.cumsum(tiles, 0, dtype=torch.int32)  # [E] one past each expert's last tile
     row_stop = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
     t = torch.arange(num_tiles, device=counts.device, dtype=torch.int32)
-    expert = torch.searchsorted(tile_stop, t, right=True).to(torch.int32)  # [tiles]: E past the last tile
+    expert = torch.searchsorted(tile_stop, t, right=True).to(
+        torch.int32
+    )  # [tiles]: E past the last tile
     e = expert.clamp(max=num_experts - 1).long()
     first = row_stop[e] - counts[e] + (t - (tile_stop[e] - tiles[e])) * block_m
     return expert, first.to(torch.int32), row_stop[e]

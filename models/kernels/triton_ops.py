@@ -42,12 +42,34 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _rotary_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_sin_ptr, positions_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    cs_stride_p, cs_stride_2,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-    num_heads, num_kv_heads, block_size,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cs_stride_p,
+    cs_stride_2,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
+    num_heads,
+    num_kv_heads,
+    block_size,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
 ):
     """One program per (token, block of HEAD_BLOCK heads): the q heads of the block, and the
     k/v heads of the block (masked past num_kv_heads). Halves are loaded separately, so
@@ -82,11 +104,23 @@ def _rotary_cache_kernel(
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     cache_mask = kv_mask & (slot >= 0)  # slot -1: a padding row, nothing is written
     block, offset = slot // block_size, slot % block_size
-    kc_at = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h + d[None, :]
+    kc_at = (
+        k_cache_ptr
+        + block * kc_stride_b
+        + offset * kc_stride_s
+        + heads[:, None] * kc_stride_h
+        + d[None, :]
+    )
     tl.store(kc_at, k1_out.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
     tl.store(kc_at + HALF, k2_out.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
     v_at = v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d[None, :]
-    vc_at = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + d[None, :]
+    vc_at = (
+        v_cache_ptr
+        + block * vc_stride_b
+        + offset * vc_stride_s
+        + heads[:, None] * vc_stride_h
+        + d[None, :]
+    )
     v1 = tl.load(v_at, mask=cache_mask, other=0.0)
     v2 = tl.load(v_at + HALF, mask=cache_mask, other=0.0)
     tl.store(vc_at, v1.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
@@ -95,8 +129,18 @@ def _rotary_cache_kernel(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    num_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROUND_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per row; the whole row in registers (BLOCK = next_pow2(num_cols))."""
     row = tl.program_id(0).to(tl.int64)
@@ -105,7 +149,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual_at = residual_ptr + row * residual_stride + cols
-        total = (x + tl.load(residual_at, mask=mask, other=0.0).to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        total = (x + tl.load(residual_at, mask=mask, other=0.0).to(tl.float32)).to(
+            residual_ptr.dtype.element_ty
+        )
         tl.store(residual_at, total, mask=mask)
         x = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
@@ -125,16 +171,28 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, num_cols, BLOCK: 
     x_at = x_ptr + row * x_stride + cols
     gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_at + num_cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds silu's output
+    act = (
+        (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    )  # HF rounds silu's output
     tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launchers (custom ops) ----
 
 
-@torch.library.custom_op("kvserve::triton_rotary_and_cache_write", mutates_args=("q", "k", "k_cache", "v_cache"))
-def _rotary_and_cache_write_op(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, positions: Tensor,
-                               k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+@torch.library.custom_op(
+    "kvserve::triton_rotary_and_cache_write", mutates_args=("q", "k", "k_cache", "v_cache")
+)
+def _rotary_and_cache_write_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
@@ -143,13 +201,35 @@ def _rotary_and_cache_write_op(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: T
     head_block = min(triton.next_power_of_2(num_heads), max(1, 1024 // half_pad))
     grid = (num_tokens, triton.cdiv(max(num_heads, num_kv_heads), head_block))
     _rotary_cache_kernel[grid](
-        q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_heads, num_kv_heads, k_cache.shape[1],
-        HALF=head_dim // 2, HALF_PAD=half_pad, HEAD_BLOCK=head_block, num_warps=4,
+        q,
+        k,
+        v,
+        cos_sin_cache,
+        positions,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        cos_sin_cache.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        k_cache.shape[1],
+        HALF=head_dim // 2,
+        HALF_PAD=half_pad,
+        HEAD_BLOCK=head_block,
+        num_warps=4,
     )
 
 
@@ -165,9 +245,18 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         return out
     block = triton.next_power_of_2(num_cols)
     _rms_norm_kernel[(num_rows,)](
-        x, x if residual is None else residual, weight, out,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), num_cols, eps,
-        HAS_RESIDUAL=residual is not None, ROUND_BEFORE_WEIGHT=x.dtype != torch.float32, BLOCK=block,
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        num_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
+        BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
     )
     return out
@@ -201,7 +290,8 @@ def _silu_and_mul_op(x: Tensor) -> Tensor:
         return out
     block = min(triton.next_power_of_2(num_cols), 1024)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-        x, out, x.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+        x, out, x.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4
+    )
     return out
 
 
@@ -213,8 +303,16 @@ def _(x):
 # ---- public API ----
 
 
-def rotary_and_cache_write(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, positions: Tensor,
-                           k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def rotary_and_cache_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
     """Rotate q and k in place (neox style) and write the rotated k, and v, into the paged cache.
 
     q [T, H, D], k/v [T, KvH, D] (any token/head strides, e.g. views into one packed qkv
@@ -232,22 +330,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _rms_norm_op(x2, weight, eps).view(x.shape)
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """residual <- residual + x (rounded to the dtype, IN PLACE); returns (rms_norm(residual), residual)."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
-                         "must have the same shape and dtype")
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
+            "must have the same shape and dtype"
+        )
     x2, residual2 = _rows(x, weight, "x"), _rows(residual, weight, "residual")
     if residual2.data_ptr() != residual.data_ptr():
-        raise ValueError(f"residual must be viewable as [rows, hidden] to be updated in place, strides "
-                         f"{residual.stride()}")
+        raise ValueError(
+            f"residual must be viewable as [rows, hidden] to be updated in place, strides "
+            f"{residual.stride()}"
+        )
     return _fused_add_rms_norm_op(x2, residual2, weight, eps).view(x.shape), residual
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """[T, 2 * I] -> new [T, I] = silu(x[:, :I]) * x[:, I:] (rows may be strided)."""
     if x.dim() != 2 or x.shape[1] % 2 or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"silu_and_mul takes [T, 2 * I] float32/bfloat16/float16, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"silu_and_mul takes [T, 2 * I] float32/bfloat16/float16, got {tuple(x.shape)} {x.dtype}"
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     return _silu_and_mul_op(x)
@@ -266,7 +372,9 @@ class TritonFusedOps(FusedOps):
             return super().rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
         return fused_add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
@@ -281,7 +389,9 @@ def _compiled(name: str) -> Callable:
     return torch.compile(getattr(TORCH_OPS, name), dynamic=True)
 
 
-def compiled_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def compiled_fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """`FusedOps.add_rms_norm` under torch.compile: returns a new residual (not in place)."""
     return _compiled("add_rms_norm")(x, residual, weight, eps)
 
@@ -298,35 +408,69 @@ def _rows(x: Tensor, weight: Tensor, name: str) -> Tensor:
     if x.dim() < 1 or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"{name} {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"{name} and weight must share one of {SUPPORTED_DTYPES}, got {x.dtype} and {weight.dtype}")
+        raise ValueError(
+            f"{name} and weight must share one of {SUPPORTED_DTYPES}, got {x.dtype} and {weight.dtype}"
+        )
     if x.dim() == 2 and x.stride(1) == 1:
         return x
     return x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, x.shape[-1])
 
 
-def _check_rotary_args(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, positions: Tensor,
-                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"expected q [T, H, D], k and v [T, KvH, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+def _check_rotary_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin_cache: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or v.shape != k.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] != k.shape[2]
+    ):
+        raise ValueError(
+            f"expected q [T, H, D], k and v [T, KvH, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
     num_tokens, _, head_dim = q.shape
     if head_dim % 2:
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
     if cos_sin_cache.dim() != 3 or tuple(cos_sin_cache.shape[1:]) != (2, head_dim):
-        raise ValueError(f"cos_sin_cache must be [max_pos, 2, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"cos_sin_cache must be [max_pos, 2, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+        )
     cache_shape = (k.shape[1], head_dim)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4 or tuple(cache.shape[2:]) != cache_shape:
-            raise ValueError(f"{name} must be [num_blocks, block_size, {cache_shape[0]}, {head_dim}], "
-                             f"got {tuple(cache.shape)}")
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, {cache_shape[0]}, {head_dim}], "
+                f"got {tuple(cache.shape)}"
+            )
     if tuple(positions.shape) != (num_tokens,) or tuple(slot_mapping.shape) != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
-                         f"must be [{num_tokens}]")
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+            f"must be [{num_tokens}]"
+        )
     if positions.is_floating_point() or slot_mapping.is_floating_point():
-        raise ValueError(f"positions and slot_mapping must be integer, got {positions.dtype}, {slot_mapping.dtype}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos_sin_cache", cos_sin_cache), ("k_cache", k_cache),
-                    ("v_cache", v_cache)):
+        raise ValueError(
+            f"positions and slot_mapping must be integer, got {positions.dtype}, {slot_mapping.dtype}"
+        )
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("cos_sin_cache", cos_sin_cache),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+    ):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous, strides {t.stride()}")
     if q.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q and k must share one of {SUPPORTED_DTYPES}, got {q.dtype} and {k.dtype}")
+        raise ValueError(
+            f"q and k must share one of {SUPPORTED_DTYPES}, got {q.dtype} and {k.dtype}"
+        )
