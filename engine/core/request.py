@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.engine.core.kv_cache_manager import ROOT_DIGEST
 
@@ -12,7 +12,14 @@ if TYPE_CHECKING:
     from kvserve.engine.lora_request import LoRARequest
     from kvserve.engine.pooling_params import PoolingParams
     from kvserve.engine.sampling_params import GenerationConstraints, SamplingParams
-    from kvserve.engine.structured_output.grammar import SequenceGrammar
+
+
+class RequestGrammar(Protocol):
+    """What the core asks of a constrained request's grammar (engine/structured_output/)."""
+
+    is_terminated: bool
+
+    def valid_drafts(self, tokens: list[int]) -> int: ...
 
 
 class RequestStatus(enum.Enum):
@@ -105,7 +112,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         # structured outputs: this sequence's grammar matcher (engine/structured_output/grammar.py), set in the core
-        self.structured: SequenceGrammar | None = None
+        self.structured: RequestGrammar | None = None
         # the parent digest of its first KV block (`kv_cache_manager.prefix_root`: the cache salt and the like)
         self.prefix_root = prefix_root
         # speculative decoding's back-off (engine/spec_decode/proposer.py): steps left without drafts, and the

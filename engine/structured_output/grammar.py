@@ -317,7 +317,7 @@ class StructuredOutputManager:
         first = 0
         drafted: list[tuple[int, SequenceGrammar, tuple[int, ...]]] = []
         for item in plan.scheduled:
-            grammar, num_rows = item.request.structured, 1 + len(item.spec_token_ids)
+            grammar, num_rows = _grammar(item.request), 1 + len(item.spec_token_ids)
             if grammar is not None and item.is_sampled:
                 if item.spec_token_ids:
                     drafted.append((first, grammar, item.spec_token_ids))
@@ -385,7 +385,7 @@ class StructuredOutputManager:
         """Advance each constrained sequence's matcher with its accepted drafts (when it speculated)
         and the token it sampled this step."""
         for item, token_id in zip(plan.scheduled, sampled_token_ids):
-            grammar = item.request.structured
+            grammar = _grammar(item.request)
             if grammar is None or token_id is None:
                 continue
             for draft in (accepted or {}).get(item.request.request_id, ()):
@@ -418,3 +418,10 @@ def import_xgrammar() -> Any:
             "structured outputs need xgrammar: pip install 'kvserve[structured]'"
         ) from None
     return xgrammar
+
+
+def _grammar(request: Request) -> SequenceGrammar | None:
+    """The request's grammar as this module made it (the core sees it as a `RequestGrammar`)."""
+    grammar = request.structured
+    assert grammar is None or isinstance(grammar, SequenceGrammar)
+    return grammar

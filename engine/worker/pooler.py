@@ -9,7 +9,7 @@ scheduler recomputes its prompt from the start (embedding requests use no cached
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,8 +17,15 @@ from torch.nn import functional as F
 
 from kvserve.engine.core.step_record import StepRecord
 
-if TYPE_CHECKING:
-    from kvserve.engine.worker.input_batch import InputBatch
+
+class PoolingRows(Protocol):
+    """The per-row pooling settings the pooler reads (engine/worker/input_batch.py's InputBatch)."""
+
+    num_prompt_tokens: np.ndarray
+    pooling_type: np.ndarray
+    pooling_normalize: np.ndarray
+    pooling_dims: np.ndarray
+
 
 POOL_NONE, POOL_LAST, POOL_MEAN = 0, 1, 2  # InputBatch.pooling_type codes
 POOLING_CODES = {"last": POOL_LAST, "mean": POOL_MEAN}
@@ -31,7 +38,7 @@ class Pooler:
         ] = {}  # request id -> [hidden] float32, mean pooling's partial sum
 
     def __call__(
-        self, step: StepRecord, hidden: torch.Tensor, batch: InputBatch
+        self, step: StepRecord, hidden: torch.Tensor, batch: PoolingRows
     ) -> dict[str, bytes]:
         """The vectors of the embedding requests whose prompt this step completes: request id ->
         little-endian float32 bytes. `hidden` [T, hidden] is the step's flat batch, rows 0..B-1 of
