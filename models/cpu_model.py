@@ -81,7 +81,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     (models/moe.py's `ExpertLinear`) get one packed matrix per expert.
 
     With a models.cpu_ops kernel set loaded each weight gets its layout, on
-    huge pages: their kernel beats oneDNN at every batch size (`python -m benchmarks.bench_kernels`).
+    huge pages: their kernel beats oneDNN at every batch size (docs/performance.md).
     Without them, oneDNN's blocked layout; that uses a private oneDNN op, so anything
     unexpected keeps F.linear. The plain weight's storage is released. Returns the
     number of layers packed.

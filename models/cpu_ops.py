@@ -225,7 +225,7 @@ def attention_kernels_apply(q: Tensor, head_dim: int) -> bool:
 
 
 # The fused small ops (rms_norm, rotary_, silu_and_mul) have vectorized paths for bf16 in every kernel set that
-# beat PyTorch at any batch (`python -m benchmarks.bench_kernels`); their scalar fallbacks only win where
+# beat PyTorch at any batch (docs/performance.md); their scalar fallbacks only win where
 # PyTorch's per-op dispatch dominates, so elsewhere they are used up to this many rows.
 FUSED_MAX_ROWS = 64
 

@@ -2,8 +2,8 @@
 
 Decode reads hundreds of MB of weights and scattered KV blocks every step. With 4 KiB
 pages that is a TLB miss every few KB, and in a virtual machine each miss is a two-level
-page walk; huge pages speed up the paged-attention kernel most (`python -m
-benchmarks.bench_kernels` with and without them). Linux only hands out huge pages for anonymous memory that asked
+page walk; huge pages speed up the paged-attention kernel most (docs/performance.md).
+Linux only hands out huge pages for anonymous memory that asked
 for them (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, a common
 default), so big buffers are allocated 2 MiB-aligned and `madvise(MADV_HUGEPAGE)`d
 before they are first written. Elsewhere this is a plain `torch.empty`.

@@ -3,8 +3,8 @@
 Rank 0 is the ordinary `ModelRunner` holding its shard: the engine schedules, rank 0 runs
 the forward with the workers and samples. Each step, before running it, rank 0 sends every
 worker a `WorkerStep` (the record and the sampled ids of the previous step) over its own
-pipe: plain data, a few hundred bytes for a decode step (`benchmarks/bench_tp_channel.py`
-measures a pipe against a shared-memory ring: no faster). Workers are spawned (one per
+pipe: plain data, a few hundred bytes for a decode step (a shared-memory ring
+was no faster: docs/performance.md). Workers are spawned (one per
 device: cuda:rank on CUDA with NCCL, the CPU with gloo and the cores split between ranks).
 
 Failure is all-or-nothing: the ranks meet in a collective several times a step, so a rank

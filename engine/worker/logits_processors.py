@@ -144,8 +144,8 @@ def _fill_banned_words(logits: torch.Tensor, rows: list[int], bitmask: np.ndarra
     """xgrammar's CPU kernel sets banned tokens one at a time, so a mostly banned vocabulary
     costs it far more than a mostly allowed one. When many 32-token words are wholly banned
     (keys, numbers, enums, punctuation), fill those with one broadcast masked_fill instead,
-    and hand the kernel a bitmask with those words marked allowed (benchmarks/bench_structured.py
-    measures both). Decided on the host: no device sync."""
+    and hand the kernel a bitmask with those words marked allowed (both compared in
+    docs/performance.md). Decided on the host: no device sync."""
     num_rows, vocab_size = logits.shape
     num_words = vocab_size // 32  # whole words only; a ragged tail is left to the kernel
     zero = np.zeros((num_rows, num_words), bool)  # [B, V // 32] wholly banned words

@@ -5,7 +5,7 @@
 * attention: with a kernel set loaded, in bf16 (head_dim a multiple of 32, at most 256), the
   paged decode kernel for all decode rows at once and the flash-style prefill kernel
   per prefill request, both reading K/V in place through the block table; otherwise
-  gather + SDPA (faster than scalar C++ in fp32: `python -m benchmarks.bench_kernels`).
+  gather + SDPA (faster than scalar C++ in fp32: docs/performance.md).
   Both kernels soft-cap the scores of a layer with `logit_softcap` (Gemma 2).
 Which of these apply is settled once, when the loader builds the backend.
 """

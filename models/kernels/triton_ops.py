@@ -381,7 +381,7 @@ class TritonFusedOps(FusedOps):
         return silu_and_mul(x)
 
 
-# ---- torch.compile'd alternatives (measured against the kernels in benchmarks/bench_kernels.py) ----
+# ---- torch.compile'd alternatives (compared with the kernels in docs/performance.md) ----
 
 
 @functools.cache
