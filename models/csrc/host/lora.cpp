@@ -13,10 +13,11 @@
 // the avx2 or avx512 set loaded (both imply AVX2 + FMA) the tiles are AVX2 intrinsics, elsewhere
 // plain loops.
 //
-// Threads: one parallel region for the shrinks (a task per chunk of a slot's rows) and one for the
-// expands (a task per chunk of rows and chunk of a shard's columns). A linear's LoRA work at batch
-// 1 is a few microseconds, less than waking the threads costs, so small work runs on the calling
-// thread with no region at all.
+// Threads: with enough chunks of a slot's rows (at most 32 each) for every thread, one parallel
+// region where a task shrinks and then expands its chunk; with fewer (a long prefill of one
+// adapter), one region for the shrinks and one for the expands, split by columns as well. A
+// linear's LoRA work at batch 1 is a few microseconds, less than waking the threads costs, so
+// small work runs on the calling thread with no region at all.
 
 #include <cstring>
 #include <string>
@@ -146,6 +147,11 @@ KV_AVX2 void expand_tile(const float* s, int64_t lds, int64_t rank, const uint16
     for (int j = 0; j < NV && 8 * j < n; ++j) {
       const int64_t width = std::min<int64_t>(8, n - 8 * j);
       uint16_t* out = y[i] + 8 * j;
+      if (width == 8) {
+        const __m256 sum = _mm256_add_ps(load8(out), round8(acc[i][j]));
+        _mm_storeu_si128((__m128i*)out, to_bf16(sum));
+        continue;
+      }
       alignas(16) uint16_t tmp[8] = {};
       std::memcpy(tmp, out, width * 2);
       const __m256 sum = _mm256_add_ps(load8(tmp), round8(acc[i][j]));
@@ -288,25 +294,37 @@ void lora_apply(const LoraLinear& l, const LoraSegments& s, const uint16_t* x, i
   uint16_t** y_rows = grow(scratch.y_rows, rows);      // [rows]: y's row of each adapted row
   for (int64_t i = 0; i < rows; ++i) y_rows[i] = y + s.token_order[i] * ldy;
   const int64_t a_slot = l.a_groups * k * 16, b_slot = rp * l.b_cols;
-  parallel_for(0, num_rc, small ? num_rc : 1, [&](int64_t begin, int64_t end) {
+  auto shrink = [&](int64_t c) {
     thread_local std::vector<float> xs_buffer;
-    for (int64_t c = begin; c < end; ++c) {
-      const LoraScratch::Chunk& rc = row_chunks[c];
-      float* xs = grow(xs_buffer, rc.b * k);  // [len, k]: the chunk's rows of x in fp32
-      for (int64_t i = 0; i < rc.b; ++i) {
-        const uint16_t* src = x + s.token_order[rc.a + i] * ldx;
-        for (int64_t j = 0; j < k; ++j) xs[i * k + j] = bf16_to_float(src[j]);
+    const LoraScratch::Chunk& rc = row_chunks[c];
+    float* xs = grow(xs_buffer, rc.b * k);  // [len, k]: the chunk's rows of x in fp32
+    for (int64_t i = 0; i < rc.b; ++i) {
+      const uint16_t* src = x + s.token_order[rc.a + i] * ldx;
+      for (int64_t j = 0; j < k; ++j) xs[i * k + j] = bf16_to_float(src[j]);
+    }
+    shrink_rows(avx2, xs, rc.b, k, l.a + rc.c * a_slot, l.a_groups, shrunk + rc.a * width, width);
+  };
+  auto expand = [&](int64_t c, int64_t col_task) {
+    const LoraScratch::Chunk &rc = row_chunks[c], &cc = col_chunks[col_task];
+    const int64_t sh = cc.a, col = cc.b;
+    expand_rows(avx2, shrunk + rc.a * width + sh * rp, width, rc.b, rp, l.b + rc.c * b_slot + l.shard_col[sh] + col,
+                l.b_cols, y_rows + rc.a, l.shard_offset[sh] + col, cc.c);
+  };
+  if (small || num_rc >= 2 * num_threads()) {  // one region: a task shrinks and expands its rows
+    parallel_for(0, num_rc, small ? num_rc : 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        shrink(c);
+        for (int64_t cc = 0; cc < num_cc; ++cc) expand(c, cc);
       }
-      shrink_rows(avx2, xs, rc.b, k, l.a + rc.c * a_slot, l.a_groups, shrunk + rc.a * width, width);
-    }
+    });
+    return;
+  }
+  // few chunks of rows (one slot's prefill): the expands split by columns too, after every shrink
+  parallel_for(0, num_rc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) shrink(c);
   });
-  parallel_for(0, num_rc * num_cc, small ? num_rc * num_cc : 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const LoraScratch::Chunk &rc = row_chunks[task / num_cc], &cc = col_chunks[task % num_cc];
-      const int64_t sh = cc.a, col = cc.b;
-      expand_rows(avx2, shrunk + rc.a * width + sh * rp, width, rc.b, rp, l.b + rc.c * b_slot + l.shard_col[sh] + col,
-                  l.b_cols, y_rows + rc.a, l.shard_offset[sh] + col, cc.c);
-    }
+  parallel_for(0, num_rc * num_cc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) expand(task / num_cc, task % num_cc);
   });
 }
 
