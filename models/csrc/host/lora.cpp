@@ -101,8 +101,14 @@ KV_AVX2 inline __m128i to_bf16(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// bf16 rounding of fp32 lanes, kept in fp32 (to_bf16's bits, without packing them)
 KV_AVX2 inline __m256 round8(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(v)), 16));
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb),
+                                     _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
 }
 
 // shrink_plain's tile with FMA: MR rows x NG groups of 16 columns.
