@@ -851,17 +851,17 @@ def greedy_argmax(logits: Tensor) -> Tensor:
 
 
 def _check_lora(a: Tensor, b: Tensor, shard_n: Tensor, rank_pad: int, k: int, n: int) -> None:
-    """A LoRA'd linear's packed slots (models/lora_cpu.py): a [S, ceil(shards * rank_pad / 64), k/2, 64, 2],
-    b [S, sum of ceil(shard_n / 64), rank_pad/2, 64, 2], both contiguous bf16; shard_n int64 [shards]."""
+    """A LoRA'd linear's packed slots (models/lora_cpu.py): a [S, ceil(shards * rank_pad / 16), k, 16],
+    b [S, rank_pad, sum of shard_n rounded up to 16], both contiguous bf16; shard_n int64 [shards]."""
     shards = shard_n.tolist() if shard_n.dtype is torch.int64 and shard_n.is_contiguous() else None
     if (
         shards is None
         or sum(shards) != n
-        or a.dim() != 5
-        or b.dim() != 5
+        or a.dim() != 4
+        or b.dim() != 3
         or a.shape[0] != b.shape[0]
-        or a.shape[1:] != (-(-len(shards) * rank_pad // 64), k // 2, 64, 2)
-        or b.shape[1:] != (sum(-(-m // 64) for m in shards), rank_pad // 2, 64, 2)
+        or a.shape[1:] != (-(-len(shards) * rank_pad // 16), k, 16)
+        or b.shape[1:] != (rank_pad, sum(-(-m // 16) * 16 for m in shards))
         or a.dtype is not _BF16
         or b.dtype is not _BF16
         or not a.is_contiguous()
@@ -906,7 +906,7 @@ def lora_apply_(
 ) -> None:
     """y [T, n] += each adapted row's (x [T, k] @ A[slot].T) @ B[slot].T, bf16 rows, with the slots
     packed by models/lora_cpu.py and `rows` models/lora.py's grouping (token_order, seg_starts,
-    seg_lens, seg_slots); the set's bf16 linear for both matmuls (models/csrc/host/lora.cpp)."""
+    seg_lens, seg_slots); lora.cpp's narrow shrink and expand (models/csrc/host/lora.cpp)."""
     if (
         x.dim() != 2
         or y.dim() != 2

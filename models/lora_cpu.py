@@ -1,13 +1,14 @@
 """LoRA on the CPU's kernel set (bf16): the adapter slots packed for the set's bf16 linear.
 
 `CpuLoRALinear` keeps models/lora.py's slots (`lora_a`, `lora_b`) and packs each slot again, when
-it is written, into the layout `cpu_ops.pack_linear_weight` gives a linear's weight:
+it is written, for the narrow shrink and expand kernels of models/csrc/host/lora.cpp:
 
-    packed_a  [max_loras, ceil(shards * rank_pad / 64), in / 2, 64, 2]    A of every shard
-    packed_b  [max_loras, sum_s ceil(out_s / 64), rank_pad / 2, 64, 2]   each shard's block of B
+    packed_a  [max_loras, ceil(shards * rank_pad / 16), in, 16]   A of every shard, 16 ranks a group
+    packed_b  [max_loras, rank_pad, sum_s round16(out_s)]          each shard's block of B, transposed
 
-(`rank_pad`: max_lora_rank rounded up to even, the kernel's feature pairs). B is block diagonal,
-so each shard's B is packed alone: the expand multiplies only a shard's own rank columns.
+(`rank_pad`: max_lora_rank rounded up to even). A rank-16 adapter's A is read at its own size, not
+padded to a 64-column block; B is block diagonal, so each shard's B sits on its own columns: the
+expand multiplies only a shard's own rank columns.
 
 Its forward adds the step's adapters with `cpu_ops.lora_apply_` (models/csrc/host/lora.cpp), the
 op the C++ decoder stack (models/cpu_stack.py) runs after each LoRA'd linear: the stack and the
@@ -44,17 +45,15 @@ class CpuLoRALinear(LoRALinear):
         super().__init__(*args, **kwargs)
         max_loras, num_shards = self.lora_a.shape[0], len(self.output_sizes)
         self.rank_pad = self.max_rank + self.max_rank % 2
-        a_blocks = -(-num_shards * self.rank_pad // 64)
-        self.b_blocks = [-(-n // 64) for n in self.output_sizes]
+        a_groups = -(-num_shards * self.rank_pad // 16)
+        self.b_cols = [-(-n // 16) * 16 for n in self.output_sizes]
         self.register_buffer(
             "packed_a",
-            torch.zeros(max_loras, a_blocks, self.in_features // 2, 64, 2, dtype=torch.bfloat16),
+            torch.zeros(max_loras, a_groups, self.in_features, 16, dtype=torch.bfloat16),
         )
         self.register_buffer(
             "packed_b",
-            torch.zeros(
-                max_loras, sum(self.b_blocks), self.rank_pad // 2, 64, 2, dtype=torch.bfloat16
-            ),
+            torch.zeros(max_loras, self.rank_pad, sum(self.b_cols), dtype=torch.bfloat16),
         )
         self.register_buffer("shard_n", torch.tensor(self.output_sizes, dtype=torch.int64))
 
@@ -73,16 +72,14 @@ class CpuLoRALinear(LoRALinear):
         super().set_slot(slot, shards)
         r, rp, num_shards = self.max_rank, self.rank_pad, len(self.output_sizes)
         a = torch.zeros(
-            num_shards * rp, self.in_features, dtype=torch.bfloat16
-        )  # [shards * rank_pad, in]
+            self.packed_a.shape[1] * 16, self.in_features, dtype=torch.bfloat16
+        )  # [groups * 16, in]: each shard's rank_pad rows, zeros after
         for s in range(num_shards):
             a[s * rp : s * rp + r] = self.lora_a[slot, s * r : (s + 1) * r]
-        cpu_ops.pack_linear_weight(a, out=self.packed_a[slot])
-        row, block = 0, 0
-        for s, (n, num_blocks) in enumerate(zip(self.output_sizes, self.b_blocks)):
-            b = torch.zeros(
-                n, rp, dtype=torch.bfloat16
-            )  # [out_s, rank_pad]: the shard's block of B
-            b[:, :r] = self.lora_b[slot, row : row + n, s * r : (s + 1) * r]
-            cpu_ops.pack_linear_weight(b, out=self.packed_b[slot, block : block + num_blocks])
-            row, block = row + n, block + num_blocks
+        self.packed_a[slot] = a.view(-1, 16, self.in_features).transpose(1, 2)
+        packed_b = self.packed_b[slot]  # [rank_pad, sum of the shards' padded columns]
+        packed_b.zero_()
+        row, col = 0, 0
+        for s, (n, cols) in enumerate(zip(self.output_sizes, self.b_cols)):
+            packed_b[:r, col : col + n] = self.lora_b[slot, row : row + n, s * r : (s + 1) * r].T
+            row, col = row + n, col + cols

@@ -358,6 +358,57 @@ def test_cpu_lora_op_matches_the_torch_reference(max_rank):
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
 
 
+@pytest.mark.usefixtures("kernel_set")
+def test_cpu_lora_op_gives_a_row_the_same_bits_alone_or_batched():
+    """lora.cpp's tiles, chunks and parallel regions never change a row's sums: 64 decode rows
+    over 6 slots (one region), one slot's 70-row prefill (a region for shrinks, one for expands)
+    and each row alone give the same bits."""
+    import numpy as np
+
+    from kvserve.engine.worker.lora import group_tokens
+    from kvserve.models import cpu_ops
+    from kvserve.models.layers import PackedLinear
+    from kvserve.models.lora import LoRABatch, lora_apply_torch
+    from kvserve.models.lora_cpu import CpuLoRALinear
+
+    g = torch.Generator().manual_seed(0)
+    sizes, k = [96, 40, 200], 576
+    batch = LoRABatch()
+    base = PackedLinear(k, sizes, shard_ids=["q", "k", "v"]).to(torch.bfloat16)
+    cpu = torch.device("cpu")
+    wrapper = CpuLoRALinear(base, 6, 16, batch, lora_apply_torch, torch.bfloat16, cpu)
+    for slot, rank in enumerate([16, 3, 8, 16, 5, 16]):
+        shards = {
+            i: (torch.randn(rank, k, generator=g), torch.randn(n, rank, generator=g))
+            for i, n in enumerate(sizes)
+        }
+        wrapper.set_slot(
+            slot, {i: (0.1 * a.bfloat16(), 0.1 * b.bfloat16()) for i, (a, b) in shards.items()}
+        )
+
+    def apply(x: torch.Tensor, y: torch.Tensor, row_slots, query_lens) -> torch.Tensor:
+        meta = group_tokens(np.array(row_slots), np.array(query_lens), cpu)
+        got = y.clone()
+        rows = (meta.token_order, meta.seg_starts, meta.seg_lens, meta.seg_slots)
+        cpu_ops.lora_apply_(
+            got, x, wrapper.packed_a, wrapper.packed_b, wrapper.shard_n, wrapper.rank_pad, rows
+        )
+        return got
+
+    for row_slots, query_lens in (([i % 6 for i in range(64)], [1] * 64), ([3], [70])):
+        t = sum(query_lens)
+        x, y = (
+            torch.randn(t, k, generator=g).bfloat16(),
+            torch.randn(t, sum(sizes), generator=g).bfloat16(),
+        )
+        got = apply(x, y, row_slots, query_lens)
+        assert not torch.equal(got, y)
+        slot_of = np.repeat(row_slots, query_lens)
+        for t_i in (0, 5, t - 1):
+            alone = apply(x[t_i : t_i + 1], y[t_i : t_i + 1], [int(slot_of[t_i])], [1])
+            assert torch.equal(alone[0], got[t_i])
+
+
 # ---- refused -----------------------------------------------------------------------------------
 
 

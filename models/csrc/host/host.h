@@ -36,16 +36,17 @@ const char* write_kv_cache(const void* k, int64_t k_ld, const void* v, int64_t v
 
 namespace kvserve::host_lib {
 
-// A LoRA'd linear's adapter slots as models/lora_cpu.py packs them for the set's linear_bf16:
+// A LoRA'd linear's adapter slots as models/lora_cpu.py packs them for lora.cpp's narrow kernels:
 // A of every shard stacked (rank_pad rows per shard; the shrink's output is [rows, num_shards *
-// rank_pad]) and each shard's B on its own (only its block of the block-diagonal B).
+// rank_pad], padded to 16 columns) in groups of 16 output columns, and B transposed, each shard's
+// block of the block-diagonal B on its own columns (padded to 16).
 struct LoraLinear {
   static constexpr int kMaxShards = 4;
-  const uint16_t* a;  // [num_slots][a_blocks][k / 2][64][2]
-  const uint16_t* b;  // [num_slots][b_blocks][rank_pad / 2][64][2]: shard s's column blocks from shard_block[s]
+  const uint16_t* a;  // [num_slots][a_groups][k][16]
+  const uint16_t* b;  // [num_slots][rank_pad][b_cols]: shard s's columns from shard_col[s]
   int64_t k, n, num_shards, rank_pad, num_slots;
-  int64_t shard_n[kMaxShards], shard_offset[kMaxShards], shard_block[kMaxShards];
-  int64_t a_blocks, b_blocks;
+  int64_t shard_n[kMaxShards], shard_offset[kMaxShards], shard_col[kMaxShards];
+  int64_t a_groups, b_cols;
 };
 
 // One step's rows that use an adapter, grouped by slot (models/lora.py's LoRABatchMeta).
@@ -59,7 +60,8 @@ struct LoraSegments {
 struct LoraScratch {
   struct Chunk { int64_t a, b, c; };  // rows: (start, len, slot); columns: (shard, first column, columns)
   std::vector<Chunk> row_chunks, col_chunks;
-  std::vector<uint16_t> shrunk;
+  std::vector<float> shrunk;
+  std::vector<uint16_t*> y_rows;
 };
 
 // Fills `l` from the packed shapes; an error for shapes that do not fit.
