@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +31,80 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
       begin, end, grain,
       [](void* ctx, int64_t b, int64_t e) { (*static_cast<const Fn*>(ctx))(b, e); },
       const_cast<void*>(static_cast<const void*>(&fn)));
+}
+
+// Items [0, n) shared out at run time. Each thread starts on its own contiguous share (as
+// parallel_for's static split) and, once that is done, takes items from the back of the share
+// with the most left: a thread that the machine slows (another process, a hypervisor taking the
+// vCPU) no longer holds the others at the end of the call. Which thread runs an item never
+// changes its result. fn(ItemQueue& q) runs once per thread: `for (int64_t i; q.next(&i);)`.
+class ItemQueue {
+ public:
+  // Claims the next item: the own share's front, else another share's back; false when none left.
+  bool next(int64_t* item) {
+    if (take(self_, false, item)) return true;
+    for (;;) {
+      int victim = -1;
+      int64_t most = 0;
+      for (int t = 0; t < count_; ++t) {
+        const uint64_t r = shares_[t].range.load(std::memory_order_relaxed);
+        const int64_t left = static_cast<int64_t>(r >> 32) - static_cast<int64_t>(r & 0xFFFFFFFFu);
+        if (left > most) most = left, victim = t;
+      }
+      if (victim < 0) return false;
+      if (take(victim, true, item)) return true;
+    }
+  }
+
+ private:
+  template <typename Fn>
+  friend void parallel_items(int64_t n, const Fn& fn);
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;  // lo | hi << 32: the items [lo, hi) still to run
+  };
+  ItemQueue(Share* shares, int count, int self, int64_t base)
+      : shares_(shares), count_(count), self_(self), base_(base) {}
+
+  bool take(int t, bool back, int64_t* item) {
+    uint64_t r = shares_[t].range.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t lo = r & 0xFFFFFFFFu, hi = r >> 32;
+      if (lo >= hi) return false;
+      const uint64_t taken = back ? lo | (hi - 1) << 32 : (lo + 1) | hi << 32;
+      if (shares_[t].range.compare_exchange_weak(r, taken, std::memory_order_relaxed)) {
+        *item = base_ + static_cast<int64_t>(back ? hi - 1 : lo);
+        return true;
+      }
+    }
+  }
+
+  Share* shares_;
+  int count_, self_;
+  int64_t base_;
+};
+
+template <typename Fn>
+inline void parallel_items(int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  const int count = static_cast<int>(std::min<int64_t>(num_threads(), n));
+  std::vector<ItemQueue::Share> shares(std::max(count, 1));
+  if (count <= 1 || n >= (int64_t{1} << 32)) {  // one thread (or too many items to pack): in order
+    for (int64_t b = 0; b < n; b += int64_t{1} << 31) {
+      shares[0].range.store(static_cast<uint64_t>(std::min(n - b, int64_t{1} << 31)) << 32);
+      ItemQueue q(shares.data(), 1, 0, b);
+      fn(q);
+    }
+    return;
+  }
+  for (int t = 0; t < count; ++t)
+    shares[t].range.store(static_cast<uint64_t>(n * t / count) | static_cast<uint64_t>(n * (t + 1) / count) << 32);
+  // A nested call runs inline: one thread then takes every share in turn.
+  parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      ItemQueue q(shares.data(), count, static_cast<int>(t), 0);
+      fn(q);
+    }
+  });
 }
 
 inline float bf16_to_float(uint16_t v) {

@@ -209,9 +209,9 @@ void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc
   // each cached token's heads together); otherwise one per (request, KV head).
   const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * num_threads() ? 1 : a.num_kv_heads;
   const int64_t items_per_req = a.num_kv_heads / heads_per_item;
-  parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(num_reqs * items_per_req, [&](ItemQueue& queue) {
     Scratch w;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; queue.next(&item);) {
       const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, seq_len = seq_lens[b];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
       attend(a, q + b * a.q_stride_req, kc, vc, table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item,

@@ -198,12 +198,12 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
   // Row blocks vary fastest (as in the AVX-512 set): a thread's contiguous share mixes full and
   // short row blocks when a few column blocks are split by rows.
-  parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(row_items * col_blocks, [&](ItemQueue& queue) {
     thread_local std::vector<float> c_scratch, w_scratch;  // an item's fp32 sums; a widened chunk
     c_scratch.resize(kBlockM * 64);
     w_scratch.resize(kChunkPairs * 128);
     float* c = c_scratch.data();
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; queue.next(&item);) {
       const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint16_t* w = wp + cb * half_k * 128;

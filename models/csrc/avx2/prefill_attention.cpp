@@ -196,10 +196,10 @@ void prefill_attention(const PrefillArgs& a, const uint16_t* q, const uint16_t* 
   const int64_t q_blocks = (lq + 15) / 16, lanes = (16 * a.group + 7) / 8 * 8;
   // Later query blocks see more keys (causal): order them first, last, second, second to
   // last, ... so that each thread's contiguous share of items carries about the same work.
-  parallel_for(0, q_blocks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(q_blocks * num_kv_heads, [&](ItemQueue& queue) {
     Scratch w;
     w.size_for(lanes, a.head_dim);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; queue.next(&item);) {
       const int64_t k = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t qb = k % 2 == 0 ? k / 2 : q_blocks - 1 - k / 2, i0 = qb * 16;
       prefill_block(a, q, kc, vc, table, h, i0, std::min<int64_t>(16, lq - i0), w, out, out_stride);

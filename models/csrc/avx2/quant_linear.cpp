@@ -345,8 +345,8 @@ void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k,
   const int64_t col_items = col_blocks;
   const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
-  parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
+  parallel_items(row_items * col_items, [&](ItemQueue& queue) {
+    for (int64_t item; queue.next(&item);) {
       const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item), full = rows_tile ? r0 + (r1 - r0) / kRowsTileM * kRowsTileM : r0;
       const uint8_t* w = wp + cb * (k / 4) * step_bytes;
