@@ -785,7 +785,8 @@ def test_stack_rejects_query_lengths_that_do_not_add_up():
 def test_lora_rows_that_do_not_fit_are_refused():
     """cpu_ops.lora_apply_ (models/lora_cpu.py's packed slots): a slot or a row out of range, segments
     that do not cover the rows, and packed slots of the wrong shape fail with a message."""
-    a, b = torch.zeros(2, 1, 32, 64, 2).bfloat16(), torch.zeros(2, 1, 4, 64, 2).bfloat16()
+    # two slots of rank 8 on one 40-column shard: a [S, 1, k, 16], b [S, rank, 40 padded to 48]
+    a, b = torch.zeros(2, 1, 64, 16).bfloat16(), torch.zeros(2, 8, 48).bfloat16()
     x, y, shard_n = torch.zeros(3, 64).bfloat16(), torch.zeros(3, 40).bfloat16(), torch.tensor([40])
 
     def rows(order, starts, lens, slots):
