@@ -71,17 +71,19 @@ def find_gguf(model_dir: str | os.PathLike) -> Path | None:
 
 
 def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` of the file, shared by the loader's steps: building one parses every
-    metadata field (a large vocabulary takes seconds), the tensors are memory-mapped."""
+    """A `gguf.GGUFReader` of the file (models/gguf_reader.py's, which reads metadata arrays in
+    bulk), shared by the loader's steps; the tensors are memory-mapped."""
     path = Path(path).resolve()
     return _open_gguf(str(path), path.stat().st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, mtime_ns: int):
-    gguf = import_gguf()
+    import_gguf()
+    from kvserve.models.gguf_reader import GGUFReader
+
     try:
-        return gguf.GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # the reader raises whatever numpy or struct hit first
         raise ValueError(
             f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
@@ -405,9 +407,13 @@ def _convert(path: Path, out: Path) -> None:
     """transformers' config and tokenizer for the file, with what kvserve reads beyond them."""
     import transformers
 
+    from kvserve.models.gguf_reader import bulk_arrays_everywhere
+
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with bulk_arrays_everywhere():  # transformers reads the file twice, vocabulary included
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config.architectures = [ARCHITECTURES[arch]]
     config = _with_experts(config, reader, arch)
     # A file without an output matrix ties the head to the embedding (llama.cpp does the same).
@@ -441,9 +447,7 @@ def _convert(path: Path, out: Path) -> None:
     if arch == "phi3":
         _phi3_config(config, reader)
     config.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(
-        out
-    )
+    tokenizer.save_pretrained(out)
     _tokenizer_as_the_file_says(out, reader)
     (out / _DONE).write_text(json.dumps({"source": str(path), "warnings": warnings}) + "\n")
 
