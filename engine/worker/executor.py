@@ -263,7 +263,11 @@ class TensorParallelExecutor:
         message = messages.encode(WorkerAddLoRA(lora_id=lora_id, name=name, path=path))
         errors = []
         for rank, (conn, process) in enumerate(zip(self._conns, self._workers), start=1):
-            conn.send_bytes(message)
+            try:
+                conn.send_bytes(message)
+            except OSError as e:  # the worker is gone
+                reason = self._fail(f"tensor-parallel worker {process.name}: {e}")
+                raise TensorParallelError(reason) from e
             error = self._lora_reply(conn, process)
             if error is not None:
                 errors.append(f"tensor-parallel rank {rank}: {error}")
