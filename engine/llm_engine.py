@@ -110,10 +110,6 @@ class LLMEngine:
             files.eos_token_ids,
         )
         lora_config = args.lora_config()
-        if lora_config is not None and tp_size > 1:
-            raise ValueError(
-                "enable_lora does not support tensor_parallel_size > 1 yet (docs/lora.md)"
-            )
         self.lora_enabled = lora_config is not None
         self.runner: Executor
         if tp_size == 1:
@@ -146,6 +142,7 @@ class LLMEngine:
                 hf,
                 files.max_model_len,
                 tp_size,
+                lora_config=lora_config,
             )
         self.info = RuntimeInfo(
             model_path=files.model_path,
@@ -255,7 +252,7 @@ class LLMEngine:
         later find it read. Without enable_lora: ValueError."""
         if not self.lora_enabled:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
-        # LoRA runs on the in-process ModelRunner only (no tensor parallelism), not in the protocol
+        # the ModelRunner, or the tensor-parallel executor on every rank (not in the Executor protocol)
         self.runner.add_lora(  # type: ignore[attr-defined]
             lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path
         )

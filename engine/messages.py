@@ -14,8 +14,9 @@ server -> core     AddRequest, AbortRequest, Stop
 core -> server     Ready or StartFailed (once, after loading), then StepOutputs after every step,
                    Stats after commands that ran no step, Rejected / Overloaded for a request
                    that add refused, StepFailedRequests when a step raised, Dead when the loop died
-rank 0 -> worker   WorkerStep every step, Stop
-worker -> rank 0   WorkerLoaded or StartFailed (once, after loading its shard)
+rank 0 -> worker   WorkerStep every step, WorkerAddLoRA / WorkerRemoveLoRA between steps, Stop
+worker -> rank 0   WorkerLoaded or StartFailed (once, after loading its shard), WorkerLoRAResult
+                   after each WorkerAddLoRA
 """
 
 from __future__ import annotations
@@ -159,6 +160,25 @@ class WorkerLoaded(_Message, frozen=True, tag="worker_loaded"):
     pass
 
 
+class WorkerAddLoRA(_Message, frozen=True, tag="worker_add_lora"):
+    """Read and check a LoRA adapter's part for this rank now (docs/lora.md); answered by a
+    `WorkerLoRAResult`."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class WorkerRemoveLoRA(_Message, frozen=True, tag="worker_remove_lora"):
+    """Forget a LoRA adapter (unanswered: the pipe keeps it in order with the steps)."""
+
+    lora_id: int
+
+
+class WorkerLoRAResult(_Message, frozen=True, tag="worker_lora_result"):
+    error: str | None = None  # why the adapter was refused (None: it is read)
+
+
 Message = (
     AddRequest
     | AbortRequest
@@ -173,6 +193,9 @@ Message = (
     | Dead
     | WorkerStep
     | WorkerLoaded
+    | WorkerAddLoRA
+    | WorkerRemoveLoRA
+    | WorkerLoRAResult
 )
 MESSAGE_TYPES: tuple[type[_Message], ...] = Message.__args__
 

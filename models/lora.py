@@ -20,6 +20,13 @@ the wrappers add the adapters' outputs with the chosen kernel pair: the torch re
 (tokens grouped by slot, one matmul pair per adapter in the step), Triton's
 (models/kernels/triton_lora.py), or in bf16 on the CPU the kernel set's (models/lora_cpu.py,
 whose wrappers the C++ decoder stack also runs).
+
+Tensor parallelism (models/parallel.py), as vLLM shards adapters: a column-parallel linear's slots
+hold the whole A and this rank's rows of B (its output features), so each rank adds its own output
+columns; a row-parallel linear's hold this rank's input columns of A and the whole B, so each rank's
+shrink is a partial sum over its inputs: the wrapper expands it and adds it to the base's partial
+output before the layer's one all-reduce, which sums the adapters' parts with the base's (no
+collective of its own).
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from torch import Tensor, nn
 
 from kvserve.models.layers import Linear, PackedLinear
 from kvserve.models.lora_config import SUPPORTED_TARGETS, read_adapter_config
+from kvserve.models.parallel import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -122,9 +134,18 @@ class LoRALinear(nn.Module):
         self.batch, self.kernel = batch, kernel
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
-        y = self.base(x)
-        meta = self.batch.meta
-        return y if meta is None else self.kernel(y, x, self.lora_a, self.lora_b, meta)
+        base = self.base
+        if not isinstance(base, RowParallelLinear):
+            y = base(x)
+            return y if self.batch.meta is None else self.add_adapters(y, x, self.batch.meta)
+        y = base.forward_partial(x)  # this rank's part; the adapters' part joins its all-reduce
+        if self.batch.meta is not None:
+            y = self.add_adapters(y, x, self.batch.meta)
+        return base.reduce(y)
+
+    def add_adapters(self, y: Tensor, x: Tensor, meta: LoRABatchMeta) -> Tensor:
+        """y [T, out] += the step's adapter outputs for x [T, in]."""
+        return self.kernel(y, x, self.lora_a, self.lora_b, meta)
 
     @torch.no_grad()
     def set_slot(self, slot: int, shards: dict[int, tuple[Tensor, Tensor]] | None) -> None:
@@ -210,17 +231,45 @@ def load_adapter(
                 f"LoRA adapter has lora_{'A' if 'B' in pair else 'B'} missing for {wrapper_name!r}"
             )
         a, b = pair["A"], pair["B"]
-        expect_a, expect_b = (rank, wrapper.in_features), (wrapper.output_sizes[shard], rank)
+        in_full, out_full = _full_sizes(wrapper.base, shard)
+        expect_a, expect_b = (rank, in_full), (out_full, rank)
         if tuple(a.shape) != expect_a or tuple(b.shape) != expect_b:
             raise ValueError(
                 f"LoRA adapter shapes for {wrapper_name!r} shard {shard}: lora_A {tuple(a.shape)}, "
                 f"lora_B {tuple(b.shape)}; the base model expects {expect_a} and {expect_b} (r={rank})"
             )
+        a, b = _rank_part(wrapper.base, shard, a, b)
         dtype = wrapper.lora_a.dtype
         weights.setdefault(wrapper_name, {})[shard] = (a.to(dtype), (b.float() * scaling).to(dtype))
     if not weights:
         raise ValueError(f"LoRA adapter {path!r} has no LoRA weights")
     return LoRAAdapter(name=name, path=str(path), rank=rank, scaling=scaling, weights=weights)
+
+
+def _full_sizes(base: Linear, shard: int) -> tuple[int, int]:
+    """(input features, output features of `shard`) of the whole layer, every rank's together."""
+    if isinstance(base, RowParallelLinear):
+        return base.in_features * base.tp.size, base.out_features
+    if isinstance(base, MergedColumnParallelLinear):  # q/k/v (KV heads maybe replicated), gate/up
+        return base.in_features, base.full_sizes[shard]
+    if isinstance(base, ColumnParallelLinear):
+        return base.in_features, base.out_features * base.tp.size
+    sizes = base.output_sizes if isinstance(base, PackedLinear) else [base.out_features]
+    return base.in_features, sizes[shard]
+
+
+def _rank_part(base: Linear, shard: int, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """This rank's part of A [r, in] and B [out_shard, r]: a column-parallel layer's output rows of
+    B (A whole), a row-parallel layer's input columns of A (B whole)."""
+    if isinstance(base, RowParallelLinear):
+        n = base.in_features
+        return a[:, base.tp.rank * n : (base.tp.rank + 1) * n].contiguous(), b
+    if isinstance(base, MergedColumnParallelLinear):
+        return a, base.shard_rows(base.shard_ids[shard], b).read()
+    if isinstance(base, ColumnParallelLinear):
+        n = base.out_features
+        return a, b[base.tp.rank * n : (base.tp.rank + 1) * n]
+    return a, b
 
 
 def _split_key(key: str) -> tuple[str, str]:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.layers import Linear
-from kvserve.models.lora import LoRALinear
+from kvserve.models.lora import LoRABatchMeta, LoRALinear
 
 
 def fits(model: nn.Module) -> str | None:
@@ -57,14 +57,9 @@ class CpuLoRALinear(LoRALinear):
         )
         self.register_buffer("shard_n", torch.tensor(self.output_sizes, dtype=torch.int64))
 
-    def forward(self, x: Tensor) -> Tensor:  # [T, in] -> [T, out]
-        y = self.base(x)
-        meta = self.batch.meta
-        if meta is not None:
-            rows = (meta.token_order, meta.seg_starts, meta.seg_lens, meta.seg_slots)
-            cpu_ops.lora_apply_(
-                y, x, self.packed_a, self.packed_b, self.shard_n, self.rank_pad, rows
-            )
+    def add_adapters(self, y: Tensor, x: Tensor, meta: LoRABatchMeta) -> Tensor:
+        rows = (meta.token_order, meta.seg_starts, meta.seg_lens, meta.seg_slots)
+        cpu_ops.lora_apply_(y, x, self.packed_a, self.packed_b, self.shard_n, self.rank_pad, rows)
         return y
 
     @torch.no_grad()

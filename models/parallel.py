@@ -254,7 +254,13 @@ class RowParallelLinear(Linear):
         param.copy_(loaded.narrow(1, self.tp.rank * size, size).read())
 
     def forward(self, x: Tensor) -> Tensor:  # [T, in / size] -> [T, out]
-        y = super().forward(x)
+        return self.reduce(self.forward_partial(x))
+
+    def forward_partial(self, x: Tensor) -> Tensor:  # [T, in / size] -> [T, out], this rank's part
+        """This rank's term of the sum (a LoRA wrapper adds its adapters' part before `reduce`)."""
+        return super().forward(x)
+
+    def reduce(self, y: Tensor) -> Tensor:  # [T, out] partial -> [T, out] summed over the ranks
         if self.tp_size > 1:
             self.tp.all_reduce(y)
         return y

@@ -184,6 +184,9 @@ def _one_of_each_message() -> list:
         messages.Dead("engine loop died"),
         messages.WorkerStep(record, (5, None), (1, 0)),
         messages.WorkerLoaded(),
+        messages.WorkerAddLoRA(3, "sql", "/adapters/sql"),
+        messages.WorkerRemoveLoRA(3),
+        messages.WorkerLoRAResult("lora_A shapes"),
     ]
 
 

@@ -3,7 +3,10 @@
 tests/csrc/kernel_check.cpp is compiled with one set's sources (the set's flags from
 models/cpu_isa.COMPILE_FLAGS) and run on a serial and a 2-thread host: every kernel of the table
 at the shape classes of tests/test_cpu_ops.py and tests/test_quantization.py, one line per check
-(tolerances in the driver, next to each check). The x86 sets run natively where the CPU has their
+(tolerances in the driver, next to each check). The host library's LoRA shrink/expand
+(models/csrc/host/lora.cpp) is linked in too and run both ways it can run: with the set loaded (its
+AVX2 tiles under avx2/avx512, its plain loops under neon) and with none (the plain loops, which the
+x86 machines of CI would otherwise never run). The x86 sets run natively where the CPU has their
 instructions; the NEON set runs natively on an ARM64 CPU with the dot-product instructions, else
 cross-compiled (aarch64-linux-gnu-g++, -static) under qemu-aarch64 with --quick (every shape
 class, a third of the attention cases: the emulator is slow). Each test skips, saying why, where
@@ -24,6 +27,7 @@ from kvserve.models import cpu_isa
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "models" / "csrc"
 DRIVER = ROOT / "tests" / "csrc" / "kernel_check.cpp"
+LORA = CSRC / "host" / "lora.cpp"  # the host library's LoRA kernels: AVX2 tiles or plain loops
 BASE_FLAGS = [
     "-O2",
     "-std=c++17",
@@ -44,7 +48,7 @@ def _build(compiler: str, isa: str, tmp_path: Path, link_flags: list[str]) -> Pa
     """The driver linked with set `isa`, each translation unit compiled in its own process."""
     flags = [*BASE_FLAGS, *cpu_isa.COMPILE_FLAGS[isa], f"-DKV_SET={isa}", f"-I{CSRC}"]
     objects, procs = [], []
-    for source in [DRIVER, *_set_sources(isa)]:
+    for source in [DRIVER, *_set_sources(isa), LORA]:
         obj = tmp_path / f"{source.parent.name}_{source.stem}.o"
         objects.append(obj)
         procs.append(

@@ -133,7 +133,8 @@ def make_llm(dirs, **kw) -> LLM:
     kw.setdefault("block_size", 4)
     kw.setdefault("max_loras", 2)
     kw.setdefault("max_lora_rank", 8)
-    return LLM(dirs["base"], dtype="float32", device="cpu", enable_lora=True, **kw)
+    kw.setdefault("dtype", "float32")
+    return LLM(dirs["base"], device="cpu", enable_lora=True, **kw)
 
 
 def make_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:

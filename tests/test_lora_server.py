@@ -19,7 +19,7 @@ KEY = "lora-key"
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory):
+def lora_dirs(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
 
     root = tmp_path_factory.mktemp("lora_server")
@@ -31,7 +31,12 @@ def lora_server(tmp_path_factory):
             base, root / "b", 4, seed=2, targets=["q_proj", "v_proj"], use_rslora=True
         ),
     }
-    srv = ServerProcess(
+    return dirs, root
+
+
+def start_server(dirs, *flags: str) -> ServerProcess:
+    base = dirs["base"]
+    return ServerProcess(
         base,
         "--served-model-name",
         "tiny",
@@ -47,7 +52,14 @@ def lora_server(tmp_path_factory):
         KEY,
         "--block-size",
         "4",
+        *flags,
     ).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_dirs):
+    dirs, root = lora_dirs
+    srv = start_server(dirs)
     yield srv, dirs, root
     srv.stop()
 
@@ -78,7 +90,20 @@ def assert_like_reference(dirs, adapter: str | None, prompt: list[int], got: lis
 
 
 def test_model_picks_the_adapter_and_runtime_updates(lora_server):
-    srv, dirs, root = lora_server
+    srv, dirs, _ = lora_server
+    check_adapters_and_runtime_updates(srv, dirs)
+
+
+def test_tensor_parallel_server_loads_and_unloads_on_every_rank(lora_dirs):
+    dirs, _ = lora_dirs
+    srv = start_server(dirs, "--tensor-parallel-size", "2")
+    try:
+        check_adapters_and_runtime_updates(srv, dirs)
+    finally:
+        srv.stop()
+
+
+def check_adapters_and_runtime_updates(srv: ServerProcess, dirs: dict[str, str]) -> None:
     client = openai.OpenAI(base_url=srv.base_url, api_key=KEY)
     ids = [m.id for m in client.models.list().data]
     assert ids == ["tiny", "a"]

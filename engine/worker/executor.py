@@ -7,6 +7,12 @@ pipe: plain data, a few hundred bytes for a decode step (a shared-memory ring
 was no faster: docs/performance.md). Workers are spawned (one per
 device: cuda:rank on CUDA with NCCL, the CPU with gloo and the cores split between ranks).
 
+LoRA adapters (docs/lora.md, models/lora.py for how each rank holds its part) are read on every rank
+before a request uses them: `add_lora` reads rank 0's part, then asks each worker for its own
+(`WorkerAddLoRA`, answered between steps); if any rank refuses, the ranks that read it forget it
+again and the `ValueError` names the rank, so no adapter is ever half-loaded. `remove_lora` tells
+every rank.
+
 Failure is all-or-nothing: the ranks meet in a collective several times a step, so a rank
 that fails mid-step would leave the others matching the wrong collectives. Any error on rank
 0 during a step, a collective timing out (`timeout_s`, a hung worker) or a worker exiting
@@ -32,10 +38,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.engine import messages
-from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.core.step_record import GrammarBitmask, StepRecord
 from kvserve.engine.errors import TensorParallelError
-from kvserve.engine.messages import StartFailed, Stop, WorkerLoaded, WorkerStep
+from kvserve.engine.messages import (
+    StartFailed,
+    Stop,
+    WorkerAddLoRA,
+    WorkerLoaded,
+    WorkerLoRAResult,
+    WorkerRemoveLoRA,
+    WorkerStep,
+)
 from kvserve.engine.processes import wait_for_exit
 from kvserve.engine.worker.device import resolve_device
 from kvserve.engine.worker.runner import ModelRunner, RunnerOutput
@@ -89,6 +103,7 @@ class TensorParallelExecutor:
         max_model_len: int,
         size: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -126,6 +141,7 @@ class TensorParallelExecutor:
                     hf_config=hf_config,
                     max_model_len=max_model_len,
                     log_level=logging.getLogger().level,
+                    lora_config=lora_config,
                 )
                 conn, child_conn = ctx.Pipe(duplex=True)
                 process = ctx.Process(
@@ -150,6 +166,7 @@ class TensorParallelExecutor:
                 max_model_len,
                 self.parallel,
                 self._join_group,
+                lora_config=lora_config,
             )
         except BaseException:
             self.shutdown()
@@ -231,6 +248,57 @@ class TensorParallelExecutor:
     def warm_up(self) -> bool:
         """Nothing: rank 0's warm-up step alone would wait for the other ranks forever."""
         return False
+
+    # ---- LoRA adapters: on every rank or on none -------------------------------
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read adapter `lora_id` on every rank (ValueError naming the rank that refused it; then
+        no rank keeps it)."""
+        reason = self.dead_reason
+        if reason is not None:
+            raise TensorParallelError(reason)
+        is_new = not self.driver.has_lora(lora_id)
+        self.driver.add_lora(lora_id, name, path)  # rank 0 first: most refusals stop here
+        if not is_new:
+            return  # every rank has it (one dropped from host memory re-reads it when needed)
+        message = messages.encode(WorkerAddLoRA(lora_id=lora_id, name=name, path=path))
+        errors = []
+        for rank, (conn, process) in enumerate(zip(self._conns, self._workers), start=1):
+            try:
+                conn.send_bytes(message)
+            except OSError as e:  # the worker is gone
+                reason = self._fail(f"tensor-parallel worker {process.name}: {e}")
+                raise TensorParallelError(reason) from e
+            error = self._lora_reply(conn, process)
+            if error is not None:
+                errors.append(f"tensor-parallel rank {rank}: {error}")
+        if errors:
+            self.remove_lora(lora_id)
+            raise ValueError(f"LoRA adapter {name!r} at {path!r} refused on {'; '.join(errors)}")
+
+    def _lora_reply(self, conn, process: multiprocessing.process.BaseProcess) -> str | None:
+        """A worker's answer to `WorkerAddLoRA`: None, or why it refused; a worker that exits or
+        stays silent past `timeout_s` kills the executor."""
+        ready = wait([conn, process.sentinel], timeout=self.timeout_s)
+        if conn in ready:
+            try:
+                reply = messages.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                reply = None
+            if isinstance(reply, WorkerLoRAResult):
+                return reply.error
+        raise TensorParallelError(
+            self._fail(f"tensor-parallel worker {process.name} did not answer a LoRA load")
+        )
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` on every rank; False if rank 0 did not have it."""
+        message = messages.encode(WorkerRemoveLoRA(lora_id=lora_id))
+        for conn in self._conns:
+            try:
+                conn.send_bytes(message)
+            except OSError:  # the worker is gone: `dead_reason` says so from now on
+                pass
+        return self.driver.remove_lora(lora_id)
 
     # ---- one step ----------------------------------------------------------
     def execute(

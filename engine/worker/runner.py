@@ -237,6 +237,10 @@ class ModelRunner:
     def remove_lora(self, lora_id: int) -> bool:
         return self.lora is not None and self.lora.remove(lora_id)
 
+    def has_lora(self, lora_id: int) -> bool:
+        """Adapter `lora_id` was read here (it may since have been dropped from host memory)."""
+        return self.lora is not None and lora_id in self.lora.paths
+
     # ---- warm-up -----------------------------------------------------------
     def warm_up(self) -> bool:
         """Run one dummy step, a prefill row beside a decode row, and forget both, so that the

@@ -9,6 +9,11 @@ only tokens the worker cannot know (rank 0 sampled them); it appends them to its
 of the sequences, then runs the same forward as rank 0, meeting it in every collective
 (the all-reduces, and the LM head's gather for the sampled and prompt-logprob rows).
 
+LoRA adapters (docs/lora.md) reach it between steps: `WorkerAddLoRA` reads this rank's part of an
+adapter and answers `WorkerLoRAResult` (rank 0 undoes the load everywhere if any rank refused it),
+`WorkerRemoveLoRA` forgets one. An adapter a step needs but this rank has dropped from host memory
+is re-read from its directory, as on rank 0.
+
 Start-up: load the shard, send `WorkerLoaded`, join the process group. A failure before that
 is sent as `StartFailed` (the error's type, message and traceback). A worker exits when told
 (`Stop`), when its pipe closes (rank 0's process is gone, even SIGKILLed), or when a step
@@ -30,9 +35,16 @@ import numpy as np
 import torch
 
 from kvserve.engine import messages
-from kvserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.core.step_record import StepRecord
-from kvserve.engine.messages import StartFailed, WorkerLoaded, WorkerStep
+from kvserve.engine.messages import (
+    StartFailed,
+    WorkerAddLoRA,
+    WorkerLoaded,
+    WorkerLoRAResult,
+    WorkerRemoveLoRA,
+    WorkerStep,
+)
 from kvserve.engine.worker.runner import ModelRunner
 from kvserve.models.parallel import ParallelState, new_group
 
@@ -54,6 +66,7 @@ class WorkerArgs:
     hf_config: object
     max_model_len: int
     log_level: int
+    lora_config: LoRAConfig | None = None
 
 
 class WorkerRunner(ModelRunner):
@@ -121,6 +134,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
             args.max_model_len,
             parallel,
             join_group,
+            lora_config=args.lora_config,
         )
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         logger.exception("tensor-parallel worker start-up failed")
@@ -141,6 +155,20 @@ def _serve(runner: WorkerRunner, conn: Connection, rank: int) -> int:
         except (EOFError, OSError):
             logger.warning("rank 0 closed the pipe; tensor-parallel worker %d exiting", rank)
             return 0
+        if isinstance(message, WorkerAddLoRA):
+            try:
+                runner.add_lora(message.lora_id, message.name, message.path)
+                reply = WorkerLoRAResult()
+            except Exception as e:  # noqa: BLE001 - a refused adapter: rank 0 raises it
+                reply = WorkerLoRAResult(f"{type(e).__name__}: {e}")
+            try:
+                conn.send_bytes(messages.encode(reply))
+            except OSError:  # rank 0 is gone
+                return 0
+            continue
+        if isinstance(message, WorkerRemoveLoRA):
+            runner.remove_lora(message.lora_id)
+            continue
         if not isinstance(message, WorkerStep):  # Stop
             return 0
         try:

@@ -1,8 +1,9 @@
 // kernel_check: tests every kernel of one CPU kernel set (models/csrc/<set>/, see kernels.h)
-// against plain C++ references, without torch. Built by tests/test_kernel_sets.py:
+// against plain C++ references, without torch; and the host library's LoRA kernels
+// (models/csrc/host/lora.cpp: the set's tiles, and the plain loops). Built by tests/test_kernel_sets.py:
 //
 //   c++ -O2 -std=c++17 <the set's flags> -DKV_SET=avx2 -Imodels/csrc
-//       tests/csrc/kernel_check.cpp models/csrc/avx2/*.cpp -o kernel_check -pthread
+//       tests/csrc/kernel_check.cpp models/csrc/avx2/*.cpp models/csrc/host/lora.cpp -o kernel_check -pthread
 //
 // Without -DKV_SET the program takes whichever set's entry point is linked in (declared weak).
 // It runs every kernel twice: on a serial host and on a 2-thread std::thread host (the set's
@@ -11,7 +12,7 @@
 // this CPU.
 //
 //   kernel_check [-q] [--quick] [family ...]
-//     families: linear quant decode prefill norm rotary silu argmax logprobs (default: all)
+//     families: linear quant decode prefill norm rotary silu argmax logprobs lora (default: all)
 //     -q: print failures only; --quick: every shape class, fewer cases (for an emulator)
 #include <chrono>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "check_attention.h"
 #include "check_common.h"
 #include "check_linear.h"
+#include "check_lora.h"
 #include "check_small_ops.h"
 
 #define KV_CAT2(a, b) a##b
@@ -103,7 +105,7 @@ const Family kFamilies[] = {
     {"decode", check::check_decode_attention}, {"prefill", check::check_prefill_attention},
     {"norm", check::check_rms_norm}, {"rotary", check::check_rotary},
     {"silu", check::check_silu_and_mul}, {"argmax", check::check_argmax},
-    {"logprobs", check::check_logprobs_topk},
+    {"logprobs", check::check_logprobs_topk}, {"lora", check::check_lora},
 };
 
 }  // namespace
