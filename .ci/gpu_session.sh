@@ -4,8 +4,10 @@
 #   bash .ci/gpu_session.sh tests bench-1b     # call 1 (~7 min): pytest -m gpu, then bench_gpu llama-1b
 #   bash .ci/gpu_session.sh bench-8b serve     # call 2 (~8 min): bench_gpu llama-8b, then kvserve serve + load
 #
-# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | startup | trace | seq2seq | all
+# Stages: tests | bench-1b | bench-8b | bench (both) | serve | structured | startup | trace | seq2seq | lora | all
 # (seq2seq: bench_seq2seq's Marian and T5-base shapes on the GPU, kvserve vs transformers, greedy and beam 4).
+# (lora: bench_lora on the GPU, 64 requests over 1/4/16 rank-16 adapters vs the base, batch-1 overhead;
+#  the base is $MODELS/llama-1b when bench-1b made it, else a SmolLM-shaped one; needs peft from .whl/.)
 # (startup: bench_startup of the default model and the serve shape; trace: step_trace --warm-up).
 # Each step runs under `timeout`: its own cap (TESTS_S, BENCH_1B_S, BENCH_8B_S, ... seconds) or what is left of
 # SESSION_S (default 560) for the whole call, so the call returns its files before the tool's
@@ -86,6 +88,14 @@ stage_tests() {
     echo "== exit $?"
   } 2>&1 | tee "$OUT/gpu_tests.log"
   grep -q "^== exit [^0]" "$OUT/gpu_tests.log" && status=1
+}
+
+stage_lora() {
+  local base=()
+  [ -d "$MODELS/llama-1b" ] && base=(--model "$MODELS/llama-1b")
+  run_capped "${LORA_S:-300}" "$PY" -m benchmarks.bench_lora --device "$DEVICE" "${base[@]}" \
+    --work-dir "$MODELS/lora" --num-adapters 1,4,16 --rank 16 --out "$OUT/lora.json" \
+    2>&1 | tee "$OUT/lora.log" || status=1
 }
 
 stage_bench() {  # $1 = shape, $2 = seconds
@@ -198,6 +208,7 @@ for stage in "$@"; do
     startup) stage_startup ;;
     trace) stage_trace ;;
     seq2seq) stage_seq2seq ;;
+    lora) stage_lora ;;
     all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}"; stage_serve ;;
     *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | seq2seq | all"
        status=2 ;;

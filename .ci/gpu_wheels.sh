@@ -16,6 +16,7 @@ PINS=(
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2   # structured outputs
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1  # its tests
   msgspec==0.22.0   # the engine's process wire: every stage imports it
+  peft==0.21.2 accelerate==1.15.0   # the lora stage writes its adapters with peft
 )
 wanted=()
 for pin in "${PINS[@]}"; do

@@ -1,7 +1,7 @@
 """LoRA on the offline engine: throughput over several adapters and batch-1 decode, against the base model.
 
     python -m benchmarks.bench_lora --work-dir loadtest_out/lora --num-adapters 1,4,16 --rank 16 \
-        [--model DIR] [--parts throughput,batch1] [--out lora.json]
+        [--model DIR] [--device cuda] [--parts throughput,batch1] [--out lora.json]
 
 Without --model it builds a random bf16 checkpoint shaped like SmolLM-135M (benchmarks/smollm_checkpoint.py)
 in --work-dir; it writes --max-adapters random PEFT adapters of rank --rank on q/k/v/o/gate/up/down there
@@ -81,7 +81,7 @@ def _make_llm(args, num_adapters: int | None):
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        device="cpu",
+        device=args.device,
         enable_prefix_caching=False,
         max_num_seqs=max(args.num_requests, 1),
         **lora,
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "--work-dir", type=Path, default=Path("loadtest_out/lora"), help="checkpoint and adapters"
     )
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the engine's device)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument(
         "--num-adapters",
