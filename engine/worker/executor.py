@@ -32,7 +32,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -275,7 +275,9 @@ class TensorParallelExecutor:
             self.remove_lora(lora_id)
             raise ValueError(f"LoRA adapter {name!r} at {path!r} refused on {'; '.join(errors)}")
 
-    def _lora_reply(self, conn, process: multiprocessing.process.BaseProcess) -> str | None:
+    def _lora_reply(
+        self, conn: Connection, process: multiprocessing.process.BaseProcess
+    ) -> str | None:
         """A worker's answer to `WorkerAddLoRA`: None, or why it refused; a worker that exits or
         stays silent past `timeout_s` kills the executor."""
         ready = wait([conn, process.sentinel], timeout=self.timeout_s)
