@@ -27,7 +27,7 @@ CSRC = Path(__file__).parent / "csrc"
 HOST_DIR = CSRC / "host"
 COMMON_FLAGS = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 # the host library only calls the set's kernels and runs the scalar fallbacks: -O2 is plenty
-HOST_FLAGS = ["-O2", *COMMON_FLAGS]
+HOST_FLAGS = ["-O2", "-pthread", *COMMON_FLAGS]
 SET_OPT = "-O3"
 
 
@@ -92,7 +92,7 @@ def host_target() -> Target:
     libdl = (
         ["-ldl"] if platform.system() == "Linux" else []
     )  # dlopen (in libc itself from glibc 2.34)
-    return Target("host", host_library(), host_sources(), HOST_FLAGS, libdl)
+    return Target("host", host_library(), host_sources(), HOST_FLAGS, ["-pthread", *libdl])
 
 
 def set_target(isa: str) -> Target:

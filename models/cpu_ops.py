@@ -3,9 +3,10 @@
 models/cpu_build.py compiles two plain C++ libraries (no torch headers) into a cache: the host
 library (models/csrc/host/: each op's C API, the decoder stack, loading a set) and the kernel
 set this CPU runs (models/cpu_isa.py: avx512, avx2 or neon; `KVSERVE_CPU_ISA` forces one). This
-module loads the host library with ctypes, hands it torch's thread pool (the C functions
-`torch_parallel_for` and `torch_get_num_threads` of libtorch_cpu; a serial pool, with a warning,
-on a torch without them) and has it load the set. Each op here checks its tensors' shapes,
+module loads the host library with ctypes, hands it torch's thread count and pool (the C
+functions `torch_get_num_threads` and `torch_parallel_for` of libtorch_cpu; a serial pool, with a
+warning, on a torch without them; `use_own_pool` swaps torch's pool for kvserve's own) and has
+it load the set. Each op here checks its tensors' shapes,
 dtypes and strides, allocates the output and calls the C function on their data pointers.
 Anything that goes wrong (no compiler, `KVSERVE_CPU_KERNELS=0`) is logged once and the model
 keeps its portable PyTorch path, so the kernels are an optimization, never a requirement.
@@ -116,8 +117,29 @@ def torch_thread_pool() -> tuple[int | None, int | None]:
 
 
 def init_threads(parallel_for: int | None, num_threads: int | None) -> bool:
-    """Run the kernels on the thread pool behind these C functions (None: one thread) -> whether threaded."""
+    """Run the kernels on as many threads as `num_threads` says (None: one thread), on the pool
+    behind `parallel_for` (None: kvserve's own, models/csrc/host/pool.cpp) -> whether threaded."""
     return bool(_lib.kv_init(parallel_for, num_threads))
+
+
+def use_own_pool(own: bool) -> None:
+    """Run the kernels on kvserve's own thread pool (True) or on torch's OpenMP pool (False).
+
+    An OpenMP region ends only once every thread of its team has run, so a thread the OS has
+    taken off its vCPU (for the server process, a load generator, a neighbour) holds up every
+    kernel call; kvserve's pool ends a call when its chunks are done. But its threads are not
+    torch's: where torch's ops do much of a step's work (the Python forward), torch's spinning
+    threads and kvserve's would take turns on the same cores. So the model runner picks the own
+    pool when the C++ decoder stack runs the layers, torch's otherwise; `KVSERVE_CPU_POOL=kvserve`
+    or `torch` fixes the choice. The choice never changes a result: both split work alike."""
+    forced = os.environ.get("KVSERVE_CPU_POOL")
+    if forced not in (None, "", "kvserve", "torch"):
+        raise ValueError(f"KVSERVE_CPU_POOL must be kvserve or torch, not {forced!r}")
+    if forced:
+        own = forced == "kvserve"
+    if load():
+        parallel_for, num_threads = torch_thread_pool()
+        init_threads(None if own else parallel_for, num_threads)
 
 
 def _load_set(library: Path, name: str) -> str:

@@ -192,6 +192,7 @@ class CpuDecoderStack:
 def build(model: nn.Module) -> CpuDecoderStack | None:
     """The stack for `model`, or None (the reason logged) when its layers need the Python forward."""
     reason = why_not(model)
+    cpu_ops.use_own_pool(reason is None)
     if reason is not None:
         logger.info("CPU decoder stack off (%s): steps run the model's Python forward", reason)
         return None

@@ -17,6 +17,11 @@ namespace kvserve::host_lib {
 // Element types of the ops that take more than one (models/cpu_ops.py's _DTYPES).
 enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
 
+// fn(ctx, b, e) over chunks of [begin, end) on `threads` threads of kvserve's pool (pool.cpp), with
+// at::parallel_for's split: at most one chunk a thread, each of at least `grain` items.
+void pool_parallel_for(int threads, int64_t begin, int64_t end, int64_t grain,
+                       void (*body)(void*, int64_t, int64_t), void* ctx);
+
 // The loaded set, or nullptr.
 const KernelSet* kernel_set();
 

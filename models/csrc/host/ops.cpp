@@ -13,10 +13,11 @@
 //  * rms_norm, add_rms_norm_, rotary_, silu_and_mul, rms_norm_heads_  fused per-layer ops with
 //    PyTorch's roundings.
 //
-// Threads: torch's own pool through torch_parallel_for / torch_get_num_threads (C functions of
-// libtorch_cpu, found by models/cpu_ops.py and handed to kv_init), so the kernels share the
-// threads torch's ops use; a nested parallel_for runs inline, as at::parallel_for does. Without
-// them, one thread.
+// Threads: kvserve's own pool (pool.cpp), as many threads as torch_get_num_threads says (a C
+// function of libtorch_cpu, found by models/cpu_ops.py and handed to kv_init), so
+// torch.set_num_threads sets both; a nested parallel_for runs inline, as at::parallel_for does.
+// With torch_parallel_for handed over too, torch's OpenMP pool instead (models/cpu_ops.py's
+// use_own_pool says when). Without either, one thread.
 
 #include <dlfcn.h>
 
@@ -43,6 +44,8 @@ struct Call {
   void* ctx;
 };
 
+int host_num_threads();
+
 void host_parallel_for(int64_t begin, int64_t end, int64_t grain, void (*body)(void*, int64_t, int64_t), void* ctx) {
   if (torch_parallel_for) {
     Call call{body, ctx};
@@ -53,7 +56,7 @@ void host_parallel_for(int64_t begin, int64_t end, int64_t grain, void (*body)(v
     }, &call);
     return;
   }
-  body(ctx, begin, end);
+  pool_parallel_for(host_num_threads(), begin, end, grain, body, ctx);
 }
 
 int host_num_threads() {
@@ -206,12 +209,12 @@ using namespace kvserve::host_lib;
 
 // ---- threads and kernel sets -------------------------------------------------------------------
 
-// torch's torch_parallel_for and torch_get_num_threads (either null: one thread) -> 1 when threaded.
+// torch's torch_get_num_threads (null: one thread) and torch_parallel_for (null: kvserve's own
+// pool) -> 1 when threaded.
 KV_EXPORT int kv_init(void* parallel_for, void* num_threads) {
-  const bool threaded = parallel_for && num_threads;
-  torch_parallel_for = threaded ? reinterpret_cast<TorchParallelFor>(parallel_for) : nullptr;
-  torch_num_threads = threaded ? reinterpret_cast<TorchNumThreads>(num_threads) : nullptr;
-  return threaded ? 1 : 0;
+  torch_num_threads = reinterpret_cast<TorchNumThreads>(num_threads);
+  torch_parallel_for = num_threads ? reinterpret_cast<TorchParallelFor>(parallel_for) : nullptr;
+  return num_threads ? 1 : 0;
 }
 
 KV_EXPORT int kv_num_threads() { return host_num_threads(); }
