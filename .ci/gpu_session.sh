@@ -73,10 +73,14 @@ EOF
 stage_tests() {
   # test_gpu.py alone: tests/test_triton_*.py set TRITON_INTERPRET=1 at import (CPU interpreter)
   local others
-  others=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gpu.py -e test_triton_ | tr '\n' ' ')
+  others=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_gpu.py -e test_gpu_models.py -e test_triton_ | tr '\n' ' ')
   {
     echo "== pytest -m gpu tests/test_gpu.py"
     run_capped "${TESTS_S:-210}" "$PY" -m pytest -m gpu tests/test_gpu.py -q -rs --durations=15 -p no:cacheprovider
+    echo "== exit $?"
+    echo "== pytest -m gpu tests/test_gpu_models.py (Gemma, MoE, LoRA, embeddings on CUDA)"
+    run_capped "${TESTS_MODELS_S:-150}" "$PY" -m pytest -m gpu tests/test_gpu_models.py -q -rs --durations=10 \
+      -p no:cacheprovider
     echo "== exit $?"
     echo "== pytest -m gpu $others"
     # shellcheck disable=SC2086
