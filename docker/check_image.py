@@ -246,7 +246,7 @@ def uid_of(pid: int) -> int:
 
 
 # models/cpu_build.HOST_FLAGS: part of the host library's folder name
-HOST_FLAGS = "-O2 -std=c++17 -fPIC -fvisibility=hidden -fvisibility-inlines-hidden"
+HOST_FLAGS = "-O2 -pthread -std=c++17 -fPIC -fvisibility=hidden -fvisibility-inlines-hidden"
 
 
 def kernels_digest() -> str:
