@@ -54,11 +54,12 @@ def _groups(w: Tensor, group: int) -> Tensor:
 
 
 def _roundf(x: Tensor) -> Tensor:
-    """C's roundf (half away from zero, what ggml's reference quantizer uses) of fp32 values of
-    magnitude below 2**28. Not trunc(x + 0.5 sign(x)) in fp32: that sum rounds 0.49999997 up to 1;
-    in fp64 it is exact."""
-    y = x.double()
-    return y.add_(torch.full_like(y, 0.5).copysign_(x)).trunc_()
+    """C's roundf (half away from zero, what ggml's reference quantizer uses) of fp32 values, in
+    fp32. Not trunc(x + 0.5 sign(x)): that sum rounds 0.49999997 up to 1. The fraction x - trunc(x)
+    is exact in fp32, so comparing it with 0.5 decides the tie and the step exactly."""
+    t = x.trunc()
+    step = (x - t).abs_().ge_(0.5).to(x.dtype)  # 1 where |fraction| >= 0.5
+    return t.add_(step.copysign_(x))
 
 
 def quantize_int8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
@@ -398,36 +399,67 @@ class Quantizer:
                 "int8 is the CPU's 8-bit format"
             )
         self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
+        self.params = dict(model.named_parameters())
+        self.blocks: dict[str, tuple[Tensor, Tensor]] = {}  # `stage_blocks`
         self.count = 0
+
+    def bits(self, param_name: str) -> int:
+        """The bits a matrix is held at: int4's, but 8 for the LM head and `eight_bit`'s."""
+        is_wide = _is_lm_head(param_name.removesuffix(".weight")) or param_name in self.eight_bit
+        return 4 if self.method == "int4" and not is_wide else 8
+
+    def held_bits(self) -> dict[str, int]:
+        """Parameter name -> bits, of the weights this quantizer holds (a tied embedding: 8);
+        empty unless it could take a file's blocks as they stand (int8 / int4, groups of 32)."""
+        if self.fp8 or self.group != 32:
+            return {}
+        held = {name: self.bits(name) for name in self.pending}
+        emb = _tied_embedding(self.model)
+        held |= {n: 8 for n, p in self.params.items() if emb is not None and p is emb.weight}
+        return held
+
+    def stage_blocks(self, param_name: str) -> tuple[Tensor, Tensor]:
+        """(q int8 like the weight, d float16 [..., in / group]): where the parameter's weight
+        loader copies a file's blocks (models/gguf_blocks.py) instead of float values; they
+        become its quantized weight as they stand."""
+        if param_name not in self.blocks:
+            shape = self.params[param_name].shape
+            self.blocks[param_name] = (
+                torch.empty(shape, dtype=torch.int8),
+                torch.empty(*shape[:-1], shape[-1] // self.group, dtype=torch.float16),
+            )
+        return self.blocks[param_name]
 
     def loaded(self, param_name: str) -> None:
         if param_name in self.pending:
             self._quantize(*self.pending.pop(param_name))
 
+    def _weight(
+        self, param_name: str, w: Tensor, bits: int, e: int | None = None
+    ) -> QuantizedWeight:
+        """w [n, k] (expert e's of stacked [E, n, k]) quantized, or its staged blocks as they stand."""
+        if param_name in self.blocks:
+            q, d = self.blocks[param_name]
+            q, d = (q, d) if e is None else (q[e], d[e])
+            return QuantizedWeight.from_int(q, d, bits, self.group, self.packed).to(self.device)
+        w = w if e is None else w[e]
+        return QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(self.device)
+
     @torch.no_grad()
     def _quantize(self, name: str, m: nn.Module) -> None:
+        param = f"{name}.weight"
         if not m.weight.numel():
             return
-        is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
-        bits = 4 if self.method == "int4" and not is_wide else 8
-        w = m.weight.detach()
+        bits, w = self.bits(param), m.weight.detach()
         if (
             w.dim() == 3
         ):  # stacked experts (models/moe.py): one quantized matrix and matmul per expert
             m.packed = [
-                QuantizedLinear(
-                    QuantizedWeight.quantize(we, bits, self.group, self.packed, self.fp8).to(
-                        self.device
-                    ),
-                    None,
-                )
-                for we in w
+                QuantizedLinear(self._weight(param, w, bits, e), None) for e in range(len(w))
             ]
-        else:
-            qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(
-                self.device
-            )
-            m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
+        else:  # the bias (maybe loaded later) is set in finish()
+            m.packed = QuantizedLinear(self._weight(param, w, bits), None)
+        self.blocks.pop(param, None)
         m.weight.data = m.weight.data.new_empty(0)
         self.count += len(m.packed) if isinstance(m.packed, list) else 1
 
@@ -442,9 +474,9 @@ class Quantizer:
         emb = _tied_embedding(self.model)
         if emb is not None and emb.weight.numel():
             w = emb.weight
-            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed, self.fp8).to(
-                self.device
-            )
+            name = next(n for n, p in self.params.items() if p is w)
+            qw = self._weight(name, w.detach(), 8)
+            self.blocks.pop(name, None)
             emb.packed_lm_head = QuantizedLinear(qw, None)
             emb.quantized, emb.quantized_dtype = qw, self.dtype
             w.data = w.data.new_empty(0)
