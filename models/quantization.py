@@ -138,7 +138,7 @@ class QuantizedWeight:
         u = torch.zeros(
             blocks * 64, k, dtype=torch.uint8
         )  # padding rows: weight 0 (their scales are 0)
-        u[:n] = (q.to(torch.int16) + _OFFSET[bits]).to(torch.uint8)
+        u[:n] = q.view(torch.uint8) + _OFFSET[bits]  # q + offset, in uint8 arithmetic (mod 256)
         u = u.view(blocks, 64, k // 4, 4).permute(
             0, 2, 1, 3
         )  # [blocks, steps, 64 columns, 4 inputs]
