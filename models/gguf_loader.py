@@ -2,9 +2,9 @@
 
 A GGUF checkpoint is one file; kvserve's model path is then that file. Weights are dequantized
 here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
-so the values are exactly its values). Served as it comes, a Q8_0 / Q4_0 file's matrices are
-quantized again at load (models/quantization.py) from those exact values, which gives back the
-file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and
+so the values are exactly its values), except the Q8_0 / Q4_0 matrices that the quantizer holds
+in their own format (`direct_tensors`): those come as their blocks (models/gguf_blocks.py), the
+file's own; `--quantization none` keeps every matrix in the model dtype instead. Config and
 tokenizer come from the file's metadata through transformers' own GGUF support, converted once
 (models/gguf_metadata.py), so they are read as `transformers` reads them.
 

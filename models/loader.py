@@ -32,14 +32,8 @@ from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
 from kvserve.models.heap import release_free_memory
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
-from kvserve.models.quantization import (
-    DEFAULT_GROUP_SIZE,
-    QuantizationReport,
-    Quantizer,
-    check_quantizable,
-    mark_for_staging,
-    weight_bytes,
-)
+from kvserve.models.quantization import DEFAULT_GROUP_SIZE, QuantizationReport
+from kvserve.models.quantizer import Quantizer, check_quantizable, mark_for_staging, weight_bytes
 from kvserve.models.registry import get_model_class
 from kvserve.models.timing import phase
 
@@ -236,7 +230,7 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             if param is None:
                 continue
             if id(param) not in done:
-                # weights loaded to be quantized: models/quantization.mark_for_staging
+                # weights loaded to be quantized: models/quantizer.mark_for_staging
                 param_dtype, param_device = (
                     getattr(param, "stage_dtype", dtype),
                     getattr(param, "stage_device", device),
