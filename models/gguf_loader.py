@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Collection, Iterator
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -44,7 +43,6 @@ from kvserve.models.gguf_metadata import (
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T", Tensor, QuantBlocks)
 
 # Tensor types read (each dequantized exactly as the gguf package's reference does): the float
 # types, the legacy blocks, and the K-quants of llama.cpp's Q4_K_M / Q5_K_M / Q6_K files (with the
@@ -265,7 +263,7 @@ def dequantize(t) -> Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def _unpermute(w: T, num_heads: int) -> T:
+def _unpermute(w: Tensor | QuantBlocks, num_heads: int) -> Tensor | QuantBlocks:
     """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves
     (a row permutation: a matrix's blocks, q and d, take it alike)."""
     if isinstance(w, QuantBlocks):
