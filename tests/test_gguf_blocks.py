@@ -14,6 +14,7 @@ from kvserve.models import loader as loader_module
 from kvserve.models.gguf_blocks import read_blocks
 from kvserve.models.hf_config import load_hf_config
 from kvserve.models.loader import load_model
+from kvserve.models.parallel import ParallelState
 from kvserve.models.quantization import QuantizedLinear, dequantize
 from test_quantization import assert_same_bits, logits_of, parse_blocks
 
@@ -170,3 +171,32 @@ def test_other_formats_keep_the_float_path(tmp_path, monkeypatch, quantization):
     assert torch.equal(
         logits_of(direct, prompts, torch.float32), logits_of(requantized, prompts, torch.float32)
     )
+
+
+@pytest.mark.parametrize(
+    "family,overrides", [("llama", {}), ("qwen3_moe", dict(mlp_only_layers=[]))]
+)
+def test_each_rank_takes_its_slice_of_the_blocks(tmp_path, monkeypatch, family, overrides):
+    """Tensor parallelism: the weight loaders cut q and d as they cut a float weight (rows, and for
+    row-parallel layers whole groups of inputs), so each rank holds what the float path gives it."""
+    path = make_gguf(tmp_path, family, "Q8_0", **overrides)
+    config = load_hf_config(str(path))
+    taken: list[str] = []
+    read = gguf_loader.read_blocks
+    monkeypatch.setattr(gguf_loader, "read_blocks", lambda t: taken.append(t.name) or read(t))
+    for rank in range(2):
+
+        def load(path=path, rank=rank):
+            return load_model(
+                str(path), config, torch.float32, "cpu", parallel=ParallelState(rank, 2)
+            )
+
+        direct = held_weights(load())
+        with monkeypatch.context() as m:
+            m.setattr(loader_module, "_direct_tensors", lambda *args: set())
+            requantized = held_weights(load())
+        assert direct.keys() == requantized.keys()
+        assert any(".ffn_down" in name for name in taken)  # row-parallel: d cut by groups
+        for name, weight in direct.items():
+            assert_same_bits(weight.data, requantized[name].data, f"rank {rank} {name}")
+            assert_same_bits(weight.scales, requantized[name].scales, f"rank {rank} {name}")
