@@ -3,11 +3,10 @@
 Served as int8 / int4 in groups of 32, such a matrix's quantized weight is the file's blocks
 themselves: per row and block of 32 input features one fp16 scale d and 32 integers q (Q8_0: int8;
 Q4_0: nibbles u, q = u - 8), w = q * d. Reading them straight from the file skips dequantizing to
-fp32 and quantizing again, and holds exactly the blocks llama.cpp computes with. A parameter takes
-blocks only when every tensor filling it is of the kind it is held at
-(models/gguf_loader.direct_tensors); any
-other (a K-quant beside it, another group size or bit width, GPT-2's transposed matrices,
-`--quantization none`) is dequantized as before.
+fp32 and quantizing again, and holds exactly the blocks llama.cpp computes with. A parameter
+takes blocks only when every tensor filling it is of the kind it is held at
+(models/gguf_loader.direct_tensors); any other (a K-quant beside it, another group size or bit
+width, GPT-2's transposed matrices, `--quantization none`) is dequantized as before.
 """
 
 from __future__ import annotations

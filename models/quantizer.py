@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kvserve.models.backends import check_quantization
+from kvserve.models.gguf_blocks import BLOCK_SIZE
 from kvserve.models.quantization import (
     QuantizationReport,
     QuantizedLinear,
@@ -116,7 +117,7 @@ class Quantizer:
     def held_bits(self) -> dict[str, int]:
         """Parameter name -> bits, of the weights this quantizer holds (a tied embedding: 8);
         empty unless it could take a file's blocks as they stand (int8 / int4, groups of 32)."""
-        if self.fp8 or self.group != 32:
+        if self.fp8 or self.group != BLOCK_SIZE:
             return {}
         held = {name: self.bits(name) for name in self.pending}
         emb = _tied_embedding(self.model)
