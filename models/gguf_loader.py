@@ -2,9 +2,9 @@
 
 A GGUF checkpoint is one file; kvserve's model path is then that file. Weights are dequantized
 here, one tensor at a time, to fp32 (`gguf.quants.dequantize`, the gguf package's reference,
-so the values are exactly its values). Served as it comes, a Q8_0 / Q4_0 file's matrices are
-quantized again at load (models/quantization.py) from those exact values, which gives back the
-file's own blocks; `--quantization none` keeps them in the model dtype instead. Config and
+so the values are exactly its values), except the Q8_0 / Q4_0 matrices that the quantizer holds
+in their own format (`direct_tensors`): those come as their blocks (models/gguf_blocks.py), the
+file's own; `--quantization none` keeps every matrix in the model dtype instead. Config and
 tokenizer come from the file's metadata through transformers' own GGUF support, converted once
 (models/gguf_metadata.py), so they are read as `transformers` reads them.
 
@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from kvserve.models.gguf_blocks import QuantBlocks, block_bits, read_blocks
 from kvserve.models.gguf_metadata import (
     ROPE_TENSORS,
     field,
@@ -181,8 +182,38 @@ def gguf_eight_bit_weights(path: str | os.PathLike) -> set[str]:
     }
 
 
-def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time."""
+def direct_tensors(
+    path: str | os.PathLike, param_of: Callable[[str], str | None], held_bits: dict[str, int]
+) -> set[str]:
+    """GGUF names of the Q8_0 / Q4_0 tensors to read as their blocks (models/gguf_blocks.py):
+    those filling a parameter of `held_bits` (parameter -> the bits the quantizer holds it at, in
+    groups of 32) all of whose tensors have that many bits. `param_of`: a Hugging Face name ->
+    the parameter it fills (None: none)."""
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    if arch == "gpt2":  # matrices stored [out, in] for Conv1D's [in, out]: blocks across rows
+        return set()
+    names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
+    kinds: dict[str, set[int | None]] = {}  # parameter -> the bits of the tensors filling it
+    param_of_tensor: dict[str, str] = {}
+    for t in reader.tensors:
+        param = param_of(names[t.name].format(0)) if t.name in names else None
+        if param is not None:
+            kinds.setdefault(param, set()).add(block_bits(t))
+            param_of_tensor[t.name] = param
+    return {
+        name
+        for name, param in param_of_tensor.items()
+        if param in held_bits and kinds[param] == {held_bits[param]}
+    }
+
+
+def iter_gguf_tensors(
+    path: str | os.PathLike, as_blocks: Collection[str] = ()
+) -> Iterator[tuple[str, Tensor | QuantBlocks]]:
+    """(Hugging Face name, fp32 tensor) for every tensor of the file, dequantized one at a time;
+    the GGUF tensors named in `as_blocks` (Q8_0 / Q4_0) come as their blocks instead
+    (models/gguf_blocks.py)."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     names = gguf_tensor_names(arch, int(field(reader, f"{arch}.block_count")))
@@ -193,12 +224,13 @@ def iter_gguf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             continue
         if t.name not in names:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in a {arch!r} model")
-        hf_name, w = names[t.name], dequantize(t)
+        hf_name = names[t.name]
+        w: Tensor | QuantBlocks = read_blocks(t) if t.name in as_blocks else dequantize(t)
         if arch == "llama" and t.name.endswith("attn_q.weight"):
             w = _unpermute(w, num_heads)
         elif arch == "llama" and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, num_kv_heads)
-        elif arch == "gpt2" and w.ndim == 2 and t.name.startswith("blk."):
+        elif arch == "gpt2" and isinstance(w, Tensor) and w.ndim == 2 and t.name.startswith("blk."):
             w = w.t()  # back to Conv1D's [in, out]
         elif arch in GEMMA_ARCHITECTURES and t.name.endswith("norm.weight"):
             w = (
@@ -231,8 +263,11 @@ def dequantize(t) -> Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def _unpermute(w: Tensor, num_heads: int) -> Tensor:
-    """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves."""
+def _unpermute(w: Tensor | QuantBlocks, num_heads: int) -> Tensor | QuantBlocks:
+    """Inverse of llama.cpp's q/k permutation: per head, interleaved rotary pairs back to halves
+    (a row permutation: a matrix's blocks, q and d, take it alike)."""
+    if isinstance(w, QuantBlocks):
+        return w.apply(lambda x: _unpermute(x, num_heads))
     # [out, in] -> [heads, out / heads / 2, 2, in] -> swap -> [heads, 2, out / heads / 2, in]
     return (
         w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:])

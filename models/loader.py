@@ -9,31 +9,31 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
 from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
-from kvserve.models.gguf_loader import gguf_eight_bit_weights, gguf_quantization, iter_gguf_tensors
+from kvserve.models.gguf_blocks import QuantBlocks
+from kvserve.models.gguf_loader import (
+    direct_tensors,
+    gguf_eight_bit_weights,
+    gguf_quantization,
+    iter_gguf_tensors,
+)
 from kvserve.models.gguf_metadata import close_gguf_files, find_gguf, is_gguf
 from kvserve.models.heap import release_free_memory
 from kvserve.models.layers import LazyTensor, default_weight_loader
 from kvserve.models.parallel import ParallelState, tensor_parallel
-from kvserve.models.quantization import (
-    DEFAULT_GROUP_SIZE,
-    QuantizationReport,
-    Quantizer,
-    check_quantizable,
-    mark_for_staging,
-    weight_bytes,
-)
+from kvserve.models.quantization import DEFAULT_GROUP_SIZE, QuantizationReport
+from kvserve.models.quantizer import Quantizer, check_quantizable, mark_for_staging, weight_bytes
 from kvserve.models.registry import get_model_class
 from kvserve.models.timing import phase
 
@@ -69,13 +69,16 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     raise ValueError(f"no *.safetensors weights in {root}")
 
 
-def iter_checkpoint_lazy(model_dir: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
+def iter_checkpoint_lazy(
+    model_dir: str | os.PathLike, as_blocks: Collection[str] = ()
+) -> Iterator[tuple[str, LazyTensor | QuantBlocks]]:
     """(name, tensor not yet read) for every checkpoint tensor: a weight loader reads what it
     keeps (a tensor-parallel rank its slice); valid until the next item. A GGUF file's
-    tensors come dequantized, under their Hugging Face names."""
+    tensors come dequantized, under their Hugging Face names, those named in `as_blocks` as
+    their blocks (models/gguf_blocks.py)."""
     if is_gguf(model_dir):
-        for name, tensor in iter_gguf_tensors(model_dir):
-            yield name, LazyTensor(tensor)
+        for name, tensor in iter_gguf_tensors(model_dir, as_blocks):
+            yield name, tensor if isinstance(tensor, QuantBlocks) else LazyTensor(tensor)
         return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -93,7 +96,10 @@ def packed_name(model: nn.Module, name: str) -> str:
 
 
 def load_weights(
-    model: nn.Module, model_dir: str | os.PathLike, on_loaded: Callable[[str], None] | None = None
+    model: nn.Module,
+    model_dir: str | os.PathLike,
+    on_loaded: Callable[[str], None] | None = None,
+    quantizer: Quantizer | None = None,
 ) -> set[str]:
     """Copy every checkpoint tensor through its parameter's `weight_loader`; return the loaded names.
 
@@ -101,7 +107,9 @@ def load_weights(
     pair = a shard the model names itself, e.g. one expert's matrix of stacked experts) and
     `model.packed_modules_mapping` (e.g. `.q_proj.` -> `.qkv_proj.` shard "q"). A
     packed parameter counts as loaded once all of its shards are; then `on_loaded(name)` runs
-    (the quantizer: each matrix is quantized as soon as it is whole).
+    (the quantizer: each matrix is quantized as soon as it is whole). With a `quantizer`, a GGUF
+    file's Q8_0 / Q4_0 matrices that it holds as they stand (`direct_tensors`) come as blocks,
+    which the weight loaders copy into its staging (`Quantizer.stage_blocks`) as they would floats.
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())  # a checkpoint may carry some (BART's final_logits_bias)
@@ -110,7 +118,8 @@ def load_weights(
     loaded: set[str] = set()
     shards_loaded: dict[str, set] = defaultdict(set)
     unexpected: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint_lazy(model_dir):
+    as_blocks = set() if quantizer is None else _direct_tensors(model, model_dir, quantizer)
+    for ckpt_name, tensor in iter_checkpoint_lazy(model_dir, as_blocks):
         name = map_name(ckpt_name)
         if name is None:
             continue
@@ -133,11 +142,14 @@ def load_weights(
             unexpected.append(ckpt_name)
             continue
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        targets: list[tuple[Tensor, LazyTensor | QuantBlocks]] = [(param, tensor)]
+        if isinstance(tensor, QuantBlocks) and quantizer is not None:
+            # q and d, each loaded as the weight would be, into the quantizer's staging
+            q, d = quantizer.stage_blocks(name)
+            targets = [(q, LazyTensor(tensor.q)), (d, LazyTensor(tensor.d))]
         try:
-            if shard_id is None:
-                weight_loader(param, tensor)
-            else:
-                weight_loader(param, tensor, shard_id)
+            for target, part in targets:
+                weight_loader(target, part, *(() if shard_id is None else (shard_id,)))
         except ValueError as e:
             raise ValueError(
                 f"cannot load checkpoint weight {ckpt_name!r} into {name!r}: {e}"
@@ -171,6 +183,24 @@ def load_weights(
     return loaded
 
 
+def _direct_tensors(
+    model: nn.Module, model_dir: str | os.PathLike, quantizer: Quantizer
+) -> set[str]:
+    """The GGUF tensors `quantizer` takes as their blocks (none from a safetensors checkpoint)."""
+    held = quantizer.held_bits()
+    if not held or not is_gguf(model_dir):
+        return set()
+    return direct_tensors(model_dir, lambda name: _param_name(model, name), held)
+
+
+def _param_name(model: nn.Module, ckpt_name: str) -> str | None:
+    """The parameter a checkpoint tensor fills (None: skipped), as `load_weights` maps it."""
+    name = getattr(model, "map_weight_name", lambda n: n)(ckpt_name)
+    if name is None or isinstance(name, tuple):  # (name, shard id): a part the model names itself
+        return None if name is None else name[0]
+    return packed_name(model, name)
+
+
 def _describe_missing(
     params: dict, loaded: set[str], shards_loaded: dict, mapping: dict
 ) -> list[str]:
@@ -200,7 +230,7 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             if param is None:
                 continue
             if id(param) not in done:
-                # weights loaded to be quantized: models/quantization.mark_for_staging
+                # weights loaded to be quantized: models/quantizer.mark_for_staging
                 param_dtype, param_device = (
                     getattr(param, "stage_dtype", dtype),
                     getattr(param, "stage_device", device),
@@ -273,7 +303,7 @@ def load_model(
             eight_bit = frozenset(packed_name(model, n) for n in gguf_eight_bit_weights(model_dir))
         quantizer = Quantizer(model, method, quantization_group_size, dtype, device, eight_bit)
     with phase("weights"):  # a quantized model: each matrix quantized as soon as it is loaded
-        load_weights(model, model_dir, None if quantizer is None else quantizer.loaded)
+        load_weights(model, model_dir, None if quantizer is None else quantizer.loaded, quantizer)
     close_gguf_files()
     report = QuantizationReport("none", 0, 0, 0) if quantizer is None else quantizer.finish()
     if device.type == "cpu":

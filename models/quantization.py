@@ -7,8 +7,9 @@ group's value of largest magnitude, q = trunc(w / d + 8.5) - 8, clipped to [-8, 
 `quantize_int8` / `quantize_int4` give the gguf package's blocks bit for bit, so quantizing
 the exact values of a Q8_0 or Q4_0 file gives back that file's blocks.
 
-Each `Linear` is quantized once its weight is loaded (`Quantizer`); `QuantizedLinear` replaces
-its matmul. With a CPU kernel set loaded (models/cpu_ops: AVX-512 VNNI, AVX2, NEON) the weight is packed for
+Each `Linear` is quantized once its weight is loaded (`Quantizer`, models/quantizer.py);
+`QuantizedLinear` replaces its matmul. With a CPU kernel set loaded (models/cpu_ops: AVX-512
+VNNI, AVX2, NEON) the weight is packed for
 `cpu_ops.quant_linear`, which also quantizes the activations per row and group
 (as llama.cpp does) and multiplies in int8 (`reference_linear` is its exact definition in
 float64). Elsewhere the weight stays plain ([N, K] int8, or int4 two to a byte): on CUDA the
@@ -25,17 +26,14 @@ fp8. It is always plain and weight-only: the Triton kernel on CUDA, the portable
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from kvserve.models import cpu_ops
-from kvserve.models.backends import DEFAULT_GROUP_SIZE, check_quantization
-
-logger = logging.getLogger(__name__)
+from kvserve.models.backends import DEFAULT_GROUP_SIZE
 
 _OFFSET = {8: 128, 4: 8}  # the unsigned storage: u = q + offset
 _STEP_BYTES = {8: 256, 4: 128}  # packed bytes per 64 columns and 4 inputs
@@ -54,11 +52,12 @@ def _groups(w: Tensor, group: int) -> Tensor:
 
 
 def _roundf(x: Tensor) -> Tensor:
-    """C's roundf (half away from zero, what ggml's reference quantizer uses) of fp32 values of
-    magnitude below 2**28. Not trunc(x + 0.5 sign(x)) in fp32: that sum rounds 0.49999997 up to 1;
-    in fp64 it is exact."""
-    y = x.double()
-    return y.add_(torch.full_like(y, 0.5).copysign_(x)).trunc_()
+    """C's roundf (half away from zero, what ggml's reference quantizer uses) of fp32 values, in
+    fp32. Not trunc(x + 0.5 sign(x)): that sum rounds 0.49999997 up to 1. The fraction x - trunc(x)
+    is exact in fp32, so comparing it with 0.5 decides the tie and the step exactly."""
+    t = x.trunc()
+    step = (x - t).abs_().ge_(0.5).to(x.dtype)  # 1 where |fraction| >= 0.5
+    return t.add_(step.copysign_(x))
 
 
 def quantize_int8(w: Tensor, group: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
@@ -137,7 +136,7 @@ class QuantizedWeight:
         u = torch.zeros(
             blocks * 64, k, dtype=torch.uint8
         )  # padding rows: weight 0 (their scales are 0)
-        u[:n] = (q.to(torch.int16) + _OFFSET[bits]).to(torch.uint8)
+        u[:n] = q.view(torch.uint8) + _OFFSET[bits]  # q + offset, in uint8 arithmetic (mod 256)
         u = u.view(blocks, 64, k // 4, 4).permute(
             0, 2, 1, 3
         )  # [blocks, steps, 64 columns, 4 inputs]
@@ -295,7 +294,7 @@ class QuantizedLinear:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
 
 
-# ---- applying it to a model ---------------------------------------------------------------------------
+# ---- what loading did ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -315,151 +314,3 @@ class QuantizationReport:
             f"weights {self.method} (groups of {self.group_size}, LM head {head}), {self.quantized_layers} "
             f"matrices quantized, {self.weight_bytes / 2**20:.1f} MiB"
         )
-
-
-def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from kvserve.models.layers import Linear
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
-
-
-def _is_lm_head(name: str) -> bool:
-    return name == "lm_head" or name.endswith(".lm_head")
-
-
-def check_quantizable(model: nn.Module, group: int) -> None:
-    """ValueError naming the first matrix whose input features do not split into groups (before any
-    weight is read, so nothing is half-loaded)."""
-    check_quantization(None, group)
-    for name, m in _linears(model):
-        if m.in_features % group:
-            raise ValueError(
-                f"cannot quantize {name} in groups of {group}: it has {m.in_features} input "
-                f"features (not a multiple of {group}); choose another --quantization-group-size"
-            )
-
-
-def mark_for_staging(model: nn.Module) -> None:
-    """Load the weights that will be quantized in fp32 (the checkpoint's values, exactly) on the
-    CPU: there an unwritten allocation costs nothing, so only the matrix being quantized is ever
-    resident (a GPU would allocate every staged matrix up front)."""
-    weights = [m.weight for _, m in _linears(model)]
-    emb = _tied_embedding(model)
-    for w in weights + ([emb.weight] if emb is not None else []):
-        w.stage_dtype, w.stage_device = torch.float32, torch.device("cpu")
-
-
-def _tied_embedding(model: nn.Module) -> nn.Module | None:
-    """The token embedding that is also the LM head, if the model ties them."""
-    from kvserve.models.layers import VocabEmbedding
-
-    if not getattr(model, "tie_word_embeddings", False):
-        return None
-    vocab_size = model.config.vocab_size  # the token embedding, not e.g. GPT-2's positions
-    return next(
-        (
-            emb
-            for emb in model.modules()
-            if isinstance(emb, VocabEmbedding)
-            and getattr(emb, "vocab_size", emb.weight.shape[0]) == vocab_size
-        ),
-        None,
-    )
-
-
-class Quantizer:
-    """Quantizes a model's matrices as the loader completes them (`loaded(name)`), so at most one
-    float matrix is resident beside the quantized ones, then the rest in `finish()`: every
-    `Linear` gets a `QuantizedLinear` (`method` int8, int4 or fp8; the LM head and `eight_bit`'s
-    matrices int8, or fp8 under fp8) and a tied embedding that 8-bit form (rows looked up in
-    `dtype`, the model's). Float weights are freed."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        method: str,
-        group: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        eight_bit: frozenset[str] = frozenset(),
-    ) -> None:
-        self.model, self.method, self.group, self.dtype = model, method, group, dtype
-        self.eight_bit = (
-            eight_bit  # parameter names held int8 under int4 (a GGUF file's wider matrices)
-        )
-        self.device = torch.device(
-            device
-        )  # where the quantized weights go (staged ones are on the CPU)
-        self.fp8 = method == "fp8"
-        self.packed = self.device.type == "cpu" and has_kernels() and not self.fp8
-        if self.fp8 and self.device.type == "cpu":
-            logger.warning(
-                "fp8 weights have no CPU kernel: every matmul dequantizes its weight (slow); "
-                "int8 is the CPU's 8-bit format"
-            )
-        self.pending = {f"{name}.weight": (name, m) for name, m in _linears(model)}
-        self.count = 0
-
-    def loaded(self, param_name: str) -> None:
-        if param_name in self.pending:
-            self._quantize(*self.pending.pop(param_name))
-
-    @torch.no_grad()
-    def _quantize(self, name: str, m: nn.Module) -> None:
-        if not m.weight.numel():
-            return
-        is_wide = _is_lm_head(name) or f"{name}.weight" in self.eight_bit
-        bits = 4 if self.method == "int4" and not is_wide else 8
-        w = m.weight.detach()
-        if (
-            w.dim() == 3
-        ):  # stacked experts (models/moe.py): one quantized matrix and matmul per expert
-            m.packed = [
-                QuantizedLinear(
-                    QuantizedWeight.quantize(we, bits, self.group, self.packed, self.fp8).to(
-                        self.device
-                    ),
-                    None,
-                )
-                for we in w
-            ]
-        else:
-            qw = QuantizedWeight.quantize(w, bits, self.group, self.packed, self.fp8).to(
-                self.device
-            )
-            m.packed = QuantizedLinear(qw, None)  # the bias (maybe loaded later) is set in finish()
-        m.weight.data = m.weight.data.new_empty(0)
-        self.count += len(m.packed) if isinstance(m.packed, list) else 1
-
-    @torch.no_grad()
-    def finish(self) -> QuantizationReport:
-        for name, m in list(self.pending.values()):
-            self._quantize(name, m)
-        self.pending.clear()
-        for _, m in _linears(self.model):
-            if isinstance(m.packed, QuantizedLinear) and m.bias is not None:
-                m.packed.bias = m.bias.detach().float().contiguous()
-        emb = _tied_embedding(self.model)
-        if emb is not None and emb.weight.numel():
-            w = emb.weight
-            qw = QuantizedWeight.quantize(w.detach(), 8, self.group, self.packed, self.fp8).to(
-                self.device
-            )
-            emb.packed_lm_head = QuantizedLinear(qw, None)
-            emb.quantized, emb.quantized_dtype = qw, self.dtype
-            w.data = w.data.new_empty(0)
-            self.count += 1
-        return QuantizationReport(self.method, self.group, self.count, 0)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Resident bytes of the model's weights: parameters, buffers and quantized matrices."""
-    total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    for m in model.modules():
-        for attr in ("packed", "packed_lm_head"):
-            fns = getattr(m, attr, None)
-            for fn in fns if isinstance(fns, list) else [fns]:  # a list: stacked experts' matmuls
-                qw = getattr(fn, "weight", None)
-                if isinstance(qw, (QuantizedWeight, Tensor)):
-                    total += qw.nbytes
-    return total

@@ -40,6 +40,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.quantization import (
     QuantizedLinear,
     QuantizedWeight,
+    _roundf,
     dequantize,
     has_kernels,
     quantize_int4,
@@ -186,6 +187,32 @@ def test_int8_just_below_half():
     want_q, _ = parse_blocks(gguf.quants.quantize(w, Q8_0), Q8_0, 1, 32)
     q, _ = quantize_int8(torch.from_numpy(w))
     assert q[0, 1].item() == want_q[0, 1].item() == 0
+
+
+def test_roundf_is_c_roundf_in_fp32():
+    """`_roundf` (fp32 arithmetic) equals the fp64 definition trunc(x + 0.5 sign(x)) bit for bit,
+    sign of zero included: ties, one ulp either side of them, 0.49999997, zeros, large and
+    non-finite values, and random ones."""
+    halves = torch.arange(-400, 401, dtype=torch.float32) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    special = [0.49999997, -0.49999997, 0.5, -0.5, 1.5, 2.5, -2.5, 0.0, -0.0, 1e-45, -1e-45]
+    special += [2.0**23 - 0.5, -(2.0**23 - 0.5), 2.0**23 + 1, 2.0**24, 3e38, -3e38]
+    x = torch.cat(
+        [
+            halves,
+            torch.nextafter(halves, up),
+            torch.nextafter(halves, down),
+            torch.tensor(special + [float("inf"), float("-inf")]),
+            torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 200,
+        ]
+    )
+    y = x.double()
+    want = y.add(torch.full_like(y, 0.5).copysign(x)).trunc()
+    got = _roundf(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.double(), want) and torch.equal(got.signbit(), want.signbit())
+    assert _roundf(torch.tensor([float("nan")])).isnan().all()
+    assert _roundf(torch.tensor(special[:7])).tolist() == [0, -0, 1, -1, 2, 3, -3]
 
 
 def q4_0_any_group(w: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
