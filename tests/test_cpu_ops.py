@@ -879,3 +879,38 @@ def test_concurrent_builds_into_one_cache_compile_once(tmp_path, monkeypatch):
         t.join()
     assert results == [target.library] * 3
     assert sum(" -c " in line for line in log.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["precompiled", "read-as-is"])
+def test_a_sets_header_is_precompiled_once_or_read_as_is(tmp_path, monkeypatch, refused):
+    """Each unit starts from the set's header compiled once (`-include` finds the .gch in the build
+    folder); a compiler that cannot precompile it builds the same library from the header itself."""
+    import ctypes
+
+    from kvserve.models import cpu_build
+
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler on this machine")
+    monkeypatch.setenv("KVSERVE_CPU_OPS_DIR", str(tmp_path))
+    header = tmp_path / "tiny.h"
+    header.write_text("#pragma once\ninline int one() { return 1; }\n")
+    sources = [tmp_path / f"u{i}.cpp" for i in range(2)]
+    for i, source in enumerate(sources):
+        source.write_text(f'#include "tiny.h"\nextern "C" int u{i}() {{ return one() + {i}; }}\n')
+    log, compiler = tmp_path / "compiles.log", tmp_path / "cxx"
+    refuse = 'case "$*" in *c++-header*) exit 1;; esac\n' if refused else ""
+    compiler.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n{refuse}exec {shutil.which("c++") or "g++"} "$@"\n'
+    )
+    compiler.chmod(0o755)
+    target = cpu_build.Target(
+        "tiny", tmp_path / "tiny" / "tiny.so", sources, ["-fPIC", "-std=c++17"], [], header
+    )
+    (result,) = cpu_build.build([target], str(compiler))
+    assert result == target.library
+    lines = log.read_text().splitlines()
+    assert sum("c++-header" in line for line in lines) == 1
+    units = [line for line in lines if " -c " in line]
+    assert len(units) == 2 and all(("-include tiny.h" in line) != refused for line in units)
+    library = ctypes.CDLL(str(result))
+    assert (library.u0(), library.u1()) == (1, 2)
