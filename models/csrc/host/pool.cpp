@@ -13,7 +13,6 @@
 // chunks is unfinished, since the caller waits for all of them.
 
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -70,7 +69,8 @@ class Pool {
     body_ = body, ctx_ = ctx, begin_ = begin, end_ = end, chunk_ = chunk;
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
-    const uint32_t gen = ++gen_;
+    if (++gen_ == 0) ++gen_;  // 0 means "stop" to a worker: a long-lived server wraps past it
+    const uint32_t gen = gen_;
     ticket_.store(pack(gen, count, 0));  // seq_cst: ordered before the sleepers_ load below
     if (sleepers_.load() > 0) {
       { std::lock_guard<std::mutex> lock(sleep_mutex_); }
