@@ -264,7 +264,8 @@ KERNEL_PROBE = """
 import json, torch
 from kvserve.models import cpu_ops
 library = cpu_ops.host_library()
-sets = ["avx512", "avx2"] if cpu_ops.cpu_isa.machine_arch() == "x86_64" else ["neon"]
+x86 = cpu_ops.cpu_isa.machine_arch() == "x86_64"
+sets = [isa for isa in cpu_ops.cpu_isa.ISAS if (isa != "neon") == x86]
 print(json.dumps({"torch": torch.__version__, "folder": str(library.parent),
                   "prebuilt": library.exists() and all(cpu_ops.set_library(isa).exists() for isa in sets),
                   "loaded": cpu_ops.load(), "isa": cpu_ops.isa(),

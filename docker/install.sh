@@ -84,8 +84,8 @@ package)
 kernels)
     # The installed package's models/csrc, built where kvserve will look for
     # it (KVSERVE_CPU_OPS_DIR, in folders named by the sources' digests): the
-    # host library and every kernel set of this architecture (avx512 and avx2
-    # on x86-64, neon on ARM64), so the image runs fast on any CPU, not only the
+    # host library and every kernel set of this architecture (avx512,
+    # avx512vnni and avx2 on x86-64, neon on ARM64), so the image runs fast on any CPU, not only the
     # builder's. Fails loudly: an image that silently fell back to the PyTorch
     # path would be slower with nothing to say why.
     out=$3

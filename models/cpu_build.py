@@ -64,12 +64,12 @@ def host_library() -> Path:
 
 
 def set_sources(isa: str) -> list[Path]:
-    return sorted((CSRC / isa).glob("*.cpp"))
+    return sorted((CSRC / cpu_isa.source_dir(isa)).glob("*.cpp"))
 
 
 def set_library(isa: str) -> Path:
     """Where kernel set `isa` for these sources and flags lives."""
-    sources = set_sources(isa) + sorted((CSRC / isa).glob("*.h")) + _headers()
+    sources = set_sources(isa) + sorted((CSRC / cpu_isa.source_dir(isa)).glob("*.h")) + _headers()
     return (
         cache_root()
         / f"{isa}-{digest(sources, ' '.join(cpu_isa.COMPILE_FLAGS[isa]))}"
@@ -105,7 +105,7 @@ def set_target(isa: str) -> Target:
         set_sources(isa),
         [SET_OPT, *COMMON_FLAGS, *cpu_isa.COMPILE_FLAGS[isa]],
         [],
-        CSRC / isa / f"{isa}.h",
+        CSRC / cpu_isa.source_dir(isa) / f"{cpu_isa.source_dir(isa)}.h",
     )
 
 

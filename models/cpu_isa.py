@@ -1,9 +1,11 @@
 """Which CPU kernel set (models/csrc/<set>/) this machine runs, decided once at load.
 
-Sets, widest first: `avx512` (AVX512-BF16 and VNNI; AMX tiles where present), `avx2` (AVX2, FMA
-and F16C: every x86-64 CPU of the last decade), `neon` (ARM64 with the dot-product
-instructions: Graviton 2+, Ampere, Apple silicon). `KVSERVE_CPU_ISA=avx512|avx2|neon|none`
-forces one (`none`: PyTorch's ops only), e.g. to run the AVX2 kernels on an AVX-512 machine.
+Sets, widest first: `avx512` (AVX512-BF16 and VNNI; AMX tiles where present), `avx512vnni` (the
+same sources built without BF16, for AVX-512 CPUs with VNNI only: Cascade Lake, Ice Lake),
+`avx2` (AVX2, FMA and F16C: every x86-64 CPU of the last decade), `neon` (ARM64 with the
+dot-product instructions: Graviton 2+, Ampere, Apple silicon).
+`KVSERVE_CPU_ISA=avx512|avx512vnni|avx2|neon|none` forces one (`none`: PyTorch's ops only), e.g.
+to run the AVX2 kernels on an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import os
 import platform
 from pathlib import Path
 
-ISAS = ("avx512", "avx2", "neon")
+ISAS = ("avx512", "avx512vnni", "avx2", "neon")
+
+# The folder of models/csrc/ each set is built from (where it is not the set's own name).
+SOURCE_DIRS = {"avx512vnni": "avx512"}
 
 # What each set is compiled with (models/cpu_ops.py) and what the CPU must have to run it
 # (Linux's /proc/cpuinfo names).
@@ -29,6 +34,15 @@ COMPILE_FLAGS = {
         "-mamx-tile",
         "-mamx-bf16",
     ],
+    "avx512vnni": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mfma",
+        "-mf16c",
+    ],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
 }
@@ -43,9 +57,23 @@ REQUIRED_FLAGS = {
         "fma",
         "f16c",
     ),
+    "avx512vnni": (
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512dq",
+        "avx512_vnni",
+        "fma",
+        "f16c",
+    ),
     "avx2": ("avx2", "fma", "f16c"),
     "neon": ("asimd", "asimddp"),
 }
+
+
+def source_dir(isa: str) -> str:
+    """The folder of models/csrc/ whose sources build set `isa`."""
+    return SOURCE_DIRS.get(isa, isa)
 
 
 def machine_arch() -> str:

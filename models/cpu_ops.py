@@ -2,7 +2,7 @@
 
 models/cpu_build.py compiles two plain C++ libraries (no torch headers) into a cache: the host
 library (models/csrc/host/: each op's C API, the decoder stack, loading a set) and the kernel
-set this CPU runs (models/cpu_isa.py: avx512, avx2 or neon; `KVSERVE_CPU_ISA` forces one). This
+set this CPU runs (models/cpu_isa.py: avx512, avx512vnni, avx2 or neon; `KVSERVE_CPU_ISA` forces one). This
 module loads the host library with ctypes, hands it torch's thread count and pool (the C
 functions `torch_get_num_threads` and `torch_parallel_for` of libtorch_cpu; a serial pool, with a
 warning, on a torch without them; `use_own_pool` swaps torch's pool for kvserve's own) and has
@@ -198,7 +198,7 @@ def load() -> bool:
 
 
 def isa() -> str:
-    """The kernel set the ops call: "avx512", "avx2", "neon", or "none" (PyTorch's ops only)."""
+    """The kernel set the ops call: "avx512", "avx512vnni", "avx2", "neon", or "none" (PyTorch's ops only)."""
     return _isa if load() else "none"
 
 

@@ -5,7 +5,7 @@ models/cpu_isa.COMPILE_FLAGS) and run on a serial and a 2-thread host: every ker
 at the shape classes of tests/test_cpu_ops.py and tests/test_quantization.py, one line per check
 (tolerances in the driver, next to each check). The host library's LoRA shrink/expand
 (models/csrc/host/lora.cpp) is linked in too and run both ways it can run: with the set loaded (its
-AVX2 tiles under avx2/avx512, its plain loops under neon) and with none (the plain loops, which the
+AVX2 tiles under the x86 sets, its plain loops under neon) and with none (the plain loops, which the
 x86 machines of CI would otherwise never run). The x86 sets run natively where the CPU has their
 instructions; the NEON set runs natively on an ARM64 CPU with the dot-product instructions, else
 cross-compiled (aarch64-linux-gnu-g++, -static) under qemu-aarch64 with --quick (every shape
@@ -38,7 +38,7 @@ TIMEOUT_S = 240
 
 
 def _set_sources(isa: str) -> list[Path]:
-    sources = sorted((CSRC / isa).glob("*.cpp"))
+    sources = sorted((CSRC / cpu_isa.source_dir(isa)).glob("*.cpp"))
     if not sources:
         pytest.skip(f"models/csrc/{isa}/ has no sources yet")
     return sources
@@ -101,7 +101,7 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni", "avx512"])
 def test_x86_set_matches_the_references(isa, tmp_path):
     if cpu_isa.machine_arch() != "x86_64":
         pytest.skip(f"the {isa} set needs an x86-64 CPU, this is {cpu_isa.machine_arch()}")

@@ -1,6 +1,6 @@
 // The host library's LoRA shrink/expand (models/csrc/host/lora.cpp, built into the driver with the
 // set's sources) against a plain C++ reference (kernel_check.cpp's family "lora"). lora.cpp picks
-// its AVX2 + FMA tiles when the loaded set is avx2 or avx512 and its plain loops otherwise; the
+// its AVX2 + FMA tiles when the loaded set is an x86 one and its plain loops otherwise; the
 // driver stands in for the host library's `kernel_set()` and `fail()`, so one binary runs both:
 // the set under test (the tiles on x86, the plain loops on ARM) and no set (the plain loops, on any
 // CPU). Each path runs on the serial and the 2-thread host (both of lora_apply's region layouts).

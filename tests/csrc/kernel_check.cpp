@@ -35,6 +35,7 @@ extern "C" const kvserve::KernelSet* KV_CAT(kvserve_kernels_, KV_SET)(const kvse
 #else
 extern "C" {
 __attribute__((weak)) const kvserve::KernelSet* kvserve_kernels_avx512(const kvserve::Host* host);
+__attribute__((weak)) const kvserve::KernelSet* kvserve_kernels_avx512vnni(const kvserve::Host* host);
 __attribute__((weak)) const kvserve::KernelSet* kvserve_kernels_avx2(const kvserve::Host* host);
 __attribute__((weak)) const kvserve::KernelSet* kvserve_kernels_neon(const kvserve::Host* host);
 }
@@ -77,6 +78,7 @@ const char* entry_name() {
   return "kvserve_kernels_" KV_STR(KV_SET);
 #else
   if (kvserve_kernels_avx512) return "kvserve_kernels_avx512";
+  if (kvserve_kernels_avx512vnni) return "kvserve_kernels_avx512vnni";
   if (kvserve_kernels_avx2) return "kvserve_kernels_avx2";
   if (kvserve_kernels_neon) return "kvserve_kernels_neon";
   return "(no entry point linked)";
@@ -89,6 +91,7 @@ const kvserve::KernelSet* load(const kvserve::Host* host) {
   return KV_CAT(kvserve_kernels_, KV_SET)(host);
 #else
   if (kvserve_kernels_avx512) return kvserve_kernels_avx512(host);
+  if (kvserve_kernels_avx512vnni) return kvserve_kernels_avx512vnni(host);
   if (kvserve_kernels_avx2) return kvserve_kernels_avx2(host);
   if (kvserve_kernels_neon) return kvserve_kernels_neon(host);
   return nullptr;
@@ -137,7 +140,7 @@ int main(int argc, char** argv) {
   ctx.set = load(&serial);
   if (!ctx.set) {
 #ifndef KV_SET
-    if (!kvserve_kernels_avx512 && !kvserve_kernels_avx2 && !kvserve_kernels_neon) {
+    if (!kvserve_kernels_avx512 && !kvserve_kernels_avx512vnni && !kvserve_kernels_avx2 && !kvserve_kernels_neon) {
       std::printf("FAIL no set linked: build with a set's sources (and -DKV_SET=<set>)\n");
       return 1;
     }

@@ -1,6 +1,10 @@
-// The AVX512-BF16 kernel set (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later):
-// bf16 dot products (vdpbf16ps), int8 dot products (vpdpbusd) and, where the CPU has them, AMX
-// tiles for the bf16 linear. Compiled with the flags of models/cpu_ops.py's "avx512" set; set.cpp
+// The AVX-512 kernel sets, one source for two builds:
+// * `avx512` (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later): bf16 dot
+//   products (vdpbf16ps), int8 dot products (vpdpbusd) and, where the CPU has them, AMX tiles
+//   for the bf16 linear;
+// * `avx512vnni` (Intel Cascade Lake, Ice Lake, Tiger/Rocket Lake: AVX-512 and VNNI without
+//   BF16): the same kernels with bf16 widened in registers and fp32 FMAs where vdpbf16ps was.
+// Which one a build is follows its flags (models/cpu_isa.py): __AVX512BF16__ or not. set.cpp
 // checks the CPU before handing the set out. Shared here: the vector helpers of the kernels.
 #pragma once
 
@@ -15,6 +19,42 @@
 #define KV_AMX
 
 namespace kvserve::avx512 {
+
+// 16 fp32 -> 16 bf16 bits, round to nearest even. vcvtneps2bf16 where the CPU has it; else the
+// same rounding in integer ops (NaN -> quiet NaN), which keeps denormals as PyTorch does.
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+// 32 bf16 as 16 pairs: the operand of one pair dot product (dot_pairs).
+#ifdef __AVX512BF16__
+using Pairs = __m512bh;
+#else
+using Pairs = __m512i;
+#endif
+inline Pairs as_pairs(__m512i v) { return (Pairs)v; }
+
+// acc + a[2i] * b[2i] + a[2i+1] * b[2i+1] per fp32 lane i, a and b bf16 pairs: one vdpbf16ps,
+// or two FMAs on the pairs widened (the odd elements are their lane's high half already).
+inline __m512 dot_pairs(__m512 acc, Pairs a, Pairs b) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, a, b);
+#else
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+#endif
+}
 
 // exp for x <= 0 (scores minus their max): Cephes' degree-6 polynomial after reducing by
 // ln 2, scaled back with vscalefps; about 1 ulp, like the vectorized exp SDPA uses.
@@ -43,7 +83,7 @@ KV_AVX512_BF16 inline __m512 load_bf16_as_float(const uint16_t* p) {
 
 // bf16 rounding of fp32 lanes, kept in fp32 (the model-dtype rounding of one PyTorch op)
 KV_AVX512_BF16 inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
 // exp on any fp32 input: the same polynomial as exp_nonpositive, clamped to where fp32 exp is finite.
@@ -61,9 +101,9 @@ KV_AVX512_BF16 inline void store_pair_row(const float* acc, float inv, uint16_t*
   for (int c = 0; c < CH / 2; ++c) {
     const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
     _mm256_storeu_si256((__m256i*)(out + 32 * c),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale)));
+                        to_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale)));
     _mm256_storeu_si256((__m256i*)(out + 32 * c + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale)));
+                        to_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale)));
   }
 }
 

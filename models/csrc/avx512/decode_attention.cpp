@@ -37,9 +37,9 @@ KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const
   __m512 part[16];
   for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
   for (int c = 0; c < CH / 2; ++c) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    const Pairs qv = as_pairs(_mm512_loadu_si512(q + 32 * c));
     for (int i = 0; i < n; ++i)
-      part[i] = _mm512_dpbf16_ps(part[i], qv, (__m512bh)_mm512_loadu_si512(keys[i] + head_off + 32 * c));
+      part[i] = dot_pairs(part[i], qv, as_pairs(_mm512_loadu_si512(keys[i] + head_off + 32 * c)));
   }
   return sum_each16(part);
 }
@@ -101,8 +101,8 @@ KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t g_n, const uint3
       }
       for (int g = 0; g < GB; ++g)
         if (g < gn) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32((int)p_pairs[(g0 + g) * p_stride + j]);
-          for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_dpbf16_ps(sum[g][k], (__m512bh)pairs[k], p);
+          const Pairs p = as_pairs(_mm512_set1_epi32((int)p_pairs[(g0 + g) * p_stride + j]));
+          for (int k = 0; k < CH; ++k) sum[g][k] = dot_pairs(sum[g][k], as_pairs(pairs[k]), p);
         }
     }
     for (int g = 0; g < GB; ++g)
@@ -173,7 +173,7 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
     for (int64_t i = 0; i < len; i += 16) {  // zeros past len: the odd last token's partner
       const __mmask16 m = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), row_max)));
-      _mm256_storeu_si256((__m256i*)(probs + i), (__m256i)_mm512_cvtneps_pbh(e));
+      _mm256_storeu_si256((__m256i*)(probs + i), to_bf16(e));
       sum = _mm512_add_ps(sum, e);
     }
     denom[r] = _mm512_reduce_add_ps(sum);

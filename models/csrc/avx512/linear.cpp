@@ -1,5 +1,6 @@
 // The bf16 linear on pre-packed weights: 6x64 register tiles of vdpbf16ps, and AMX tiles from
-// a few rows on where the CPU has them.
+// a few rows on where the CPU has them; without BF16 (the avx512vnni build) the same tiles in
+// fp32 FMAs, the weights widened in registers.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 
 namespace kvserve::avx512 {
 
+#ifdef __AMX_BF16__
 // True when the CPU has AMX-BF16 and Linux lets this process use the tile registers (their
 // state is opt-in per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
 inline bool has_amx_bf16() {
@@ -83,7 +85,7 @@ KV_AMX inline void amx_store(const float* c, int64_t rows, const float* bias, ui
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * 32 + 16 * h), b);
-      _mm256_mask_storeu_epi16(y + i * ldy + c0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      _mm256_mask_storeu_epi16(y + i * ldy + c0, mask, to_bf16(v));
     }
   }
 }
@@ -138,6 +140,7 @@ inline void linear_amx(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_
   const AmxLinear a{xp, ldx, m, wp, half_k, bias, yp, n, rows_per_item, (m + rows_per_item - 1) / rows_per_item};
   parallel_for(0, a.row_items * col_blocks, 1, [&](int64_t begin, int64_t end) { linear_amx_items(a, begin, end); });
 }
+#endif  // __AMX_BF16__
 
 // ---- linear: y[M, N] = x[M, K] @ W[N, K].T (+ bias) ------------------------------
 // Packed layout (built by models/cpu_ops.py): wp[N / 64][K / 2][64][2], i.e. for each
@@ -149,13 +152,30 @@ constexpr int kTileM = 6;       // rows of x per register tile
 constexpr int kTileN = 4;       // 16-column groups per register tile = one 64-column block
 constexpr int64_t kBlockM = 96;   // rows per work item: their slice of x stays in L2
 
+// acc (+ bias) -> MR rows of 16-column groups from col0, written as bf16 to y, masked to n.
+template <int MR>
+inline void store_tile(const __m512 (&acc)[MR][kTileN], const float* bias, uint16_t* y, int64_t ldy, int64_t col0,
+                       int64_t n) {
+  for (int j = 0; j < kTileN; ++j) {
+    const int64_t col = col0 + 16 * j;
+    const int64_t width = std::min<int64_t>(16, n - col);
+    if (width <= 0) break;
+    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) _mm256_mask_storeu_epi16(y + i * ldy + col, mask, to_bf16(_mm512_add_ps(acc[i][j], b)));
+  }
+}
+
 // One MR x 64 tile over all input features, then the bias, written as bf16 to y. The
 // tile streams its column block's weights from L2 (the item's first tile brings them in);
 // no K blocking: splitting K to keep weights in L1 cost more in partial-sum traffic than
 // it saved (benchmarks/bench_kernels.py).
+#ifdef __AVX512BF16__
+using XRow = uint16_t;  // x as given, bf16
+
 template <int MR>
-KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t half_k,
-                                const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
+KV_AVX512_BF16 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, const float* bias,
+                                uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
   constexpr int NR = kTileN;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -170,18 +190,54 @@ KV_AVX512_BF16 void linear_tile(const uint16_t* x, int64_t ldx, const uint16_t* 
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t col = col0 + 16 * j;
-    const int64_t width = std::min<int64_t>(16, n - col);
-    if (width <= 0) break;
-    const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+  store_tile<MR>(acc, bias, y, ldy, col0, n);
+}
+#else
+using XRow = float;  // x widened to fp32 once per call (widen_rows): a broadcast is then a load
+
+// Each step adds a pair's odd then even products, in vdpbf16ps's order; a pair's odd weights
+// are their lanes' high halves, the even ones shifted up.
+template <int MR>
+void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, const float* bias, uint16_t* y,
+                 int64_t ldy, int64_t col0, int64_t n) {
+  constexpr int NR = kTileN;
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kh = 0; kh < half_k; ++kh) {
+    const uint16_t* wk = w + kh * 128;
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + 32 * j), high));
     for (int i = 0; i < MR; ++i) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
-      _mm256_mask_storeu_epi16(y + i * ldy + col, mask, out);
+      const __m512 xv = _mm512_set1_ps(x[i * ldx + 2 * kh + 1]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wk + 32 * j), 16));
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * ldx + 2 * kh]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
+  store_tile<MR>(acc, bias, y, ldy, col0, n);
 }
+
+// x [m, k] bf16 (ldx apart) -> out [m, k] fp32, exact.
+inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* src = x + r * ldx;
+      float* dst = out + r * k;
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) _mm512_storeu_ps(dst + i, load_bf16_as_float(src + i));
+      for (; i < k; ++i) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        std::memcpy(dst + i, &bits, sizeof(bits));
+      }
+    }
+  });
+}
+#endif
 
 using TileFn = decltype(&linear_tile<1>);
 
@@ -198,10 +254,23 @@ TileFn tile_fn(int mr) {
 
 void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp, int64_t half_k, int64_t col_blocks,
                  const float* bias_ptr, uint16_t* yp, int64_t n) {
+#ifdef __AMX_BF16__
   if (m >= kAmxMinRows && half_k % 16 == 0 && use_amx()) {
     linear_amx(xp, ldx, m, wp, half_k, col_blocks, bias_ptr, yp, n);
     return;
   }
+#endif
+#ifdef __AVX512BF16__
+  const XRow* xs = xp;
+  const int64_t lds = ldx;
+#else
+  // this calling thread's buffer, kept between calls (as quant_linear's scratch)
+  thread_local std::vector<float> widened;
+  widened.resize(std::max<size_t>(widened.size(), m * 2 * half_k));
+  widen_rows(xp, ldx, m, 2 * half_k, widened.data());
+  const XRow* xs = widened.data();
+  const int64_t lds = 2 * half_k;
+#endif
   // Work items: (block of rows, 64-column block).
   const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kTileM, kBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
@@ -214,13 +283,18 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
       const uint16_t* w = wp + cb * half_k * 128;
       for (int64_t r = r0; r < r1; r += kTileM) {
         const int mr = (int)std::min<int64_t>(kTileM, r1 - r);
-        tile_fn(mr)(xp + r * ldx, ldx, w, half_k, bias_ptr, yp + r * n, n, cb * 64, n);
+        tile_fn(mr)(xs + r * lds, lds, w, half_k, bias_ptr, yp + r * n, n, cb * 64, n);
       }
     }
   });
 }
 
+#ifdef __AMX_BF16__
 bool has_amx() { return has_amx_bf16(); }
 bool set_amx(bool enabled) { return amx_enabled().exchange(enabled); }
+#else
+bool has_amx() { return false; }
+bool set_amx(bool) { return false; }
+#endif
 
 }  // namespace kvserve::avx512

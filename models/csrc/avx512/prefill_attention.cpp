@@ -44,13 +44,13 @@ KV_AVX512_BF16 inline void score_strip(const uint32_t* q_pairs, int64_t c0, cons
   for (int k = 0; k < NK; ++k)
     for (int c = 0; c < NC; ++c) acc[k][c] = _mm512_setzero_ps();
   for (int d2 = 0; d2 < CH * 8; ++d2) {
-    __m512bh qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_pairs + ((c0 + c) * CH * 8 + d2) * 16);
+    Pairs qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = as_pairs(_mm512_loadu_si512(q_pairs + ((c0 + c) * CH * 8 + d2) * 16));
     for (int k = 0; k < NK; ++k) {
       uint32_t pair;
       std::memcpy(&pair, keys[k] + head_off + 2 * d2, sizeof(pair));
-      const __m512bh kv = (__m512bh)_mm512_set1_epi32((int)pair);
-      for (int c = 0; c < NC; ++c) acc[k][c] = _mm512_dpbf16_ps(acc[k][c], kv, qv[c]);
+      const Pairs kv = as_pairs(_mm512_set1_epi32((int)pair));
+      for (int c = 0; c < NC; ++c) acc[k][c] = dot_pairs(acc[k][c], kv, qv[c]);
     }
   }
   for (int k = 0; k < NK; ++k)
@@ -138,7 +138,7 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
             p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sk, neg_inf, _CMP_NEQ_OQ), exp_nonpositive(_mm512_sub_ps(sk, base)));
           }
           sum = _mm512_add_ps(sum, p);
-          two[e] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+          two[e] = _mm512_cvtepu16_epi32(to_bf16(p));
         }
         _mm512_storeu_si512(pp + j * lanes + 16 * c, _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16)));
       }
@@ -169,12 +169,12 @@ KV_AVX512_BF16 void prefill_block_bf16(const PrefillArgs& a, const uint16_t* q, 
           for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_mul_ps(_mm512_loadu_ps(&w.acc[(r0 + g) * d_n + 16 * k]), cr);
         }
       for (int j = 0; j < n_pairs; ++j) {
-        __m512bh v[CH];
-        for (int k = 0; k < CH; ++k) v[k] = (__m512bh)_mm512_loadu_si512(vp + j * CH + k);
+        Pairs v[CH];
+        for (int k = 0; k < CH; ++k) v[k] = as_pairs(_mm512_loadu_si512(vp + j * CH + k));
         for (int g = 0; g < GB; ++g)
           if (g < gn) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[j * lanes + r0 + g]);
-            for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_dpbf16_ps(sum[g][k], v[k], p);
+            const Pairs p = as_pairs(_mm512_set1_epi32((int)pp[j * lanes + r0 + g]));
+            for (int k = 0; k < CH; ++k) sum[g][k] = dot_pairs(sum[g][k], v[k], p);
           }
       }
       for (int g = 0; g < GB; ++g)

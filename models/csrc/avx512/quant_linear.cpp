@@ -109,7 +109,7 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
     for (int i = 0; i < MR; ++i) {
       const __m512 out = _mm512_add_ps(acc[i][j], b);
       if (y_bf16)
-        _mm256_mask_storeu_epi16((uint16_t*)y + i * ldy + col, mask, (__m256i)_mm512_cvtneps_pbh(out));
+        _mm256_mask_storeu_epi16((uint16_t*)y + i * ldy + col, mask, to_bf16(out));
       else
         _mm512_mask_storeu_ps((float*)y + i * ldy + col, mask, out);
     }

@@ -46,7 +46,7 @@ KV_AVX512_BF16 void rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
     const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
     const __m512 y = _mm512_mul_ps(wv, round_bf16(_mm512_mul_ps(v, inv)));
-    _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+    _mm256_mask_storeu_epi16(o + i, m, to_bf16(y));
   }
 }
 
@@ -62,7 +62,7 @@ KV_AVX512_BF16 void add_row_bf16(uint16_t* residual, const uint16_t* x, int64_t 
     const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
     const __m512 r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, residual + i)), 16));
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
-    _mm256_mask_storeu_epi16(residual + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(r, v)));
+    _mm256_mask_storeu_epi16(residual + i, m, to_bf16(_mm512_add_ps(r, v)));
   }
 }
 
@@ -89,8 +89,8 @@ KV_AVX512_BF16 void rotary_row_bf16(uint16_t* row, const uint16_t* cos, int64_t 
                                       round_bf16(_mm512_mul_ps(x2, load_bf16_as_float(sin + i))));
       const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load_bf16_as_float(cos + half + i))),
                                       round_bf16(_mm512_mul_ps(x1, load_bf16_as_float(sin + half + i))));
-      _mm256_storeu_si256((__m256i*)(v + i), (__m256i)_mm512_cvtneps_pbh(lo));
-      _mm256_storeu_si256((__m256i*)(v + half + i), (__m256i)_mm512_cvtneps_pbh(hi));
+      _mm256_storeu_si256((__m256i*)(v + i), to_bf16(lo));
+      _mm256_storeu_si256((__m256i*)(v + half + i), to_bf16(hi));
     }
   }
 }
@@ -111,7 +111,7 @@ KV_AVX512_BF16 void silu_and_mul_row_bf16(const uint16_t* gate, uint16_t* o, int
     const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate + i)), 16));
     const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, up + i)), 16));
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu), u)));
+    _mm256_mask_storeu_epi16(o + i, m, to_bf16(_mm512_mul_ps(round_bf16(silu), u)));
   }
 }
 

@@ -10,8 +10,8 @@
 // output straight into y. Every output element is one fp32 sum in a fixed order (over k for the
 // shrink, over the rank for the expand) whatever the tile, chunk or thread: a row gets the same
 // bits alone or among others, and the decoder stack gives the Python forward's bits. On x86 with
-// the avx2 or avx512 set loaded (both imply AVX2 + FMA) the tiles are AVX2 intrinsics, elsewhere
-// plain loops.
+// an x86 set loaded (avx2, avx512vnni, avx512: each implies AVX2 + FMA) the tiles are AVX2
+// intrinsics, elsewhere plain loops.
 //
 // Threads: with enough chunks of a slot's rows (at most 32 each) for every thread, one parallel
 // region where a task shrinks and then expands its chunk; with fewer (a long prefill of one
@@ -194,7 +194,7 @@ ExpandFn expand_fn(int mr, int nv16) {
 bool use_avx2() {
 #ifdef KV_LORA_X86
   const char* name = kernel_set() ? kernel_set()->name : "";
-  return !std::strcmp(name, "avx2") || !std::strcmp(name, "avx512");
+  return !std::strncmp(name, "avx", 3);  // the x86 sets
 #else
   return false;
 #endif
