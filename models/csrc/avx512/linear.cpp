@@ -181,6 +181,8 @@ KV_AVX512_BF16 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, i
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
+    if constexpr (MR == 1)  // one row streams the block: fetch a few KiB ahead
+      for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(w + kh * 128) + 4096 + 64 * line, _MM_HINT_T0);
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
     for (int i = 0; i < MR; ++i) {
@@ -206,6 +208,8 @@ void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
+    if constexpr (MR == 1)  // one row streams the block: fetch a few KiB ahead
+      for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(w + kh * 128) + 4096 + 64 * line, _MM_HINT_T0);
     const uint16_t* wk = w + kh * 128;
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + 32 * j), high));
@@ -271,13 +275,13 @@ void linear_bf16(const uint16_t* xp, int64_t ldx, int64_t m, const uint16_t* wp,
   const XRow* xs = widened.data();
   const int64_t lds = 2 * half_k;
 #endif
-  // Work items: (block of rows, 64-column block).
+  // Work items: (block of rows, 64-column block), shared out at run time.
   const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kTileM, kBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
   // Row blocks vary fastest, so each thread's contiguous share mixes full and short row
   // blocks when a few column blocks are split by rows.
-  parallel_for(0, row_items * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
+  parallel_items(row_items * col_blocks, [&](ItemQueue& queue) {
+    for (int64_t item; queue.next(&item);) {
       const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint16_t* w = wp + cb * half_k * 128;

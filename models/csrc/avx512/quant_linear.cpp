@@ -52,14 +52,15 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t group,
   });
 }
 
-// One MR x (16 NV) tile, vectors j0 .. j0 + NV - 1 of a 64-column block, over all groups; then
-// the bias, written to y (bf16 or fp32). NV = 2 halves the work item when a matrix has too few
-// column blocks to share evenly between the threads (batch 1 on a narrow matrix).
-template <int MR, int BITS, int NV>
+// One MR x 64 tile (NV = 4 vectors of 16 columns) of a 64-column block, over all groups; then the
+// bias, written to y (bf16 or fp32). PREFETCH: the tile that brings an item's weights in fetches
+// whole steps a few KiB ahead (one row streams the block; the hardware's prefetch alone lags).
+template <int MR, int BITS, bool PREFETCH>
 KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, const int32_t* xc, int64_t groups,
                                const uint8_t* w, const uint16_t* ws, int64_t group, const float* bias, void* y,
-                               bool y_bf16, int64_t ldy, int64_t col0, int64_t n, int j0) {
-  constexpr int64_t kStepBytes = BITS == 8 ? 256 : 128;
+                               bool y_bf16, int64_t ldy, int64_t col0, int64_t n) {
+  constexpr int NV = 4;
+  constexpr int64_t kStepBytes = BITS == 8 ? 256 : 128, kAhead = 4096;
   const int64_t steps = group / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NV];
@@ -74,12 +75,15 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
     const uint8_t* wg = w + g * steps * kStepBytes;
     const int8_t* xg = xq + g * group;
     for (int64_t st = 0; st < steps; ++st) {
+      if (PREFETCH)
+        for (int line = 0; line < kStepBytes / 64; ++line)
+          _mm_prefetch((const char*)wg + st * kStepBytes + kAhead + 64 * line, _MM_HINT_T0);
       __m512i wv[NV];
       if constexpr (BITS == 8) {
-        for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_si512(wg + st * kStepBytes + 64 * (j0 + j));
+        for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_si512(wg + st * kStepBytes + 64 * j);
       } else {  // vectors 2h and 2h + 1 share the h-th 64 bytes (low and high nibbles)
         for (int h = 0; h < NV / 2; ++h) {
-          const __m512i a = _mm512_loadu_si512(wg + st * kStepBytes + 64 * (j0 / 2 + h));
+          const __m512i a = _mm512_loadu_si512(wg + st * kStepBytes + 64 * h);
           wv[2 * h] = _mm512_and_si512(a, low4);
           wv[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
         }
@@ -93,7 +97,7 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
     }
     __m512 wsv[NV];
     for (int j = 0; j < NV; ++j)
-      wsv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 64 + 16 * (j0 + j))));
+      wsv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + g * 64 + 16 * j)));
     for (int i = 0; i < MR; ++i) {
       const __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
       for (int j = 0; j < NV; ++j)
@@ -101,7 +105,7 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
     }
   }
   for (int j = 0; j < NV; ++j) {
-    const int64_t col = col0 + 16 * (j0 + j);
+    const int64_t col = col0 + 16 * j;
     const int64_t width = std::min<int64_t>(16, n - col);
     if (width <= 0) break;
     const __mmask16 mask = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
@@ -116,20 +120,20 @@ KV_AVX512_VNNI void quant_tile(const int8_t* xq, int64_t k, const float* xd, con
   }
 }
 
-using QuantTileFn = decltype(&quant_tile<1, 8, 4>);
+using QuantTileFn = decltype(&quant_tile<1, 8, false>);
 
-template <int BITS, int NV>
+template <int BITS, bool PREFETCH>
 QuantTileFn quant_tile_fn(int mr) {
   switch (mr) {
-    case 1: return quant_tile<1, BITS, NV>;
-    case 2: return quant_tile<2, BITS, NV>;
-    default: return quant_tile<3, BITS, NV>;
+    case 1: return quant_tile<1, BITS, PREFETCH>;
+    case 2: return quant_tile<2, BITS, PREFETCH>;
+    default: return quant_tile<3, BITS, PREFETCH>;
   }
 }
 
-QuantTileFn pick_quant_tile(int64_t bits, bool halves, int mr) {
-  if (bits == 8) return halves ? quant_tile_fn<8, 2>(mr) : quant_tile_fn<8, 4>(mr);
-  return halves ? quant_tile_fn<4, 2>(mr) : quant_tile_fn<4, 4>(mr);
+QuantTileFn pick_quant_tile(int64_t bits, bool prefetch, int mr) {
+  if (bits == 8) return prefetch ? quant_tile_fn<8, true>(mr) : quant_tile_fn<8, false>(mr);
+  return prefetch ? quant_tile_fn<4, true>(mr) : quant_tile_fn<4, false>(mr);
 }
 
 void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp,
@@ -152,25 +156,21 @@ void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k,
   const bool y_bf16 = x_bf16;
   char* yp = static_cast<char*>(y);
   const int64_t y_item = y_bf16 ? 2 : 4, step_bytes = bits == 8 ? 256 : 128;
-  // Work items (block of rows, 64-column block), as in linear_bf16; a matrix with fewer column
-  // blocks than about 8 per thread, not a multiple of the thread count, is cut into halves.
-  const int64_t threads = num_threads();
-  const bool halves = col_blocks < 8 * threads && col_blocks % threads != 0;
-  const int64_t col_items = halves ? 2 * col_blocks : col_blocks;
-  const int64_t rows_per_item = linear_rows_per_item(m, col_items, kQuantTileM, kQuantBlockM);
+  // Work items (block of rows, 64-column block), as in linear_bf16, shared out at run time. A
+  // matrix with few column blocks is not cut into half blocks: two threads reading alternate
+  // cache lines of one block each pull both lines in (the adjacent-line prefetch).
+  const int64_t rows_per_item = linear_rows_per_item(m, col_blocks, kQuantTileM, kQuantBlockM);
   const int64_t row_items = (m + rows_per_item - 1) / rows_per_item;
-  parallel_for(0, row_items * col_items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r0 = (item % row_items) * rows_per_item, ci = item / row_items;
-      const int64_t cb = halves ? ci / 2 : ci;
-      const int j0 = halves ? 2 * (int)(ci % 2) : 0;
+  parallel_items(row_items * col_blocks, [&](ItemQueue& queue) {
+    for (int64_t item; queue.next(&item);) {
+      const int64_t r0 = (item % row_items) * rows_per_item, cb = item / row_items;
       const int64_t r1 = std::min(m, r0 + rows_per_item);
       const uint8_t* w = wp + cb * (k / 4) * step_bytes;
       const uint16_t* ws = sp + cb * groups * 64;
       for (int64_t r = r0; r < r1; r += kQuantTileM) {
         const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
-        pick_quant_tile(bits, halves, mr)(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group,
-                                          bias_ptr, yp + r * n * y_item, y_bf16, n, cb * 64, n, j0);
+        pick_quant_tile(bits, r == r0, mr)(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group,
+                                           bias_ptr, yp + r * n * y_item, y_bf16, n, cb * 64, n);
       }
     }
   });
