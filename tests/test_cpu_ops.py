@@ -27,6 +27,24 @@ def test_kernels_build_where_a_compiler_exists():
         assert cpu_ops.isa() in cpu_isa.runnable()
 
 
+CASCADE_LAKE = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni".split())
+
+
+@pytest.mark.parametrize(
+    "flags, widest",
+    [
+        (CASCADE_LAKE | {"avx512_bf16"}, "avx512"),  # Cooper Lake, Sapphire Rapids, Zen 4
+        (CASCADE_LAKE, "avx512vnni"),  # Cascade Lake, Ice Lake
+        (CASCADE_LAKE - {"avx512_vnni"}, "avx2"),  # Skylake-SP
+        (frozenset("avx2 fma f16c".split()), "avx2"),  # Zen 1-3, Intel client CPUs
+        (frozenset("avx fma".split()), None),
+    ],
+)
+def test_the_widest_set_follows_the_cpu_flags(flags, widest):
+    runs = [isa for isa in cpu_isa.ISAS if not cpu_isa.missing_flags(isa, flags, "x86_64")]
+    assert (runs[0] if runs else None) == widest
+
+
 needs_kernels = pytest.mark.skipif(
     not cpu_ops.load(), reason="kvserve CPU kernels could not be built here"
 )
