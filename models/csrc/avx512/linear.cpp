@@ -166,6 +166,12 @@ inline void store_tile(const __m512 (&acc)[MR][kTileN], const float* bias, uint1
   }
 }
 
+// One row's tile streams its block's weights: fetch the lines of a step a few KiB ahead (the
+// hardware's prefetch alone lags).
+inline void stream_ahead(const uint16_t* step) {
+  for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)step + 4096 + 64 * line, _MM_HINT_T0);
+}
+
 // One MR x 64 tile over all input features, then the bias, written as bf16 to y. The
 // tile streams its column block's weights from L2 (the item's first tile brings them in);
 // no K blocking: splitting K to keep weights in L1 cost more in partial-sum traffic than
@@ -181,8 +187,7 @@ KV_AVX512_BF16 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, i
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
-    if constexpr (MR == 1)  // one row streams the block: fetch a few KiB ahead
-      for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(w + kh * 128) + 4096 + 64 * line, _MM_HINT_T0);
+    if constexpr (MR == 1) stream_ahead(w + kh * 128);
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
     for (int i = 0; i < MR; ++i) {
@@ -208,8 +213,7 @@ void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
-    if constexpr (MR == 1)  // one row streams the block: fetch a few KiB ahead
-      for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(w + kh * 128) + 4096 + 64 * line, _MM_HINT_T0);
+    if constexpr (MR == 1) stream_ahead(w + kh * 128);
     const uint16_t* wk = w + kh * 128;
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + 32 * j), high));
