@@ -21,12 +21,10 @@ SOURCE_DIRS = {"avx512vnni": "avx512"}
 
 # What each set is compiled with (models/cpu_ops.py) and what the CPU must have to run it
 # (Linux's /proc/cpuinfo names).
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]  # every AVX-512 build's subsets
 COMPILE_FLAGS = {
     "avx512": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
+        *_AVX512,
         "-mavx512bf16",
         "-mavx512vnni",
         "-mfma",
@@ -34,38 +32,14 @@ COMPILE_FLAGS = {
         "-mamx-tile",
         "-mamx-bf16",
     ],
-    "avx512vnni": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mavx512vnni",
-        "-mfma",
-        "-mf16c",
-    ],
+    "avx512vnni": [*_AVX512, "-mavx512vnni", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
 }
+_AVX512_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 REQUIRED_FLAGS = {
-    "avx512": (
-        "avx512f",
-        "avx512bw",
-        "avx512vl",
-        "avx512dq",
-        "avx512_bf16",
-        "avx512_vnni",
-        "fma",
-        "f16c",
-    ),
-    "avx512vnni": (
-        "avx512f",
-        "avx512bw",
-        "avx512vl",
-        "avx512dq",
-        "avx512_vnni",
-        "fma",
-        "f16c",
-    ),
+    "avx512": (*_AVX512_CPU, "avx512_bf16", "avx512_vnni", "fma", "f16c"),
+    "avx512vnni": (*_AVX512_CPU, "avx512_vnni", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
     "neon": ("asimd", "asimddp"),
 }
