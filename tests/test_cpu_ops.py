@@ -135,6 +135,18 @@ def test_paged_decode_attention_matches_reference(heads, head_dim, window, block
 
 
 @needs_bf16
+@pytest.mark.parametrize("head_dim", [160, 256])  # Gemma's 256: dims in more than one register block
+@pytest.mark.parametrize("window", [None, 37])
+def test_paged_attention_of_wide_heads_matches_reference(head_dim, window):
+    q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 7, 9, 3, head_dim, 5)
+    scale = head_dim**-0.5
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window)
+    ref = reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+    check_paged_prefill((9, 3), head_dim, 70, 33, window, None)
+
+
+@needs_bf16
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize(
     "extra", [0, 13]

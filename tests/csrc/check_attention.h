@@ -128,6 +128,10 @@ inline void check_decode_attention(Ctx& c) {
   for (const auto& hk : {std::pair<int64_t, int64_t>{9, 3}, {8, 1}})
     for (int64_t window : {0, 37})
       if (c.runs(++seed)) run_decode_case(c, {7, hk.first, hk.second, 64, window, 5, false, 0.f, 0, 1.5f}, seed);
+  // head sizes over 128: the kernels take their dims in more than one register block
+  for (int64_t d : {160, 256})
+    for (int64_t window : {0, 37})
+      if (c.runs(++seed)) run_decode_case(c, {7, 9, 3, d, window, 5, false, 0.f, 0}, seed);
 }
 
 // ---- prefill ----------------------------------------------------------------------------------
@@ -193,6 +197,9 @@ inline void check_prefill_attention(Ctx& c) {
       }
   for (const auto& hk : heads)  // Gemma 2's logit soft-capping
     if (c.runs(++seed)) run_prefill_case(c, {hk[0], hk[1], 64, 45, 40, hk[0] == 9 ? 24 : 0, 16, 1.5f}, seed);
+  for (int64_t d : {160, 256})  // head sizes over 128 (more than one register block of dims)
+    for (const auto& s : {spans[2], spans[6]})
+      if (c.runs(++seed)) run_prefill_case(c, {9, 3, d, s[0], s[1], s[2], 16}, seed);
 }
 
 }  // namespace check

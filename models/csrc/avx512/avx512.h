@@ -41,6 +41,17 @@ using Pairs = __m512bh;
 using Pairs = __m512i;
 #endif
 inline Pairs as_pairs(__m512i v) { return (Pairs)v; }
+// 32 bf16 from memory as pairs. With BF16, loaded as that type: a cast of a loaded __m512i
+// makes GCC 12 bounce some of them through the stack in the attention loops.
+inline Pairs load_pairs(const void* p) {
+#ifdef __AVX512BF16__
+  Pairs v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+#else
+  return _mm512_loadu_si512(p);
+#endif
+}
 
 // acc + a[2i] * b[2i] + a[2i+1] * b[2i+1] per fp32 lane i, a and b bf16 pairs: one vdpbf16ps,
 // or two FMAs on the pairs widened (the odd elements are their lane's high half already).
@@ -92,13 +103,12 @@ KV_AVX512_BF16 inline __m512 exp_any(__m512 x) {
 }
 
 // One accumulated row (dims in unpack order: per 32-dim chunk, `lo` lane 4i+j is dim 8i+j
-// and `hi` lane 4i+j is dim 8i+4+j) times inv, written as bf16 in natural order.
-template <int CH>
-KV_AVX512_BF16 inline void store_pair_row(const float* acc, float inv, uint16_t* out) {
+// and `hi` lane 4i+j is dim 8i+4+j; ch x 16 dims) times inv, written as bf16 in natural order.
+KV_AVX512_BF16 inline void store_pair_row(const float* acc, int64_t ch, float inv, uint16_t* out) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 scale = _mm512_set1_ps(inv);
-  for (int c = 0; c < CH / 2; ++c) {
+  for (int64_t c = 0; c < ch / 2; ++c) {
     const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
     _mm256_storeu_si256((__m256i*)(out + 32 * c),
                         to_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale)));

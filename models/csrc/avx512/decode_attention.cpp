@@ -28,18 +28,19 @@ KV_AVX512_BF16 inline __m512 sum_each16(const __m512* v) {
 }
 
 // q . k for up to 16 consecutive cached tokens (rows past n_tok are not read), one lane per
-// token: 16 partial dot products, then one transposed reduction instead of 16 horizontal
-// ones. N = 16 compiles the common full group with a fixed trip count (no branches, no
-// spills); N = 0 takes n_tok at run time.
-template <int CH, int N>
-KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const* keys, int64_t head_off, int n_tok) {
+// token: 16 partial dot products over the head's ch / 2 32-dim blocks, then one transposed
+// reduction instead of 16 horizontal ones. N = 16 compiles the common full group with a
+// fixed token count (no branches, no spills); N = 0 takes n_tok at run time.
+template <int N>
+KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const* keys, int64_t head_off, int n_tok,
+                                        int64_t ch) {
   const int n = N ? N : n_tok;
   __m512 part[16];
   for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
-  for (int c = 0; c < CH / 2; ++c) {
-    const Pairs qv = as_pairs(_mm512_loadu_si512(q + 32 * c));
+  for (int64_t c = 0; c < ch / 2; ++c) {
+    const Pairs qv = load_pairs(q + 32 * c);
     for (int i = 0; i < n; ++i)
-      part[i] = dot_pairs(part[i], qv, as_pairs(_mm512_loadu_si512(keys[i] + head_off + 32 * c)));
+      part[i] = dot_pairs(part[i], qv, load_pairs(keys[i] + head_off + 32 * c));
   }
   return sum_each16(part);
 }
@@ -74,26 +75,28 @@ struct DecodeItem {
 };
 
 // acc[g] += sum over the group's tokens of p[g][t] * v[t], for the g_n query rows sharing
-// one KV head. Probabilities come as bf16 token pairs (p_pairs[g * p_stride + j] holds
-// tokens 2j, 2j+1), values are interleaved into the same pairs, so one vdpbf16ps does two
-// tokens x 16 dims. Accumulators keep the dims in unpacklo/unpackhi order (see
-// store_pair_row); up to GB rows stay in registers for the whole group.
-template <int CH, int N>
-KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t g_n, const uint32_t* p_pairs, int64_t p_stride,
-                                            const uint16_t* const* values, int64_t head_off, int n_tok) {
+// one KV head, in one chunk of CW x 16 dims (rows acc_stride apart). Probabilities come as
+// bf16 token pairs (p_pairs[g * p_stride + j] holds tokens 2j, 2j+1), values are
+// interleaved into the same pairs, so one vdpbf16ps does two tokens x 16 dims. Accumulators
+// keep the dims in unpacklo/unpackhi order (see store_pair_row); up to GB rows stay in
+// registers for the whole group.
+template <int CW, int N>
+KV_AVX512_BF16 inline void accumulate_chunk(float* acc, int64_t acc_stride, int64_t g_n, const uint32_t* p_pairs,
+                                            int64_t p_stride, const uint16_t* const* values, int64_t head_off,
+                                            int n_tok) {
   const int n = N ? N : n_tok;
-  constexpr int GB = CH >= 14 ? 1 : (28 - CH) / CH;
+  constexpr int GB = (28 - CW) / CW;
   for (int64_t g0 = 0; g0 < g_n; g0 += GB) {
     const int gn = (int)std::min<int64_t>(GB, g_n - g0);
-    __m512 sum[GB][CH];
+    __m512 sum[GB][CW];
     for (int g = 0; g < GB; ++g)
       if (g < gn)
-        for (int k = 0; k < CH; ++k) sum[g][k] = _mm512_loadu_ps(acc + (g0 + g) * CH * 16 + 16 * k);
+        for (int k = 0; k < CW; ++k) sum[g][k] = _mm512_loadu_ps(acc + (g0 + g) * acc_stride + 16 * k);
     for (int j = 0; 2 * j < n; ++j) {
       const uint16_t* r0 = values[2 * j] + head_off;
       const uint16_t* r1 = (N || 2 * j + 1 < n) ? values[2 * j + 1] + head_off : nullptr;
-      __m512i pairs[CH];
-      for (int c = 0; c < CH / 2; ++c) {
+      __m512i pairs[CW];
+      for (int c = 0; c < CW / 2; ++c) {
         const __m512i x = _mm512_loadu_si512(r0 + 32 * c);
         const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
         pairs[2 * c] = _mm512_unpacklo_epi16(x, y);
@@ -102,12 +105,31 @@ KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t g_n, const uint3
       for (int g = 0; g < GB; ++g)
         if (g < gn) {
           const Pairs p = as_pairs(_mm512_set1_epi32((int)p_pairs[(g0 + g) * p_stride + j]));
-          for (int k = 0; k < CH; ++k) sum[g][k] = dot_pairs(sum[g][k], as_pairs(pairs[k]), p);
+          for (int k = 0; k < CW; ++k) sum[g][k] = dot_pairs(sum[g][k], as_pairs(pairs[k]), p);
         }
     }
     for (int g = 0; g < GB; ++g)
       if (g < gn)
-        for (int k = 0; k < CH; ++k) _mm512_storeu_ps(acc + (g0 + g) * CH * 16 + 16 * k, sum[g][k]);
+        for (int k = 0; k < CW; ++k) _mm512_storeu_ps(acc + (g0 + g) * acc_stride + 16 * k, sum[g][k]);
+  }
+}
+
+// accumulate_chunk over the head's ch x 16 dims, 128 at a time: the chunk width alone is a
+// template parameter, so each output dim sees the same operations as one unbroken row while
+// only four widths are compiled (not one kernel per head size).
+template <int N>
+KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t ch, int64_t g_n, const uint32_t* p_pairs,
+                                            int64_t p_stride, const uint16_t* const* values, int64_t head_off,
+                                            int n_tok) {
+  for (int64_t k0 = 0; k0 < ch; k0 += 8) {
+    float* a = acc + 16 * k0;
+    const int64_t off = head_off + 16 * k0;
+    switch (std::min<int64_t>(8, ch - k0)) {
+      case 2: accumulate_chunk<2, N>(a, ch * 16, g_n, p_pairs, p_stride, values, off, n_tok); break;
+      case 4: accumulate_chunk<4, N>(a, ch * 16, g_n, p_pairs, p_stride, values, off, n_tok); break;
+      case 6: accumulate_chunk<6, N>(a, ch * 16, g_n, p_pairs, p_stride, values, off, n_tok); break;
+      default: accumulate_chunk<8, N>(a, ch * 16, g_n, p_pairs, p_stride, values, off, n_tok); break;
+    }
   }
 }
 
@@ -115,13 +137,11 @@ KV_AVX512_BF16 inline void accumulate_pairs(float* acc, int64_t g_n, const uint3
 // then overwrites each row in place with its probabilities rounded to bf16 (as PyTorch's
 // CPU SDPA does before its P @ V product; the denominator sums them unrounded, as there);
 // pass 2 accumulates the values. acc: [(h1 - h0) * G][D]; q/out point at the request.
-// CH = head_dim / 16 (even, <= 16), a template parameter so accumulators stay in registers.
-template <int CH>
 KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                 const int64_t* table, int64_t start, int64_t end, int64_t h0, int64_t h1,
                                 const DecodeItem* next, bool keys_prefetched, float* scores, float* acc,
                                 uint16_t* out) {
-  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim;
+  const int64_t len = end - start, g_n = a.group, d_n = a.head_dim, ch = d_n / 16;
   const int64_t rows = (h1 - h0) * g_n, row_stride = decode_row_stride(len);
   const __m512 scale = _mm512_set1_ps(a.scale);
   const uint16_t* tokens[16];
@@ -149,8 +169,8 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
         values_pf.issue(per_call);
         keys_pf.issue(per_call);
         const uint16_t* qg = q + (h * g_n + g) * a.q_stride_head;
-        const __m512 s = n_tok == 16 ? score_keys<CH, 16>(qg, tokens, h * d_n, 16)
-                                     : score_keys<CH, 0>(qg, tokens, h * d_n, n_tok);
+        const __m512 s = n_tok == 16 ? score_keys<16>(qg, tokens, h * d_n, 16, ch)
+                                     : score_keys<0>(qg, tokens, h * d_n, n_tok, ch);
         __m512 scaled = _mm512_mul_ps(s, scale);
         if (a.bias)
           scaled = _mm512_add_ps(scaled, _mm512_maskz_loadu_ps(m, a.bias + (h * g_n + g) * a.bias_stride +
@@ -191,18 +211,12 @@ KV_AVX512_BF16 void attend_bf16(const DecodeArgs& a, const uint16_t* q, const ui
       keys_pf.issue(per_call);
       const uint32_t* ph = pairs + (h - h0) * g_n * row_stride + (t0 - start) / 2;
       float* ah = acc + (h - h0) * g_n * d_n;
-      if (n_tok == 16) accumulate_pairs<CH, 16>(ah, g_n, ph, row_stride, tokens, h * d_n, 16);
-      else accumulate_pairs<CH, 0>(ah, g_n, ph, row_stride, tokens, h * d_n, n_tok);
+      if (n_tok == 16) accumulate_pairs<16>(ah, ch, g_n, ph, row_stride, tokens, h * d_n, 16);
+      else accumulate_pairs<0>(ah, ch, g_n, ph, row_stride, tokens, h * d_n, n_tok);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) store_pair_row<CH>(acc + r * d_n, 1.f / denom[r], out + (h0 * g_n + r) * d_n);
+  for (int64_t r = 0; r < rows; ++r) store_pair_row(acc + r * d_n, ch, 1.f / denom[r], out + (h0 * g_n + r) * d_n);
 }
-
-template <int CH>
-struct AttendBf16 {
-  static constexpr auto run = attend_bf16<CH>;
-};
-using AttendFn = decltype(&attend_bf16<2>);
 
 void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                       const int64_t* seq_lens, int64_t num_reqs, uint16_t* out) {
@@ -215,7 +229,6 @@ void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc
     const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
     return DecodeItem{table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item};
   };
-  const AttendFn attend = for_head_dim<AttendFn, AttendBf16>(a.head_dim);
   parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads_per_item * a.group * a.head_dim);
     for (int64_t item = begin; item < end; ++item) {
@@ -224,7 +237,7 @@ void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc
       scores.resize(std::max<int64_t>(1, heads_per_item * a.group * decode_row_stride(it.end - it.start)));
       // the item after this one in this thread's range: its keys are fetched during our pass 2
       const DecodeItem next = item + 1 < end ? item_at(item + 1) : DecodeItem{};
-      attend(a, q + b * a.q_stride_req, kc, vc, it.table, it.start, it.end, it.h0, it.h1,
+      attend_bf16(a, q + b * a.q_stride_req, kc, vc, it.table, it.start, it.end, it.h0, it.h1,
              item + 1 < end ? &next : nullptr, item > begin, scores.data(), acc.data(),
              out + b * a.num_kv_heads * a.group * a.head_dim);
     }
