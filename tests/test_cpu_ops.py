@@ -135,7 +135,8 @@ def test_paged_decode_attention_matches_reference(heads, head_dim, window, block
 
 
 @needs_bf16
-@pytest.mark.parametrize("head_dim", [160, 256])  # Gemma's 256: dims in more than one register block
+# Gemma's 256: dims in more than one register block
+@pytest.mark.parametrize("head_dim", [160, 256])
 @pytest.mark.parametrize("window", [None, 37])
 def test_paged_attention_of_wide_heads_matches_reference(head_dim, window):
     q, k_cache, v_cache, table, seq_lens = random_paged_case(torch.bfloat16, 7, 9, 3, head_dim, 5)
