@@ -252,9 +252,14 @@ class LLMEngine:
         later find it read. Without enable_lora: ValueError."""
         if not self.lora_enabled:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        # adapters of unfinished requests stay read (those waiting on a grammar included)
+        in_use = set(self.scheduler.lora_ids_in_use()) | self.structured.lora_ids_pending()
         # the ModelRunner, or the tensor-parallel executor on every rank (not in the Executor protocol)
         self.runner.add_lora(  # type: ignore[attr-defined]
-            lora_request.lora_int_id, lora_request.lora_name, lora_request.lora_path
+            lora_request.lora_int_id,
+            lora_request.lora_name,
+            lora_request.lora_path,
+            tuple(sorted(in_use - {0})),
         )
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -167,6 +167,7 @@ class WorkerAddLoRA(_Message, frozen=True, tag="worker_add_lora"):
     lora_id: int
     name: str
     path: str
+    in_use: tuple[int, ...] = ()  # the adapters of unfinished requests: reading this one keeps them
 
 
 class WorkerRemoveLoRA(_Message, frozen=True, tag="worker_remove_lora"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -168,11 +169,39 @@ def test_batch_mixing_adapters_and_base_matches_merged_peft(dirs, kw):
 
 
 def test_more_adapters_than_slots_wait_their_turn(dirs):
-    llm = make_llm(dirs, max_loras=1, max_cpu_loras=1)  # every switch re-reads an adapter
+    llm = make_llm(dirs, max_loras=1, max_cpu_loras=1)  # every switch refills the one slot
     prompts = make_prompts([5, 6, 7, 8, 9, 10], seed=2)
     loras = requests(dirs)
     outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[loras[a] for a in MIXED])
     assert_matches(dirs, prompts, MIXED, outs)
+    # once they finished, reading another adapter drops the least recently used from host memory
+    for adapter in ("a", "b", "a"):  # each read again from its directory
+        out = llm.generate(prompts[0], greedy(), use_tqdm=False, lora_request=loras[adapter])
+        assert_matches(dirs, prompts[:1], [adapter], out)
+        assert list(llm.engine.runner.lora.cpu) == [loras[adapter].lora_int_id]
+
+
+def test_an_adapter_in_use_stays_read_when_its_directory_goes(dirs, tmp_path):
+    """max_cpu_loras=1 and two adapters queued: reading the second keeps the first (its request
+    waits), so deleting the first's directory before its turn costs nothing."""
+    llm = make_llm(dirs, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    doomed = shutil.copytree(dirs["a"], tmp_path / "a")
+    loras = [LoRARequest("a", 1, str(doomed)), LoRARequest("b", 2, dirs["b"])]
+    prompts = make_prompts([7, 9], seed=5)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_processed(str(i), engine.process_prompt(prompt, greedy(), lora))
+    shutil.rmtree(doomed)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert_matches(dirs, prompts, ["a", "b"], [outs["0"], outs["1"]])
+    assert list(engine.runner.lora.cpu) == [2]  # b took the slot once a was done: a was dropped
+    with pytest.raises(ValueError, match="adapter_config.json"):  # a new request for it is refused
+        llm.generate(prompts[0], greedy(), use_tqdm=False, lora_request=loras[0])
+    assert not engine.has_unfinished_requests()
 
 
 def test_prefix_cache_never_shared_between_adapters(dirs):

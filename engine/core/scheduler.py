@@ -229,7 +229,12 @@ class Scheduler:
                 it.request.request_id: it.spec_token_ids for it in scheduled if it.spec_token_ids
             },
             block_copies=self.kv_cache_manager.take_block_copies(),
+            lora_ids_in_use=self.lora_ids_in_use() if self.config.max_lora_slots else (),
         )
+
+    def lora_ids_in_use(self) -> tuple[int, ...]:
+        """The LoRA adapters of the running and waiting requests (sorted)."""
+        return tuple(sorted({r.lora_id for r in (*self.running, *self.waiting)} - {0}))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: list[str]

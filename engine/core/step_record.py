@@ -192,6 +192,9 @@ class StepRecord(_Record, frozen=True):
     # copy-on-write of kept partly filled blocks (engine/core/kv_cache_manager.py): (source block, destination
     # block, slots), copied in every layer's cache before anything else of the step writes
     block_copies: tuple[tuple[int, int, int], ...] = ()
+    # LoRA engines: the adapters of every unfinished request (running or waiting), which the
+    # runner keeps read in host memory past max_cpu_loras
+    lora_ids_in_use: tuple[int, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

@@ -161,6 +161,10 @@ class StructuredOutputManager:
         """Distinct grammars queued or compiling, abandoned ones included."""
         return sum(not job.future.done() for job in self._jobs.values())
 
+    def lora_ids_pending(self) -> set[int]:
+        """The LoRA adapters of the requests waiting here (0: none)."""
+        return {child.lora_id for p in self._pending.values() for child in p.children}
+
     def add(self, request_id: str, children: list[Request], spec: StructuredOutputs) -> None:
         """Hold `children` until `spec` is compiled (at once when it is cached). Raises
         `EngineOverloadedError` when a new compile would exceed `max_queue`."""

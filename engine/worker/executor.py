@@ -250,17 +250,19 @@ class TensorParallelExecutor:
         return False
 
     # ---- LoRA adapters: on every rank or on none -------------------------------
-    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+    def add_lora(self, lora_id: int, name: str, path: str, in_use: tuple[int, ...] = ()) -> None:
         """Read adapter `lora_id` on every rank (ValueError naming the rank that refused it; then
-        no rank keeps it)."""
+        no rank keeps it); `in_use` as `ModelRunner.add_lora`'s."""
         reason = self.dead_reason
         if reason is not None:
             raise TensorParallelError(reason)
         is_new = not self.driver.has_lora(lora_id)
-        self.driver.add_lora(lora_id, name, path)  # rank 0 first: most refusals stop here
+        self.driver.add_lora(lora_id, name, path, in_use)  # rank 0 first: most refusals stop here
         if not is_new:
             return  # every rank has it (one dropped from host memory re-reads it when needed)
-        message = messages.encode(WorkerAddLoRA(lora_id=lora_id, name=name, path=path))
+        message = messages.encode(
+            WorkerAddLoRA(lora_id=lora_id, name=name, path=path, in_use=in_use)
+        )
         errors = []
         for rank, (conn, process) in enumerate(zip(self._conns, self._workers), start=1):
             try:

@@ -81,6 +81,9 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = (
             OrderedDict()
         )  # lora id -> slot, least recently used first
+        # the adapters of unfinished requests (as the engine last said): never dropped from host
+        # memory, so a request never waits on a directory that may be gone by its turn
+        self.in_use: frozenset[int] = frozenset()
         logger.info(
             "LoRA: %d slots of rank <= %d on %d linears (%s)",
             max_loras,
@@ -101,10 +104,18 @@ class LoRAManager:
             adapter = load_adapter(path, name, self.model, self.wrappers, self.max_lora_rank)
             self.cpu[lora_id] = adapter
             self.paths[lora_id] = (name, path)
-            while len(self.cpu) > self.max_cpu_loras:
-                self.cpu.popitem(last=False)  # re-read from its path if it comes back
         self.cpu.move_to_end(lora_id)
+        self._trim(keep=lora_id)
         return adapter
+
+    def _trim(self, keep: int) -> None:
+        """Drop least recently used adapters past `max_cpu_loras` (re-read from their path if they
+        come back), but none in use: while more are, host memory holds them all."""
+        excess = len(self.cpu) - self.max_cpu_loras
+        if excess > 0:
+            victims = [i for i in self.cpu if i != keep and i not in self.in_use][:excess]
+            for lora_id in victims:
+                del self.cpu[lora_id]
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter (its slot is freed); False if it was not loaded."""
@@ -139,8 +150,12 @@ class LoRAManager:
         self.slots.move_to_end(lora_id)
         return slot
 
-    def prepare(self, row_lora_ids: np.ndarray, query_lens: np.ndarray) -> None:
-        """Slots for the step's adapters and the per-token grouping (rows' lora ids [B], 0 = base)."""
+    def prepare(
+        self, row_lora_ids: np.ndarray, query_lens: np.ndarray, in_use: tuple[int, ...]
+    ) -> None:
+        """Slots for the step's adapters and the per-token grouping (rows' lora ids [B], 0 = base;
+        `in_use`: the adapters of every unfinished request, kept read)."""
+        self.in_use = frozenset(in_use)
         active = set(np.unique(row_lora_ids).tolist()) - {0}
         if not active:
             self.batch.meta = None

@@ -228,10 +228,12 @@ class ModelRunner:
     def shutdown(self) -> None:
         pass  # nothing runs outside this process
 
-    def add_lora(self, lora_id: int, name: str, path: str) -> None:
-        """Read and check a LoRA adapter now (ValueError naming what is wrong), before a request uses it."""
+    def add_lora(self, lora_id: int, name: str, path: str, in_use: tuple[int, ...] = ()) -> None:
+        """Read and check a LoRA adapter now (ValueError naming what is wrong), before a request uses
+        it; `in_use`: the adapters of the unfinished requests, which reading it never drops."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.lora.in_use = frozenset(in_use)
         self.lora.add(lora_id, name, path)
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -444,7 +446,7 @@ class ModelRunner:
         if self.lora is not None:
             for new in step.new_requests:
                 self.lora.remember(new.lora_id, new.lora_name, new.lora_path)
-            self.lora.prepare(batch.lora_ids[:num_reqs], query_lens)
+            self.lora.prepare(batch.lora_ids[:num_reqs], query_lens, step.lora_ids_in_use)
         if self.is_encoder_decoder:
             self._encode(step, meta)
         ends = (

@@ -157,7 +157,7 @@ def _serve(runner: WorkerRunner, conn: Connection, rank: int) -> int:
             return 0
         if isinstance(message, WorkerAddLoRA):
             try:
-                runner.add_lora(message.lora_id, message.name, message.path)
+                runner.add_lora(message.lora_id, message.name, message.path, message.in_use)
                 reply = WorkerLoRAResult()
             except Exception as e:  # noqa: BLE001 - a refused adapter: rank 0 raises it
                 reply = WorkerLoRAResult(f"{type(e).__name__}: {e}")
