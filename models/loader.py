@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.attention import Attention, select_backend
-from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu
+from kvserve.models.cpu_model import CpuFusedOps, pack_for_cpu, quantized_onto_huge_pages
 from kvserve.models.fused_ops import TORCH_OPS, FusedOps
 from kvserve.models.gguf_blocks import QuantBlocks
 from kvserve.models.gguf_loader import (
@@ -312,6 +312,8 @@ def load_model(
         if dtype == torch.bfloat16:
             with phase("CPU packing"):
                 pack_for_cpu(model)
+        if quantizer is not None:
+            quantized_onto_huge_pages(model)
     report.weight_bytes = weight_bytes(model)
     model.weights_report = report
     attn_layers = [m for m in model.modules() if isinstance(m, Attention)]

@@ -566,6 +566,9 @@ def test_llm_reports_quantization_and_weight_bytes(model_dirs, family):
         try:
             info[method] = llm.engine.info
             assert llm.engine.runner.model.weights_report.weight_bytes == info[method].weight_bytes
+            if KERNELS and method != "none":  # the kernels' matrices in one huge-page arena
+                held = quantized_layers(llm.engine.runner.model).values()
+                assert len({w.data.untyped_storage().data_ptr() for w in held}) == 1
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             first[method] = [o.outputs[0].token_ids[0] for o in outs]
         finally:
