@@ -81,9 +81,11 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = (
             OrderedDict()
         )  # lora id -> slot, least recently used first
-        # the adapters of unfinished requests (as the engine last said): never dropped from host
-        # memory, so a request never waits on a directory that may be gone by its turn
+        # the adapters of unfinished requests, as the engine said when it last read one (those
+        # waiting on a grammar included) and as the last step record said: never dropped from
+        # host memory, so a request never depends on a directory that may be gone by its turn
         self.in_use: frozenset[int] = frozenset()
+        self.step_in_use: frozenset[int] = frozenset()
         logger.info(
             "LoRA: %d slots of rank <= %d on %d linears (%s)",
             max_loras,
@@ -113,7 +115,8 @@ class LoRAManager:
         come back), but none in use: while more are, host memory holds them all."""
         excess = len(self.cpu) - self.max_cpu_loras
         if excess > 0:
-            victims = [i for i in self.cpu if i != keep and i not in self.in_use][:excess]
+            kept = self.in_use | self.step_in_use | {keep}
+            victims = [i for i in self.cpu if i not in kept][:excess]
             for lora_id in victims:
                 del self.cpu[lora_id]
 
@@ -155,7 +158,7 @@ class LoRAManager:
     ) -> None:
         """Slots for the step's adapters and the per-token grouping (rows' lora ids [B], 0 = base;
         `in_use`: the adapters of every unfinished request, kept read)."""
-        self.in_use = frozenset(in_use)
+        self.step_in_use = frozenset(in_use)
         active = set(np.unique(row_lora_ids).tolist()) - {0}
         if not active:
             self.batch.meta = None

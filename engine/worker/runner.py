@@ -233,7 +233,7 @@ class ModelRunner:
         it; `in_use`: the adapters of the unfinished requests, which reading it never drops."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
-        self.lora.in_use = frozenset(in_use)
+        self.lora.in_use, self.lora.step_in_use = frozenset(in_use), frozenset()  # the newer word
         self.lora.add(lora_id, name, path)
 
     def remove_lora(self, lora_id: int) -> bool:
