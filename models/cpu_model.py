@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from kvserve.models import cpu_ops, hugepages
 from kvserve.models.fused_ops import FusedOps
 from kvserve.models.layers import Linear, VocabEmbedding
-from kvserve.models.quantization import QuantizedLinear, QuantizedWeight
+from kvserve.models.quantization import QuantizedLinear, QuantizedWeight, packed_matmuls
 
 
 class CpuFusedOps(FusedOps):
@@ -124,16 +124,9 @@ def quantized_onto_huge_pages(model: nn.Module) -> int:
     the bf16 weights are: every decode step streams all of them, and with 4 KiB pages that is a
     TLB miss every few KB. One matrix is copied at a time. Returns how many moved."""
     weights: dict[int, QuantizedWeight] = {}
-    for m in model.modules():
-        for attr in ("packed", "packed_lm_head"):
-            fns = getattr(m, attr, None)
-            for fn in fns if isinstance(fns, list) else [fns]:  # a list: stacked experts' matmuls
-                if (
-                    isinstance(fn, QuantizedLinear)
-                    and fn.weight.packed
-                    and not fn.weight.data.is_cuda
-                ):
-                    weights[id(fn.weight)] = fn.weight  # a tied head shares its embedding's
+    for fn in packed_matmuls(model):
+        if isinstance(fn, QuantizedLinear) and fn.weight.packed and not fn.weight.data.is_cuda:
+            weights[id(fn.weight)] = fn.weight  # a tied head shares its embedding's
     moved = list(weights.values())
     for field, dtype in (("data", torch.uint8), ("scales", torch.float16)):
         slots = hugepages.arena([tuple(getattr(w, field).shape) for w in moved], dtype)

@@ -26,11 +26,13 @@ fp8. It is always plain and weight-only: the Triton kernel on CUDA, the portable
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from kvserve.models import cpu_ops
 from kvserve.models.backends import DEFAULT_GROUP_SIZE
@@ -292,6 +294,15 @@ class QuantizedLinear:
             x.dtype
         )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.n)
+
+
+def packed_matmuls(model: nn.Module) -> Iterator[Any]:
+    """Every layer's packed matmul (`Linear.packed`, a tied head's `packed_lm_head`; stacked
+    experts' one per expert): `QuantizedLinear`s, the bf16 kernels' and oneDNN's."""
+    for m in model.modules():
+        for attr in ("packed", "packed_lm_head"):
+            fns = getattr(m, attr, None)
+            yield from fns if isinstance(fns, list) else [] if fns is None else [fns]
 
 
 # ---- what loading did ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kvserve.models.quantization import (
     QuantizedLinear,
     QuantizedWeight,
     has_kernels,
+    packed_matmuls,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,11 +194,8 @@ class Quantizer:
 def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of the model's weights: parameters, buffers and quantized matrices."""
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    for m in model.modules():
-        for attr in ("packed", "packed_lm_head"):
-            fns = getattr(m, attr, None)
-            for fn in fns if isinstance(fns, list) else [fns]:  # a list: stacked experts' matmuls
-                qw = getattr(fn, "weight", None)
-                if isinstance(qw, (QuantizedWeight, Tensor)):
-                    total += qw.nbytes
+    for fn in packed_matmuls(model):
+        qw = getattr(fn, "weight", None)
+        if isinstance(qw, (QuantizedWeight, Tensor)):
+            total += qw.nbytes
     return total
