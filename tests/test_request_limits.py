@@ -266,7 +266,9 @@ def test_real_server_refuses_deep_json_with_one_log_line_at_most(server):  # noq
             num_requests += 1
     new = server.log()[len(before) :]
     assert "Traceback" not in new and "RecursionError" not in new, new[-2000:]
-    assert len(new.splitlines()) <= num_requests, new[-2000:]
+    # the core's KV pool prefault logs once, from a background thread, whenever it finishes
+    lines = [line for line in new.splitlines() if "KV pool faulted in" not in line]
+    assert len(lines) <= num_requests, new[-2000:]
 
 
 @pytest.mark.parametrize(
