@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -165,19 +166,26 @@ class QuantizedWeight:
         """(q int8 (fp8: float8_e4m3fn) [T, k], d float16 [T, k / group]) of rows `ids`."""
         if not self.packed:
             return self.q_rows(ids), self.scales[ids]
-        block, col = ids // 64, ids % 64
-        d = self.scales[block, :, col]  # [T, groups]
+        q, d = self._packed_rows(ids)
+        return torch.from_numpy(q), torch.from_numpy(d)
+
+    def _packed_rows(self, ids: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """`unpack_rows` of the packed (CPU) layout, in numpy: a decode step's embedding lookup
+        is one row, and numpy's indexing costs a small fraction of torch's per call."""
+        ids_np = ids.numpy()
+        block, col = ids_np // 64, ids_np % 64
+        d = self.scales.numpy()[block, :, col]  # [T, groups]
         if self.bits == 8:
-            u = self.data.view(-1, self.k // 4, 64, 4)[block, :, col]  # [T, steps, 4]
+            u = self.data.numpy().reshape(-1, self.k // 4, 64, 4)[block, :, col]  # [T, steps, 4]
         else:
             vec = col // 16
             half, shift = vec // 2, (vec % 2) * 4
-            byte = 4 * (col % 16)[:, None] + torch.arange(4, device=ids.device)
-            v = self.data.view(-1, self.k // 4, 2, 64)[
+            byte = 4 * (col % 16)[:, None] + np.arange(4)
+            v = self.data.numpy().reshape(-1, self.k // 4, 2, 64)[
                 block[:, None], :, half[:, None], byte
             ]  # [T, 4, steps]
-            u = (v.transpose(1, 2) >> shift[:, None, None].to(torch.uint8)) & 15
-        q = (u.reshape(len(ids), self.k).to(torch.int16) - _OFFSET[self.bits]).to(torch.int8)
+            u = (v.swapaxes(1, 2) >> shift[:, None, None].astype(np.uint8)) & 15
+        q = (u.reshape(len(ids_np), self.k).astype(np.int16) - _OFFSET[self.bits]).astype(np.int8)
         return q, d
 
     def q_rows(self, ids: Tensor) -> Tensor:
@@ -190,6 +198,13 @@ class QuantizedWeight:
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantized rows `ids` [T] -> [T, k] (an embedding lookup from the quantized matrix)."""
+        if self.packed:  # as `dequantize`, in numpy (fp32 products, exact either way)
+            q, d = self._packed_rows(ids)
+            w = (
+                q.reshape(len(q), self.k // self.group, self.group).astype(np.float32)
+                * d.astype(np.float32)[..., None]
+            )
+            return torch.from_numpy(w.reshape(len(q), self.k)).to(dtype)
         q, d = self.unpack_rows(ids)
         return dequantize(q, d, self.group).to(dtype)
 
