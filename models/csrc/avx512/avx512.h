@@ -121,6 +121,15 @@ KV_AVX512_BF16 inline void store_pair_row(const float* acc, int64_t ch, float in
 bool has_amx();
 bool set_amx(bool enabled);
 
+// Whether the one-row tiles (linear.cpp, quant_linear.cpp) prefetch their weight stream a few KiB
+// ahead; set once when the set loads (set.cpp). On AMD (Zen 4) the hardware's prefetchers keep up
+// with these tiles' full-line loads and the prefetches only slowed a decode step; Intel CPUs,
+// where they were measured, keep them.
+inline bool& prefetch_streams() {
+  static bool on = true;
+  return on;
+}
+
 #include "../set_kernels.h"
 
 }  // namespace kvserve::avx512

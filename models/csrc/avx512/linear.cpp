@@ -166,8 +166,8 @@ inline void store_tile(const __m512 (&acc)[MR][kTileN], const float* bias, uint1
   }
 }
 
-// One row's tile streams its block's weights: fetch the lines of a step a few KiB ahead (the
-// hardware's prefetch alone lags).
+// One row's tile streams its block's weights: fetch the lines of a step a few KiB ahead (where
+// the hardware's prefetch alone lags: prefetch_streams()).
 inline void stream_ahead(const uint16_t* step) {
   for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)step + 4096 + 64 * line, _MM_HINT_T0);
 }
@@ -179,7 +179,7 @@ inline void stream_ahead(const uint16_t* step) {
 #ifdef __AVX512BF16__
 using XRow = uint16_t;  // x as given, bf16
 
-template <int MR>
+template <int MR, bool PREFETCH = MR == 1>
 KV_AVX512_BF16 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, const float* bias,
                                 uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
   constexpr int NR = kTileN;
@@ -187,7 +187,7 @@ KV_AVX512_BF16 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, i
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
-    if constexpr (MR == 1) stream_ahead(w + kh * 128);
+    if constexpr (PREFETCH) stream_ahead(w + kh * 128);
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + kh * 128 + j * 32);
     for (int i = 0; i < MR; ++i) {
@@ -204,7 +204,7 @@ using XRow = float;  // x widened to fp32 once per call (widen_rows): a broadcas
 
 // Each step adds a pair's odd then even products, in vdpbf16ps's order; a pair's odd weights
 // are their lanes' high halves, the even ones shifted up.
-template <int MR>
+template <int MR, bool PREFETCH = MR == 1>
 void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, const float* bias, uint16_t* y,
                  int64_t ldy, int64_t col0, int64_t n) {
   constexpr int NR = kTileN;
@@ -213,7 +213,7 @@ void linear_tile(const XRow* x, int64_t ldx, const uint16_t* w, int64_t half_k, 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kh = 0; kh < half_k; ++kh) {
-    if constexpr (MR == 1) stream_ahead(w + kh * 128);
+    if constexpr (PREFETCH) stream_ahead(w + kh * 128);
     const uint16_t* wk = w + kh * 128;
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + 32 * j), high));
@@ -251,7 +251,7 @@ using TileFn = decltype(&linear_tile<1>);
 
 TileFn tile_fn(int mr) {
   switch (mr) {
-    case 1: return linear_tile<1>;
+    case 1: return prefetch_streams() ? linear_tile<1> : linear_tile<1, false>;
     case 2: return linear_tile<2>;
     case 3: return linear_tile<3>;
     case 4: return linear_tile<4>;

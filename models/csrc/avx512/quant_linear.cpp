@@ -169,7 +169,7 @@ void quant_linear(const void* x, bool x_bf16, int64_t ldx, int64_t m, int64_t k,
       const uint16_t* ws = sp + cb * groups * 64;
       for (int64_t r = r0; r < r1; r += kQuantTileM) {
         const int mr = (int)std::min<int64_t>(kQuantTileM, r1 - r);
-        pick_quant_tile(bits, r == r0, mr)(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group,
+        pick_quant_tile(bits, r == r0 && prefetch_streams(), mr)(xqp + r * k, k, xdp + r * groups, xcp + r * groups, groups, w, ws, group,
                                            bias_ptr, yp + r * n * y_item, y_bf16, n, cb * 64, n);
       }
     }

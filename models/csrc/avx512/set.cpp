@@ -32,5 +32,6 @@ KV_EXPORT const kvserve::KernelSet* KV_ENTRY(KV_SET_NAME)(const kvserve::Host* h
   using namespace kvserve;
   if (!cpu_runs_this_build()) return nullptr;
   host() = h;
+  avx512::prefetch_streams() = !__builtin_cpu_is("amd");
   return avx512::kernel_table(KV_QUOTE(KV_SET_NAME), avx512::has_amx, avx512::set_amx);
 }
