@@ -122,7 +122,8 @@ class CpuDecoderStack:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.inner = model.model
         self.attention: list[Attention] = [layer.self_attn.attn for layer in self.inner.layers]
-        self._caches: list[Tensor | None] = []
+        self._caches: list[Tensor | None] = []  # kept alive: the C++ stack holds their pointers
+        self._built_at = -1  # Attention.cache_assignments when the stack was built
         self._stack: cpu_ops.DecoderStack | None = None
         lora = [m for m in model.modules() if isinstance(m, CpuLoRALinear)]
         self.lora_batch: LoRABatch | None = lora[0].batch if lora else None
@@ -130,10 +131,7 @@ class CpuDecoderStack:
     def __call__(
         self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata
     ) -> Tensor:  # -> [T, hidden]
-        if (
-            any(a.kv_cache is not c for a, c in zip(self.attention, self._caches))
-            or not self._caches
-        ):
+        if self._stack is None or self._built_at != Attention.cache_assignments:
             self._stack = self._build()
         inner = self.inner
         x = inner.embed_tokens(input_ids)  # [T, hidden]: the residual stream, overwritten in place
@@ -162,6 +160,7 @@ class CpuDecoderStack:
             raise RuntimeError(
                 "the CPU decoder stack needs the layers' KV caches (assign Attention.kv_cache first)"
             )
+        self._built_at = Attention.cache_assignments
         stack = cpu_ops.DecoderStack(self.inner.norm.eps)
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp

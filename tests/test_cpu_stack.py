@@ -100,3 +100,20 @@ def test_what_the_stack_cannot_run_keeps_the_python_forward(tmp_path, family, dt
         )
         == 3
     )
+
+
+def test_the_stack_follows_caches_assigned_after_it_was_built(tmp_path):
+    """The C++ stack holds the caches' pointers: a layer given a new cache rebuilds it, and the
+    old caches are never read again."""
+    path = make_checkpoint(tmp_path / "llama", "llama", **SHAPES["llama"])
+    llm = LLM(path, dtype="bfloat16", device="cpu", block_size=16, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
+    stack = llm.engine.runner.cpu_stack
+    built, old = stack._stack, [a.kv_cache for a in stack.attention]
+    for a in stack.attention:
+        a.kv_cache = torch.zeros_like(a.kv_cache)
+    for cache in old:
+        cache.fill_(float("nan"))
+    again = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert stack._stack is not built and again == first

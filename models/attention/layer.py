@@ -37,6 +37,10 @@ class Attention(nn.Module):
     is the torch reference until the loader sets the device's (`select_backend`).
     """
 
+    # bumped by every `kv_cache` assignment (of any layer): what holds the caches' pointers (the
+    # CPU decoder stack) checks this one number each step instead of every layer's cache
+    cache_assignments = 0
+
     def __init__(
         self,
         num_heads: int,
@@ -82,6 +86,7 @@ class Attention(nn.Module):
             )
         self._kv_cache = cache
         self.kv = None if cache is None else (cache[0], cache[1])
+        Attention.cache_assignments += 1
 
     def extra_repr(self) -> str:
         return (
