@@ -132,6 +132,13 @@ stage_trace() {  # one-time stalls left after the core's warm-up step (what a fi
     2>&1 | tee "$OUT/step_trace.log" || status=1
 }
 
+stage_host() {  # the host's work per step, the model stubbed (the GPU side of benchmarks.bench_host_overhead)
+  local model="$MODELS/$SERVE_SHAPE"
+  "$PY" -c "from benchmarks.llama_shapes import write_llama_checkpoint as w; w('$model', '$SERVE_SHAPE', device='$DEVICE')" || { status=1; return; }
+  run_capped "${HOST_S:-90}" "$PY" -m benchmarks.bench_host_overhead --model-dir "$model" --device "$DEVICE" \
+    --out "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" || status=1
+}
+
 stage_seq2seq() {  # encoder-decoder models on the GPU against transformers: greedy at 1 and 64, beam 4 at 64
   local shape run
   {
@@ -211,10 +218,11 @@ for stage in "$@"; do
     structured) stage_structured ;;
     startup) stage_startup ;;
     trace) stage_trace ;;
+    host) stage_host ;;
     seq2seq) stage_seq2seq ;;
     lora) stage_lora ;;
     all) stage_tests; stage_bench llama-1b "${BENCH_1B_S:-270}"; stage_bench llama-8b "${BENCH_8B_S:-380}"; stage_serve ;;
-    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | seq2seq | all"
+    *) echo "unknown stage '$stage': tests | bench-1b | bench-8b | bench | serve | structured | startup | trace | host | seq2seq | lora | all"
        status=2 ;;
   esac
 done
