@@ -201,6 +201,44 @@ inline void softcap_scores(float* s, int64_t n, float scale, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = back * std::tanh(s[i] * to);
 }
 
+// Software prefetch of up to 16 token rows into L2 (decode attention), issued a few lines at a
+// time between the compute that precedes their use. Cached blocks are scattered 2-6 KB runs that the
+// hardware prefetchers barely follow: without this the cold kernel waited for DRAM and
+// then computed (time = read + compute); spread like this the reads overlap the compute
+// (benchmarks/bench_kernels.py measures it). Bursts of prefetches did not help:
+// they fill the miss buffers and stall the core just as the loads would.
+struct RowPrefetcher {
+  const char* rows[16];
+  int n_rows = 0, lines_per_row = 0, row = 0, line = 0;
+
+  void start(const uint16_t* const* token_rows, int n, int64_t head_off, int64_t row_bytes) {
+    for (int i = 0; i < n; ++i) rows[i] = reinterpret_cast<const char*>(token_rows[i] + head_off);
+    n_rows = n, lines_per_row = (int)((row_bytes + 63) / 64), row = 0, line = 0;
+  }
+  // The rows of KV heads [h0, h1) of cached tokens [t0, min(t0 + 16, stop)) of a K or V cache.
+  void start_tokens(const DecodeArgs& a, const uint16_t* cache, const int64_t* table, int64_t t0, int64_t stop,
+                    int64_t h0, int64_t h1) {
+    const int n = (int)std::min<int64_t>(16, stop - t0);
+    if (n <= 0) return void(n_rows = 0);
+    const uint16_t* tokens[16];
+    token_rows(cache, table, a.block_size, a.cache_stride_block, a.cache_stride_token, t0, n, tokens);
+    start(tokens, n, h0 * a.head_dim, (h1 - h0) * a.head_dim * 2);
+  }
+  int lines_left() const { return (n_rows - row) * lines_per_row - line; }
+  void issue(int count) {
+    for (; count > 0 && row < n_rows; --count) {
+      __builtin_prefetch(rows[row] + 64 * line, 0, 2);  // prefetcht1 on x86
+      if (++line == lines_per_row) line = 0, ++row;
+    }
+  }
+};
+
+// One unit of decode work: a request's keys [start, end) for KV heads [h0, h1).
+struct DecodeItem {
+  const int64_t* table;  // the request's block-table row
+  int64_t start, end, h0, h1;
+};
+
 // Floats per score row in a decode kernel: a multiple of 32, so a row's bf16 probabilities
 // (written over its first half) always have an even, zero-padded length.
 inline int64_t decode_row_stride(int64_t len) { return (len + 31) / 32 * 32; }

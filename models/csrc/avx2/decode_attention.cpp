@@ -147,9 +147,14 @@ struct Scratch {
   std::vector<float> qf, scores, acc, denom;
 };
 
-// KV heads [h0, h1) of one request over keys [start, end); q and out point at the request.
-void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-            int64_t start, int64_t end, int64_t h0, int64_t h1, Scratch& w, uint16_t* out) {
+// One item: KV heads [h0, h1) of one request over keys [start, end); q and out point at the
+// request. The cache rows are fetched into L2 a group ahead of their use, spread between the
+// score and value calls (RowPrefetcher): this group's values and the next group's keys in pass 1
+// (unless the previous item fetched this one's keys), the next item's keys in pass 2.
+void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const DecodeItem& it,
+            const DecodeItem* next, bool keys_prefetched, Scratch& w, uint16_t* out) {
+  const int64_t* table = it.table;
+  const int64_t start = it.start, end = it.end, h0 = it.h0, h1 = it.h1;
   const int64_t len = end - start, g_n = a.group, d = a.head_dim;
   const int64_t rows = (h1 - h0) * g_n, row_stride = decode_row_stride(len);
   w.qf.resize(rows * d), w.acc.assign(rows * d, 0.f), w.denom.resize(rows);
@@ -163,11 +168,18 @@ void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const ui
     }
   }
   const uint16_t* tokens[16];
+  RowPrefetcher values_pf, keys_pf;
+  const int score_calls = (int)((h1 - h0) * ((g_n + 1) / 2));
   for (int64_t t0 = start; t0 < end; t0 += 16) {
     const int n = (int)std::min<int64_t>(16, end - t0);
     rows16(a, kc, table, t0, n, tokens);
+    values_pf.start_tokens(a, vc, table, t0, end, h0, h1);
+    if (!keys_prefetched) keys_pf.start_tokens(a, kc, table, t0 + 16, end, h0, h1);
+    const int per_call = (values_pf.lines_left() + keys_pf.lines_left() + score_calls - 1) / score_calls;
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g = 0; g < g_n;) {
+        values_pf.issue(per_call);
+        keys_pf.issue(per_call);
         const int gb = g + 1 < g_n ? 2 : 1;
         const int64_t r = (h - h0) * g_n + g;
         float* s = &w.scores[r * row_stride + (t0 - start)];
@@ -185,7 +197,11 @@ void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const ui
   for (int64_t t0 = start; t0 < end; t0 += 16) {
     const int n = (int)std::min<int64_t>(16, end - t0);
     rows16(a, vc, table, t0, n, tokens);
-    for (int64_t h = h0; h < h1; ++h)
+    keys_pf.n_rows = 0;
+    if (next) keys_pf.start_tokens(a, kc, next->table, next->start + (t0 - start), next->end, next->h0, next->h1);
+    const int per_call = (keys_pf.lines_left() + (int)(h1 - h0) - 1) / (int)(h1 - h0);
+    for (int64_t h = h0; h < h1; ++h) {
+      keys_pf.issue(per_call);
       for (int64_t g = 0; g < g_n;) {
         const int gb = row_block(g_n - g, 4);
         const int64_t r = (h - h0) * g_n + g;
@@ -197,6 +213,7 @@ void attend(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc, const ui
         else accumulate<1>(acc, d, p, row_stride, tokens, h * d, n);
         g += gb;
       }
+    }
   }
   for (int64_t r = 0; r < rows; ++r) store_row(&w.acc[r * d], d, 1.f / w.denom[r], out + (h0 * g_n + r) * d);
 }
@@ -209,13 +226,23 @@ void decode_attention(const DecodeArgs& a, const uint16_t* q, const uint16_t* kc
   // each cached token's heads together); otherwise one per (request, KV head).
   const int64_t heads_per_item = a.num_kv_heads > 1 && num_reqs < 2 * num_threads() ? 1 : a.num_kv_heads;
   const int64_t items_per_req = a.num_kv_heads / heads_per_item;
-  parallel_items(num_reqs * items_per_req, [&](ItemQueue& queue) {
+  const int64_t items = num_reqs * items_per_req;
+  auto item_at = [&](int64_t item) {
+    const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, seq_len = seq_lens[b];
+    const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+    return DecodeItem{table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item};
+  };
+  parallel_items(items, [&](ItemQueue& queue) {
     Scratch w;
+    int64_t last = -2;
     for (int64_t item; queue.next(&item);) {
-      const int64_t b = item / items_per_req, h0 = item % items_per_req * heads_per_item, seq_len = seq_lens[b];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
-      attend(a, q + b * a.q_stride_req, kc, vc, table + b * a.table_stride, start, seq_len, h0, h0 + heads_per_item,
-             w, out + b * a.num_kv_heads * a.group * a.head_dim);
+      const int64_t b = item / items_per_req;
+      // a thread mostly runs its share in order: fetch the next item's keys during pass 2 (a
+      // stolen item's only waste some prefetches)
+      const DecodeItem it = item_at(item), next = item + 1 < items ? item_at(item + 1) : DecodeItem{};
+      attend(a, q + b * a.q_stride_req, kc, vc, it, item + 1 < items ? &next : nullptr, item == last + 1, w,
+             out + b * a.num_kv_heads * a.group * a.head_dim);
+      last = item;
     }
   });
 }

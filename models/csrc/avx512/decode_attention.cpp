@@ -45,35 +45,6 @@ KV_AVX512_BF16 inline __m512 score_keys(const uint16_t* q, const uint16_t* const
   return sum_each16(part);
 }
 
-// Software prefetch of up to 16 token rows into L2, issued a few lines at a time between
-// the compute that precedes their use. Cached blocks are scattered 2-6 KB runs that the
-// hardware prefetchers barely follow: without this the cold kernel waited for DRAM and
-// then computed (time = read + compute); spread like this the reads overlap the compute
-// (benchmarks/bench_kernels.py measures it). Bursts of prefetches did not help:
-// they fill the miss buffers and stall the core just as the loads would.
-struct RowPrefetcher {
-  const char* rows[16];
-  int n_rows = 0, lines_per_row = 0, row = 0, line = 0;
-
-  void start(const uint16_t* const* token_rows, int n, int64_t head_off, int64_t row_bytes) {
-    for (int i = 0; i < n; ++i) rows[i] = reinterpret_cast<const char*>(token_rows[i] + head_off);
-    n_rows = n, lines_per_row = (int)((row_bytes + 63) / 64), row = 0, line = 0;
-  }
-  int lines_left() const { return (n_rows - row) * lines_per_row - line; }
-  void issue(int count) {
-    for (; count > 0 && row < n_rows; --count) {
-      _mm_prefetch(rows[row] + 64 * line, _MM_HINT_T1);
-      if (++line == lines_per_row) line = 0, ++row;
-    }
-  }
-};
-
-// One unit of decode work: a request's keys [start, end) for KV heads [h0, h1).
-struct DecodeItem {
-  const int64_t* table;  // the request's block-table row
-  int64_t start, end, h0, h1;
-};
-
 // acc[g] += sum over the group's tokens of p[g][t] * v[t], for the g_n query rows sharing
 // one KV head, in one chunk of CW x 16 dims (rows acc_stride apart). Probabilities come as
 // bf16 token pairs (p_pairs[g * p_stride + j] holds tokens 2j, 2j+1), values are
