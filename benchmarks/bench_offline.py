@@ -10,6 +10,9 @@ reports the decode time per output token (the run minus a 1-token run, over the
 remaining tokens): compare it with the server's TPOT at concurrency 1. Medians of
 --repeats runs; every run is kept in the JSON (--out).
 
+The KV pool is faulted in before the runs, as `kvserve serve`'s engine core does in the
+background once it is ready.
+
 `--arrival-gap-ms G` adds request i G*i ms after the first (the engine steps meanwhile), as
 a server's requests trickle in: the first steps then run partial batches, as they do when
 served. The default, 0, hands every prompt to the engine at once.
@@ -128,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     vocab_size = llm.engine.info.vocab_size
     _run(llm, [[5] * args.input_len], 4)  # warm-up
+    # the KV pool's pages faulted in, as a served engine core does (in the background) once it is
+    # ready: the first runs do not pay the OS zeroing them
+    layers = getattr(llm.engine.runner, "attn_layers", None)
+    if layers:
+        from kvserve.engine.worker.kv_pool import prefault
+
+        prefault(layers)
     runs: dict[int, list[dict]] = {b: [] for b in batch_sizes}
     for repeat in range(args.repeats):
         for b in batch_sizes:
