@@ -178,3 +178,21 @@ def per_expert_tensors(tensors, family: str):
         else:
             for e, d in enumerate(tensor):
                 yield f"{prefix}.experts.{e}.{down}.weight", d.clone()
+
+
+# The benchmarks' smoke tests: benchmarks/smollm_checkpoint.py's model at a size that runs in a second
+TINY_SMOLLM = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+
+
+def tiny_smollm(path: str | Path) -> Path:
+    """The SmolLM-shaped random checkpoint of the benchmarks, tiny, written to `path`."""
+    from benchmarks.smollm_checkpoint import build_smollm_like
+
+    return build_smollm_like(path, **TINY_SMOLLM)

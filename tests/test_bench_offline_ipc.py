@@ -7,20 +7,11 @@ import json
 import pytest
 
 from benchmarks import bench_ipc, bench_offline
-from benchmarks.smollm_checkpoint import build_smollm_like
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
+from checkpoints import tiny_smollm
 
 
 def test_bench_offline_reports_each_batch_size(tmp_path, capsys):
-    model_dir = build_smollm_like(tmp_path / "model", **TINY)
+    model_dir = tiny_smollm(tmp_path / "model")
     out = tmp_path / "offline.json"
     argv = [
         "--model",

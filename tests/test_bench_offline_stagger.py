@@ -8,21 +8,12 @@ import json
 import pytest
 
 from benchmarks import bench_offline, step_trace
-from benchmarks.smollm_checkpoint import build_smollm_like
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
+from checkpoints import tiny_smollm
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    return str(build_smollm_like(tmp_path_factory.mktemp("stagger") / "model", **TINY))
+    return str(tiny_smollm(tmp_path_factory.mktemp("stagger") / "model"))
 
 
 def test_bench_offline_staggered_arrivals(tiny_model, tmp_path, capsys):
